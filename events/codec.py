@@ -1,0 +1,83 @@
+"""orjson codec for events, with schema upcasting in one place (STYLE_ANCHORS §6.1).
+
+Wire format: ``{"type", "version", "event_id", "producer", "ts", "trace", "payload"}``.
+Decoding validates with pydantic; anything that fails raises :class:`InvalidEvent` with the
+reason, which consumers turn into a dead letter instead of crashing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+
+from events.models import EVENT_TYPES, HEADER_FIELDS, Event
+
+
+class InvalidEvent(ValueError):
+    """Raised when bytes are not a valid event of a known type and version; ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+# (type, from_version) -> function mapping the payload of that version to version + 1.
+UPCASTERS: dict[tuple[str, int], Callable[[dict[str, Any]], dict[str, Any]]] = {}
+
+
+def to_dict(event: Event) -> dict[str, Any]:
+    """The envelope of ``event`` as plain JSON data."""
+    header = event.model_dump(mode="json", include=set(HEADER_FIELDS))
+    return {"type": event.type, "version": event.version, **header, "payload": event.payload()}
+
+
+def encode(event: Event) -> bytes:
+    """Serialize ``event`` to UTF-8 JSON bytes (keys sorted, so equal events give equal bytes)."""
+    return orjson.dumps(to_dict(event), option=orjson.OPT_SORT_KEYS)
+
+
+def from_dict(obj: Any) -> Event:
+    """Validate an envelope dict into its event class, upcasting old versions first.
+
+    Raises:
+        InvalidEvent: unknown type, unsupported version, or fields that fail validation.
+    """
+    if not isinstance(obj, dict):
+        raise InvalidEvent(f"event must be a JSON object, got {type(obj).__name__}")
+    etype = obj.get("type")
+    cls = EVENT_TYPES.get(etype) if isinstance(etype, str) else None
+    if cls is None:
+        raise InvalidEvent(f"unknown event type {etype!r}")
+    version = obj.get("version")
+    if not isinstance(version, int) or version < 1 or version > cls.version:
+        raise InvalidEvent(f"{etype}: unsupported schema version {version!r} (known: 1..{cls.version})")
+    payload = obj.get("payload")
+    if not isinstance(payload, dict):
+        raise InvalidEvent(f"{etype}: `payload` must be an object, got {payload!r}")
+    while version < cls.version:
+        upcast = UPCASTERS.get((etype, version))
+        if upcast is None:
+            raise InvalidEvent(f"{etype}: no upcaster from version {version}")
+        payload = upcast(payload)
+        version += 1
+    header = {k: obj[k] for k in HEADER_FIELDS if k in obj}
+    try:
+        return cls.model_validate({**payload, **header})
+    except ValidationError as exc:
+        errors = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '<event>'}: {e['msg']} (value {e.get('input')!r})"
+            for e in exc.errors()
+        )
+        raise InvalidEvent(f"{etype}: {errors}") from None
+
+
+def decode(raw: bytes) -> Event:
+    """Parse and validate bytes written by :func:`encode`. Raises :class:`InvalidEvent`."""
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidEvent(f"not JSON: {exc}") from None
+    return from_dict(obj)

@@ -1,0 +1,287 @@
+"""The event contract: every fact stagetree records is one of these immutable events.
+
+An event is a frozen pydantic model. On the wire (orjson, see :mod:`events.codec`) it is an
+envelope ``{"type", "version", "event_id", "producer", "ts", "trace", "payload"}`` where the
+payload holds the event's own fields. ``ts`` is wall-clock seconds since the epoch, captured by
+the producer at the edge; reducers and the scheduler never read it for decisions (DESIGN.md,
+"The event log"). Type names and field names are append-only: a new field gets a default, a
+changed meaning gets a new schema version and an upcaster in the codec.
+
+Units: steps are optimizer updates counted from 0 (a checkpoint "at step s" holds the state after
+s updates); seconds are wall-clock seconds measured by the producer; sizes are bytes.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator
+
+from events.hp import HP
+
+HEADER_FIELDS = ("event_id", "producer", "ts", "trace")
+
+Steps = NonNegativeInt
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+def new_event_id() -> str:
+    """A random 128-bit event id as 32 hex characters."""
+    return uuid.uuid4().hex
+
+
+class Event(BaseModel):
+    """Base of every event: the header fields shared by all types.
+
+    Attributes:
+        event_id: unique id; consumers apply an event id once (redelivery is a no-op).
+        producer: who wrote it (``sdk:<study>``, ``coordinator``, ``worker:<id>``, ...).
+        ts: wall-clock seconds since the epoch at the producer; informational only.
+        trace: W3C trace context (``traceparent``/``tracestate``) or None.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    type: ClassVar[str] = ""
+    version: ClassVar[int] = 1
+
+    event_id: str = Field(default_factory=new_event_id, min_length=1)
+    producer: str = ""
+    ts: float = 0.0
+    trace: dict[str, str] | None = None
+
+    def payload(self) -> dict[str, Any]:
+        """The event's own fields as JSON-ready data (everything but the header)."""
+        return self.model_dump(mode="json", exclude=set(HEADER_FIELDS))
+
+
+# --------------------------------------------------------------------------- study / trials
+
+
+class StudyStarted(Event):
+    """A study run began (or resumed) against a plan.
+
+    ``mode`` is "merged" (trials share a search plan) or "trial" (every trial gets its own plan:
+    the papers' trial-based baseline). ``seed`` seeds model initialisation and data order.
+    """
+
+    type: ClassVar[str] = "StudyStarted"
+    study_id: str = Field(min_length=1)
+    name: str
+    plan_key: str = Field(min_length=1)
+    mode: Literal["merged", "trial"]
+    workers: NonNegativeInt
+    seed: int
+    trainer: str
+    metric: str | None = None
+    metric_mode: Literal["max", "min"] | None = None
+
+
+class StudyFinished(Event):
+    """A study run ended with its tuner's answer. ``end_to_end_seconds`` covers every incarnation."""
+
+    type: ClassVar[str] = "StudyFinished"
+    study_id: str
+    best_trial: str | None
+    best_metric: float | None
+    end_to_end_seconds: float = Field(ge=0)
+
+
+class TrialSubmitted(Event):
+    """A request: train ``hp`` up to ``steps`` and report the metrics there (Hippo §4.1).
+
+    Submitting the same ``trial_id`` again with more steps extends the trial (a promotion);
+    with the same steps it is a no-op. ``plan_key`` names the search plan the trial joins.
+    """
+
+    type: ClassVar[str] = "TrialSubmitted"
+    study_id: str = Field(min_length=1)
+    trial_id: str = Field(min_length=1)
+    plan_key: str = Field(min_length=1)
+    seed: int
+    hp: dict[str, HP]
+    steps: PositiveInt
+
+    @field_validator("hp")
+    @classmethod
+    def _non_empty(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if not v:
+            raise ValueError("`hp` is {}, but must name at least one hyper-parameter")
+        return v
+
+
+class TrialCancelled(Event):
+    """The trial no longer needs results; requests nobody else waits on are dropped."""
+
+    type: ClassVar[str] = "TrialCancelled"
+    study_id: str
+    trial_id: str = Field(min_length=1)
+
+
+# --------------------------------------------------------------------------- scheduling
+
+
+class CheckpointSource(BaseModel):
+    """Where a dispatched path starts: the checkpoint of ``node_id`` at ``step``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    node_id: str
+    step: Steps
+    ref: Sha256
+
+
+class StageSpec(BaseModel):
+    """One stage of a dispatched path: train ``node_id``'s config from ``from_step`` to ``to_step``.
+
+    ``hp`` is the node's hyper-parameter configuration (functions of the global step);
+    ``evaluate`` asks for metrics at ``to_step``. A stage with ``from_step == to_step`` only
+    evaluates. A checkpoint is saved at every stage end (the papers' central checkpoints).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    node_id: str
+    hp: dict[str, HP]
+    from_step: Steps
+    to_step: Steps
+    evaluate: bool
+
+    @field_validator("to_step")
+    @classmethod
+    def _ordered(cls, v: int, info: Any) -> int:
+        start = info.data.get("from_step")
+        if start is not None and v < start:
+            raise ValueError(f"`to_step` is {v}, but must be >= from_step {start}")
+        return v
+
+
+class StageDispatched(Event):
+    """A scheduling decision: run ``stages`` (one critical path, in order) on ``worker_id``.
+
+    ``decided_at`` is the offset of the last ``stagetree.plan`` event the scheduler had folded,
+    so a replay recomputes the decision from exactly that prefix. ``source`` is None when the
+    path starts from a fresh initialisation at step 0.
+    """
+
+    type: ClassVar[str] = "StageDispatched"
+    dispatch_id: str = Field(min_length=1)
+    worker_id: str = Field(min_length=1)
+    plan_key: str
+    seed: int
+    decided_at: int = Field(ge=-1)
+    source: CheckpointSource | None
+    stages: list[StageSpec] = Field(min_length=1)
+
+
+class StageStarted(Event):
+    """A worker began training a stage of a dispatch."""
+
+    type: ClassVar[str] = "StageStarted"
+    dispatch_id: str
+    worker_id: str
+    node_id: str
+    from_step: Steps
+    to_step: Steps
+
+
+class CheckpointSaved(Event):
+    """A checkpoint object was written and verified (sha256) before this event was published."""
+
+    type: ClassVar[str] = "CheckpointSaved"
+    dispatch_id: str
+    plan_key: str
+    node_id: str
+    step: Steps
+    ref: Sha256
+    size: PositiveInt
+
+
+class MetricsReported(Event):
+    """Evaluation metrics of ``node_id`` at ``step`` (first report wins)."""
+
+    type: ClassVar[str] = "MetricsReported"
+    dispatch_id: str
+    plan_key: str
+    node_id: str
+    step: Steps
+    metrics: dict[str, float]
+
+
+class StageFinished(Event):
+    """A stage completed. ``seconds`` is the worker time it held (load, train, evaluate, save);
+    ``train_seconds`` the part spent in optimizer steps (the per-step profile)."""
+
+    type: ClassVar[str] = "StageFinished"
+    dispatch_id: str
+    worker_id: str
+    plan_key: str
+    node_id: str
+    from_step: Steps
+    to_step: Steps
+    seconds: float = Field(ge=0)
+    train_seconds: float = Field(ge=0)
+
+
+class StageFailed(Event):
+    """A stage could not run. ``kind``: "error" (the trainer raised; waiting trials fail),
+    "checkpoint_corrupt" / "checkpoint_missing" (the source checkpoint ``ref`` is dropped from the
+    plan and recomputed)."""
+
+    type: ClassVar[str] = "StageFailed"
+    dispatch_id: str
+    worker_id: str
+    plan_key: str
+    node_id: str
+    from_step: Steps
+    to_step: Steps
+    kind: Literal["error", "checkpoint_corrupt", "checkpoint_missing"]
+    error: str
+    ref: Sha256 | None = None
+
+
+class WorkerJoined(Event):
+    """A worker (one per device) is ready for dispatches."""
+
+    type: ClassVar[str] = "WorkerJoined"
+    worker_id: str = Field(min_length=1)
+    device: str
+
+
+class WorkerLost(Event):
+    """A worker is gone (process died, heartbeat timed out, coordinator restarted); its
+    unfinished stages are dispatched again from the last checkpoints."""
+
+    type: ClassVar[str] = "WorkerLost"
+    worker_id: str = Field(min_length=1)
+    reason: str
+
+
+class DeadLettered(Event):
+    """An event that could not be decoded or applied, kept with the reason (stream
+    ``stagetree.deadletter``). ``raw`` is the original bytes decoded as UTF-8 (with replacement)."""
+
+    type: ClassVar[str] = "DeadLettered"
+    stream: str
+    offset: int
+    reason: str
+    raw: str
+
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.type: cls
+    for cls in (
+        StudyStarted,
+        StudyFinished,
+        TrialSubmitted,
+        TrialCancelled,
+        StageDispatched,
+        StageStarted,
+        CheckpointSaved,
+        MetricsReported,
+        StageFinished,
+        StageFailed,
+        WorkerJoined,
+        WorkerLost,
+        DeadLettered,
+    )
+}

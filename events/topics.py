@@ -1,0 +1,12 @@
+"""Stream (Kafka topic) names. One totally ordered plan stream, keyed by plan key (DESIGN.md)."""
+
+PLAN = "stagetree.plan"
+"""Every event that changes a search plan or study: keyed by plan key (worker events by worker id)."""
+
+DISPATCH = "stagetree.dispatch"
+"""StageDispatched copies for workers, keyed by worker id."""
+
+DEADLETTER = "stagetree.deadletter"
+"""DeadLettered events: what could not be decoded or applied, with the reason."""
+
+ALL = (PLAN, DISPATCH, DEADLETTER)

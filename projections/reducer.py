@@ -1,0 +1,335 @@
+"""The reducer: ``apply(state, event, offset)`` folds one plan-stream event into the projection.
+
+Pure and deterministic: no clock, randomness or I/O; the result depends only on the state and
+the event. An event that cannot be applied (unknown node, busy worker, conflicting trial) is
+rejected *before* anything changes, with :class:`Rejected`; the projector records the offset and
+reason and dead-letters it, so a bad event never corrupts what was already recorded.
+Redelivered events (same ``event_id``) are applied once.
+
+Returns the set of touched keys so the store persists only what changed.
+"""
+
+from __future__ import annotations
+
+from events.hp import canonical_json
+from events.models import (
+    CheckpointSaved,
+    DeadLettered,
+    Event,
+    MetricsReported,
+    StageDispatched,
+    StageFailed,
+    StageFinished,
+    StageStarted,
+    StudyFinished,
+    StudyStarted,
+    TrialCancelled,
+    TrialSubmitted,
+    WorkerJoined,
+    WorkerLost,
+)
+from projections import search_plan
+from projections.state import Checkpoint, Dispatch, Node, Plan, State, Trial, Worker
+
+Key = tuple[str, ...]
+
+
+class Rejected(ValueError):
+    """The event is well-formed but cannot be applied to this state; nothing was changed."""
+
+
+def node_key(node: Node) -> Key:
+    return ("node", node.plan_key, node.node_id)
+
+
+def apply(state: State, event: Event, offset: int) -> set[Key]:
+    """Fold ``event`` (at stream ``offset``) into ``state``; returns the touched keys.
+
+    Raises:
+        Rejected: the event cannot be applied; ``state`` is unchanged except that the offset
+            is consumed (the caller records the rejection).
+    """
+    touched: set[Key] = {("meta",)}
+    if event.event_id in state.seen:
+        state.offset = offset
+        return touched
+    handler = _HANDLERS.get(type(event))
+    if handler is None:
+        raise Rejected(f"{event.type} events do not belong on the plan stream")
+    try:
+        handler(state, event, touched)
+    finally:
+        state.offset = offset
+    state.seen.add(event.event_id)
+    touched.add(("seen", event.event_id))
+    return touched
+
+
+# ----------------------------------------------------------------------------- studies
+
+
+def _study_started(state: State, ev: StudyStarted, touched: set[Key]) -> None:
+    prev = state.studies.get(ev.study_id)
+    if prev is not None and prev["plan_key"] != ev.plan_key:
+        raise Rejected(f"study {ev.study_id!r} already uses plan {prev['plan_key']!r}, not {ev.plan_key!r}")
+    runs = (prev or {}).get("runs", 0) + 1
+    state.studies[ev.study_id] = {
+        **ev.payload(),
+        "runs": runs,
+        "finished": False,
+        "best_trial": None,
+        "best_metric": None,
+        "end_to_end_seconds": None,
+    }
+    touched.add(("study", ev.study_id))
+
+
+def _study_finished(state: State, ev: StudyFinished, touched: set[Key]) -> None:
+    study = state.studies.get(ev.study_id)
+    if study is None:
+        raise Rejected(f"unknown study {ev.study_id!r}")
+    study.update(
+        finished=True,
+        best_trial=ev.best_trial,
+        best_metric=ev.best_metric,
+        end_to_end_seconds=ev.end_to_end_seconds,
+    )
+    touched.add(("study", ev.study_id))
+
+
+# ----------------------------------------------------------------------------- trials
+
+
+def _trial_submitted(state: State, ev: TrialSubmitted, touched: set[Key]) -> None:
+    trial = state.trials.get(ev.trial_id)
+    if trial is not None:
+        if trial.plan_key != ev.plan_key or canonical_json(trial.hp) != canonical_json(ev.hp):
+            raise Rejected(f"trial {ev.trial_id!r} was submitted before with another plan or hp")
+        if trial.status == "cancelled":
+            raise Rejected(f"trial {ev.trial_id!r} was cancelled")
+    plan = state.plans.get(ev.plan_key)
+    if plan is not None and plan.seed != ev.seed:
+        raise Rejected(f"plan {ev.plan_key!r} has seed {plan.seed}, not {ev.seed}")
+    scratch = plan if plan is not None else Plan(ev.plan_key, ev.seed)
+    try:
+        placement = search_plan.place(scratch, ev.hp, ev.steps)
+    except ValueError as exc:
+        raise Rejected(str(exc)) from None
+    # Validated: from here on nothing raises.
+    if plan is None:
+        plan = state.plans[ev.plan_key] = scratch
+    touched.add(("plan", plan.plan_key))
+    if placement.node_id is None:
+        node = search_plan.add_node(plan, placement, ev.hp)
+        if node.parent_id is not None:
+            touched.add(("node", plan.plan_key, node.parent_id))
+    else:
+        node = plan.nodes[placement.node_id]
+    touched.add(node_key(node))
+    if trial is None:
+        trial = state.trials[ev.trial_id] = Trial(ev.trial_id, ev.study_id, ev.plan_key, dict(ev.hp), ev.steps)
+    touched.add(("trial", trial.trial_id))
+    trial.steps = max(trial.steps, ev.steps)
+    trial.requests[ev.steps] = node.node_id
+    if ev.steps in node.metrics:
+        _deliver(state, trial, ev.steps, node.metrics[ev.steps])
+    else:
+        waiters = node.requests.setdefault(ev.steps, [])
+        if trial.trial_id not in waiters:
+            waiters.append(trial.trial_id)
+            waiters.sort()
+        if trial.status == "done":
+            trial.status = "pending"
+
+
+def _deliver(state: State, trial: Trial, steps: int, metrics: dict[str, float]) -> None:
+    trial.results[steps] = dict(metrics)
+    if steps == trial.steps and trial.status == "pending":
+        trial.status = "done"
+
+
+def _trial_cancelled(state: State, ev: TrialCancelled, touched: set[Key]) -> None:
+    trial = state.trials.get(ev.trial_id)
+    if trial is None:
+        raise Rejected(f"unknown trial {ev.trial_id!r}")
+    plan = state.plans[trial.plan_key]
+    for steps, node_id in trial.requests.items():
+        node = plan.nodes[node_id]
+        waiters = node.requests.get(steps)
+        if waiters and trial.trial_id in waiters:
+            waiters.remove(trial.trial_id)
+            if not waiters:
+                del node.requests[steps]
+            touched.add(node_key(node))
+    if trial.status == "pending":
+        trial.status = "cancelled"
+    touched.add(("trial", trial.trial_id))
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def _dispatched(state: State, ev: StageDispatched, touched: set[Key]) -> None:
+    if ev.dispatch_id in state.dispatches:
+        raise Rejected(f"dispatch {ev.dispatch_id!r} exists already")
+    worker = state.workers.get(ev.worker_id)
+    if worker is None or not worker.alive:
+        raise Rejected(f"worker {ev.worker_id!r} is not alive")
+    if worker.dispatch_id is not None:
+        raise Rejected(f"worker {ev.worker_id!r} is busy with {worker.dispatch_id!r}")
+    plan = state.plans.get(ev.plan_key)
+    if plan is None:
+        raise Rejected(f"unknown plan {ev.plan_key!r}")
+    for spec in ev.stages:
+        if spec.node_id not in plan.nodes:
+            raise Rejected(f"unknown node {spec.node_id!r} in plan {ev.plan_key!r}")
+    stages = [(s.node_id, s.from_step, s.to_step) for s in ev.stages]
+    for node_id, a, b in stages:
+        node = plan.nodes[node_id]
+        node.running.append((ev.dispatch_id, a, b))
+        touched.add(node_key(node))
+    state.dispatches[ev.dispatch_id] = Dispatch(ev.dispatch_id, ev.worker_id, ev.plan_key, stages)
+    worker.dispatch_id = ev.dispatch_id
+    state.stats.dispatches += 1
+    touched |= {("dispatch", ev.dispatch_id), ("worker", worker.worker_id), ("stats",)}
+
+
+def _stage_started(state: State, ev: StageStarted, touched: set[Key]) -> None:
+    if ev.dispatch_id not in state.dispatches:
+        raise Rejected(f"unknown dispatch {ev.dispatch_id!r}")
+
+
+def _checkpoint_saved(state: State, ev: CheckpointSaved, touched: set[Key]) -> None:
+    node = state.node(ev.plan_key, ev.node_id)
+    if node is None:
+        raise Rejected(f"unknown node {ev.node_id!r} in plan {ev.plan_key!r}")
+    if ev.step < node.start_step:
+        raise Rejected(f"checkpoint step {ev.step} is before node start {node.start_step}")
+    node.ckpt[ev.step] = Checkpoint(ev.ref, ev.size)
+    touched.add(node_key(node))
+
+
+def _metrics_reported(state: State, ev: MetricsReported, touched: set[Key]) -> None:
+    node = state.node(ev.plan_key, ev.node_id)
+    if node is None:
+        raise Rejected(f"unknown node {ev.node_id!r} in plan {ev.plan_key!r}")
+    if ev.step in node.metrics:
+        return  # first report wins
+    node.metrics[ev.step] = dict(ev.metrics)
+    for trial_id in node.requests.pop(ev.step, []):
+        trial = state.trials[trial_id]
+        _deliver(state, trial, ev.step, ev.metrics)
+        touched.add(("trial", trial_id))
+    touched.add(node_key(node))
+
+
+def _release(state: State, dispatch: Dispatch, touched: set[Key], status: str) -> None:
+    """End ``dispatch``: drop its remaining running ranges and free its worker."""
+    plan = state.plans[dispatch.plan_key]
+    for node_id, _, _ in dispatch.stages:
+        node = plan.nodes[node_id]
+        kept = [r for r in node.running if r[0] != dispatch.dispatch_id]
+        if kept != node.running:
+            node.running = kept
+            touched.add(node_key(node))
+    dispatch.status = status
+    worker = state.workers.get(dispatch.worker_id)
+    if worker is not None and worker.dispatch_id == dispatch.dispatch_id:
+        worker.dispatch_id = None
+        touched.add(("worker", worker.worker_id))
+    touched.add(("dispatch", dispatch.dispatch_id))
+
+
+def _stage_finished(state: State, ev: StageFinished, touched: set[Key]) -> None:
+    dispatch = state.dispatches.get(ev.dispatch_id)
+    if dispatch is None:
+        raise Rejected(f"unknown dispatch {ev.dispatch_id!r}")
+    stage = (ev.node_id, ev.from_step, ev.to_step)
+    if stage not in dispatch.stages:
+        raise Rejected(f"stage {stage} is not part of dispatch {ev.dispatch_id!r}")
+    node = state.plans[dispatch.plan_key].nodes[ev.node_id]
+    steps = ev.to_step - ev.from_step
+    state.stats.executed_steps += steps
+    state.stats.worker_seconds += ev.seconds
+    state.stats.stages_finished += 1
+    touched.add(("stats",))
+    if steps:
+        node.profile_steps += steps
+        node.profile_seconds += ev.train_seconds
+    entry = (ev.dispatch_id, ev.from_step, ev.to_step)
+    if entry in node.running:
+        node.running.remove(entry)
+    touched.add(node_key(node))
+    if dispatch.status == "running":
+        dispatch.finished += 1
+        touched.add(("dispatch", dispatch.dispatch_id))
+        if dispatch.finished == len(dispatch.stages):
+            _release(state, dispatch, touched, "done")
+
+
+def _stage_failed(state: State, ev: StageFailed, touched: set[Key]) -> None:
+    dispatch = state.dispatches.get(ev.dispatch_id)
+    if dispatch is None:
+        raise Rejected(f"unknown dispatch {ev.dispatch_id!r}")
+    stage = (ev.node_id, ev.from_step, ev.to_step)
+    if stage not in dispatch.stages:
+        raise Rejected(f"stage {stage} is not part of dispatch {ev.dispatch_id!r}")
+    plan = state.plans[dispatch.plan_key]
+    if ev.kind == "error":
+        # The trainer raised: the trials waiting at the ends of the unfinished stages fail.
+        for node_id, _, to_step in dispatch.stages[dispatch.stages.index(stage):]:
+            node = plan.nodes[node_id]
+            for trial_id in node.requests.pop(to_step, []):
+                trial = state.trials[trial_id]
+                trial.status, trial.error = "failed", ev.error
+                touched.add(("trial", trial_id))
+            touched.add(node_key(node))
+    else:
+        # The source checkpoint is corrupt or gone: forget it, so the scheduler recomputes it.
+        for node in plan.nodes.values():
+            bad = [s for s, c in node.ckpt.items() if c.ref == ev.ref]
+            for s in bad:
+                del node.ckpt[s]
+            if bad:
+                touched.add(node_key(node))
+    if dispatch.status == "running":
+        _release(state, dispatch, touched, "failed")
+
+
+def _worker_joined(state: State, ev: WorkerJoined, touched: set[Key]) -> None:
+    old = state.workers.get(ev.worker_id)
+    if old is not None and old.dispatch_id is not None:
+        _release(state, state.dispatches[old.dispatch_id], touched, "lost")
+    state.workers[ev.worker_id] = Worker(ev.worker_id, ev.device)
+    touched.add(("worker", ev.worker_id))
+
+
+def _worker_lost(state: State, ev: WorkerLost, touched: set[Key]) -> None:
+    worker = state.workers.get(ev.worker_id)
+    if worker is None:
+        raise Rejected(f"unknown worker {ev.worker_id!r}")
+    if worker.dispatch_id is not None:
+        _release(state, state.dispatches[worker.dispatch_id], touched, "lost")
+    worker.alive = False
+    touched.add(("worker", worker.worker_id))
+
+
+def _dead_lettered(state: State, ev: DeadLettered, touched: set[Key]) -> None:
+    raise Rejected("DeadLettered events belong on the dead-letter stream")
+
+
+_HANDLERS = {
+    StudyStarted: _study_started,
+    StudyFinished: _study_finished,
+    TrialSubmitted: _trial_submitted,
+    TrialCancelled: _trial_cancelled,
+    StageDispatched: _dispatched,
+    StageStarted: _stage_started,
+    CheckpointSaved: _checkpoint_saved,
+    MetricsReported: _metrics_reported,
+    StageFinished: _stage_finished,
+    StageFailed: _stage_failed,
+    WorkerJoined: _worker_joined,
+    WorkerLost: _worker_lost,
+    DeadLettered: _dead_lettered,
+}

@@ -1,0 +1,117 @@
+"""Placing a trial in a search plan (Hippo §3.2 / thesis §4.2.1), and counting unique steps.
+
+A trial is a hyper-parameter configuration (functions of the global step) and a target step.
+Walking from a root, the trial follows a node as long as every hyper-parameter has the same
+value as under that node; at the first step where a value differs it follows the child that
+starts at that step with matching values, or a new child is appended there. Nodes are never
+split: a shorter shared stage (A3 in the papers' Fig. 5) is only a new request step or a new
+child edge. Two trials therefore share exactly the steps before their first divergence, the
+sharing rule of DESIGN.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from events.hp import HPConfig, first_divergence
+from projections.state import Node, Plan
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a trial ends: an existing ``node_id``, or a new node under ``parent_id`` (None: a
+    new root) starting at ``start_step``."""
+
+    node_id: str | None
+    parent_id: str | None = None
+    start_step: int = 0
+
+
+def place(plan: Plan, hp: HPConfig, steps: int) -> Placement:
+    """Find the node serving ``(hp, steps)`` in ``plan``, or where a new one must be appended.
+
+    Pure: ``plan`` is not modified. Cost: one divergence scan per node on the trial's path,
+    plus one per sibling tried at each branch point.
+
+    Raises:
+        ValueError: ``hp`` names different hyper-parameters than the plan's nodes.
+    """
+    current: Node | None = None
+    for root_id in plan.roots:
+        root = plan.nodes[root_id]
+        if first_divergence(root.hp, hp, 0, steps) > 0:
+            current = root
+            break
+    if current is None:
+        return Placement(None, None, 0)
+    while True:
+        d = first_divergence(current.hp, hp, current.start_step, steps)
+        if d >= steps:
+            return Placement(current.node_id)
+        follow = None
+        for child_id in current.children:
+            child = plan.nodes[child_id]
+            if child.start_step == d and first_divergence(child.hp, hp, d, steps) > d:
+                follow = child
+                break
+        if follow is None:
+            return Placement(None, current.node_id, d)
+        current = follow
+
+
+def add_node(plan: Plan, placement: Placement, hp: HPConfig) -> Node:
+    """Append the node described by ``placement`` (with ``node_id`` None) and return it."""
+    parent = plan.nodes[placement.parent_id] if placement.parent_id is not None else None
+    node = Node(
+        node_id=plan.new_node_id(),
+        plan_key=plan.plan_key,
+        parent_id=placement.parent_id,
+        start_step=placement.start_step,
+        depth=parent.depth + 1 if parent else 0,
+        hp=dict(hp),
+    )
+    plan.nodes[node.node_id] = node
+    if parent is None:
+        plan.roots.append(node.node_id)
+    else:
+        parent.children.append(node.node_id)
+    return node
+
+
+def insert(plan: Plan, hp: HPConfig, steps: int) -> Node:
+    """Place ``(hp, steps)``, appending a node if needed; returns the serving node."""
+    placement = place(plan, hp, steps)
+    if placement.node_id is not None:
+        return plan.nodes[placement.node_id]
+    return add_node(plan, placement, hp)
+
+
+def unique_steps(plan: Plan, targets: list[tuple[str, int]]) -> int:
+    """Steps of the union of the trials' prefixes: the unique training steps after merging.
+
+    Args:
+        targets: ``(node_id, steps)`` for each trial: its serving node and its maximum steps.
+
+    Each node contributes ``max end - start_step`` over the trials passing through it.
+    """
+    end: dict[str, int] = {}
+    for node_id, steps in targets:
+        node: Node | None = plan.nodes[node_id]
+        stop = steps
+        while node is not None:
+            if end.get(node.node_id, -1) < stop:
+                end[node.node_id] = stop
+            stop = node.start_step
+            node = plan.nodes[node.parent_id] if node.parent_id is not None else None
+    return sum(stop - plan.nodes[n].start_step for n, stop in end.items())
+
+
+def merged_unique_steps(trials: list[tuple[HPConfig, int]]) -> int:
+    """Unique steps of ``(hp, steps)`` trials if they were all merged in one plan.
+
+    This is the denominator of the merge rate p = total steps / unique steps (Hippo §6.2),
+    computed the same way whatever mode the study ran in.
+    """
+    plan = Plan(plan_key="scratch", seed=0)
+    targets = [(insert(plan, hp, steps).node_id, steps) for hp, steps in trials]
+    return unique_steps(plan, targets)

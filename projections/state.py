@@ -1,0 +1,235 @@
+"""Projected state: the search plans of the papers plus study, trial, worker and dispatch status.
+
+Everything here is plain data with a canonical JSON form (``to_json``/``from_json``), so a
+projection persisted in RocksDB and one rebuilt from the log compare byte for byte.
+
+Search plan (Hippo §3.2, HIPPO_SPEC §1.3): a forest of append-only nodes. A node is one
+hyper-parameter configuration (functions of the global step) that starts at ``start_step``
+under its parent; ``ckpt`` maps step -> checkpoint, ``metrics`` step -> metrics, ``requests``
+step -> trials waiting for metrics there, ``running`` the step ranges of in-flight dispatches,
+and ``profile_*`` the measured training time (seconds per step = seconds / steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from events.hp import HPConfig, config_from_json, config_to_json
+
+
+@dataclass
+class Checkpoint:
+    """A verified checkpoint object: ``ref`` is its sha256, ``size`` in bytes."""
+
+    ref: str
+    size: int
+
+
+@dataclass
+class Node:
+    """One search-plan node (never split or deleted)."""
+
+    node_id: str
+    plan_key: str
+    parent_id: str | None
+    start_step: int
+    depth: int
+    hp: HPConfig
+    children: list[str] = field(default_factory=list)
+    ckpt: dict[int, Checkpoint] = field(default_factory=dict)
+    metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    requests: dict[int, list[str]] = field(default_factory=dict)
+    running: list[tuple[str, int, int]] = field(default_factory=list)
+    profile_steps: int = 0
+    profile_seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "plan_key": self.plan_key,
+            "parent_id": self.parent_id,
+            "start_step": self.start_step,
+            "depth": self.depth,
+            "hp": config_to_json(self.hp),
+            "children": list(self.children),
+            "ckpt": [[s, c.ref, c.size] for s, c in sorted(self.ckpt.items())],
+            "metrics": [[s, dict(sorted(m.items()))] for s, m in sorted(self.metrics.items())],
+            "requests": [[s, list(w)] for s, w in sorted(self.requests.items())],
+            "running": [list(r) for r in self.running],
+            "profile_steps": self.profile_steps,
+            "profile_seconds": self.profile_seconds,
+        }
+
+    @classmethod
+    def from_json(cls, o: dict[str, Any]) -> Node:
+        return cls(
+            node_id=o["node_id"],
+            plan_key=o["plan_key"],
+            parent_id=o["parent_id"],
+            start_step=o["start_step"],
+            depth=o["depth"],
+            hp=config_from_json(o["hp"]),
+            children=list(o["children"]),
+            ckpt={s: Checkpoint(ref, size) for s, ref, size in o["ckpt"]},
+            metrics={s: dict(m) for s, m in o["metrics"]},
+            requests={s: list(w) for s, w in o["requests"]},
+            running=[(d, a, b) for d, a, b in o["running"]],
+            profile_steps=o["profile_steps"],
+            profile_seconds=o["profile_seconds"],
+        )
+
+    def checkpoint_at(self, step: int) -> Checkpoint | None:
+        return self.ckpt.get(step)
+
+    def sec_per_step(self) -> float | None:
+        """Measured training seconds per step, or None before any measurement."""
+        return self.profile_seconds / self.profile_steps if self.profile_steps else None
+
+
+@dataclass
+class Plan:
+    """A search plan: the nodes of one plan key, with the model-initialisation seed."""
+
+    plan_key: str
+    seed: int
+    roots: list[str] = field(default_factory=list)
+    nodes: dict[str, Node] = field(default_factory=dict)
+
+    def meta_json(self) -> dict[str, Any]:
+        return {"plan_key": self.plan_key, "seed": self.seed, "roots": list(self.roots)}
+
+    def new_node_id(self) -> str:
+        return f"n{len(self.nodes)}"
+
+
+@dataclass
+class Trial:
+    """A trial: one configuration of a study. ``requests`` maps steps asked -> terminal node;
+    ``results`` steps -> metrics reported there."""
+
+    trial_id: str
+    study_id: str
+    plan_key: str
+    hp: HPConfig
+    steps: int
+    requests: dict[int, str] = field(default_factory=dict)
+    results: dict[int, dict[str, float]] = field(default_factory=dict)
+    status: str = "pending"  # pending | done | failed | cancelled
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "trial_id": self.trial_id,
+            "study_id": self.study_id,
+            "plan_key": self.plan_key,
+            "hp": config_to_json(self.hp),
+            "steps": self.steps,
+            "requests": [[s, n] for s, n in sorted(self.requests.items())],
+            "results": [[s, dict(sorted(m.items()))] for s, m in sorted(self.results.items())],
+            "status": self.status,
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_json(cls, o: dict[str, Any]) -> Trial:
+        return cls(
+            trial_id=o["trial_id"],
+            study_id=o["study_id"],
+            plan_key=o["plan_key"],
+            hp=config_from_json(o["hp"]),
+            steps=o["steps"],
+            requests={s: n for s, n in o["requests"]},
+            results={s: dict(m) for s, m in o["results"]},
+            status=o["status"],
+            error=o["error"],
+        )
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    device: str
+    alive: bool = True
+    dispatch_id: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"worker_id": self.worker_id, "device": self.device, "alive": self.alive, "dispatch_id": self.dispatch_id}
+
+    @classmethod
+    def from_json(cls, o: dict[str, Any]) -> Worker:
+        return cls(**o)
+
+
+@dataclass
+class Dispatch:
+    """A dispatched path: its stages ``(node_id, from_step, to_step)`` in order."""
+
+    dispatch_id: str
+    worker_id: str
+    plan_key: str
+    stages: list[tuple[str, int, int]]
+    finished: int = 0
+    status: str = "running"  # running | done | failed | lost
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "dispatch_id": self.dispatch_id,
+            "worker_id": self.worker_id,
+            "plan_key": self.plan_key,
+            "stages": [list(s) for s in self.stages],
+            "finished": self.finished,
+            "status": self.status,
+        }
+
+    @classmethod
+    def from_json(cls, o: dict[str, Any]) -> Dispatch:
+        return cls(
+            dispatch_id=o["dispatch_id"],
+            worker_id=o["worker_id"],
+            plan_key=o["plan_key"],
+            stages=[(n, a, b) for n, a, b in o["stages"]],
+            finished=o["finished"],
+            status=o["status"],
+        )
+
+
+@dataclass
+class Stats:
+    """Running totals: steps trained in finished stages, worker-seconds (held time)."""
+
+    executed_steps: int = 0
+    worker_seconds: float = 0.0
+    stages_finished: int = 0
+    dispatches: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "executed_steps": self.executed_steps,
+            "worker_seconds": self.worker_seconds,
+            "stages_finished": self.stages_finished,
+            "dispatches": self.dispatches,
+        }
+
+
+@dataclass
+class State:
+    """The whole projection of the plan stream. ``offset`` is the last folded offset (-1: none)."""
+
+    plans: dict[str, Plan] = field(default_factory=dict)
+    trials: dict[str, Trial] = field(default_factory=dict)
+    workers: dict[str, Worker] = field(default_factory=dict)
+    dispatches: dict[str, Dispatch] = field(default_factory=dict)
+    studies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    stats: Stats = field(default_factory=Stats)
+    seen: set[str] = field(default_factory=set)
+    rejected: dict[int, str] = field(default_factory=dict)
+    offset: int = -1
+
+    def node(self, plan_key: str, node_id: str) -> Node | None:
+        plan = self.plans.get(plan_key)
+        return plan.nodes.get(node_id) if plan else None
+
+    def idle_workers(self) -> list[str]:
+        """Alive workers with no dispatch in flight, sorted by id."""
+        return sorted(w.worker_id for w in self.workers.values() if w.alive and w.dispatch_id is None)
