@@ -1,0 +1,615 @@
+"""Hyper-parameter sequences: the value of a hyper-parameter as a pure function of the step.
+
+A sequence maps the GLOBAL step (an int >= 0; step ``s`` is the ``s``-th optimizer update,
+counted from 0) to a number. Every family is a frozen pydantic model with a ``kind``
+discriminator, so sequences travel inside events as JSON (:data:`HP`, :data:`HP_ADAPTER`).
+The families follow Hippo thesis Appendix A.1 and the paper's Tables 2-4 (HIPPO_SPEC.md §5.2).
+
+Canonical pieces. Merging trials needs to know where two sequences agree, so every sequence is
+decomposed into elementary pieces: ``pieces(stop)`` lists ``(start_step, key)`` covering
+``[0, stop)``. A key ``(formula, *params)`` names one elementary function of the global step:
+
+* ``("const", v)``: ``v``
+* ``("exp", init, gamma, origin)``: ``init * gamma ** (step - origin)``
+* ``("lin", init, slope, origin)``: ``init + slope * (step - origin)``
+* ``("ramp", start_value, end_value, period, origin)``:
+  ``start_value + (end_value - start_value) * (step - origin) / period``
+* ``("cos", init, min_value, length, origin)``:
+  ``min_value + (init - min_value) * (1 + cos(pi * (step - origin) / length)) / 2``
+
+``value(step)`` is computed by evaluating the key of the piece holding ``step``, so two pieces
+with the same key give bitwise-equal values. Keys are compared by value *and* type
+(:func:`same_piece`): ``3 == 3.0``, but ``3 * 3 ** 40 != 3.0 * 3 ** 40``. Degenerate pieces
+(``exp`` with init 0 or gamma 1, ``lin`` with slope 0, ``ramp`` with equal ends, ``cos`` with
+``init == min_value``) are written as ``("const", v)``, ``v`` being their value at the origin.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from bisect import bisect_right
+from collections.abc import Mapping, Sequence
+from numbers import Integral, Real
+from operator import index
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    TypeAdapter,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "HP",
+    "HP_ADAPTER",
+    "Constant",
+    "Cosine",
+    "CyclicLR",
+    "Exponential",
+    "HPConfig",
+    "HPFunction",
+    "Linear",
+    "MultiStep",
+    "Number",
+    "Piece",
+    "PieceKey",
+    "Piecewise",
+    "Warmup",
+    "as_hp",
+    "breakpoints",
+    "canonical_json",
+    "config_from_json",
+    "config_to_json",
+    "config_values",
+    "first_divergence",
+    "hp_from_json",
+    "hp_to_json",
+    "same_piece",
+]
+
+
+def _name(info: ValidationInfo) -> str:
+    """The field's public name (``Constant.value_`` is ``value`` in JSON and in __init__)."""
+    return (info.field_name or "").removesuffix("_")
+
+
+def _number(value: Any, info: ValidationInfo) -> int | float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(f"`{_name(info)}` is {value!r}, but must be an int or a float")
+    number = int(value) if isinstance(value, Integral) else float(value)
+    if isinstance(number, float) and not math.isfinite(number):
+        raise ValueError(f"`{_name(info)}` is {value!r}, but must be finite")
+    if isinstance(number, int) and not -(2**63) <= number < 2**63:
+        raise ValueError(f"`{_name(info)}` is {value!r}, but must fit in 64 bits (JSON)")
+    return number
+
+
+def _at_least_one(value: int, info: ValidationInfo) -> int:
+    if value < 1:
+        raise ValueError(f"`{_name(info)}` is {value!r}, but must be >= 1")
+    return value
+
+
+def _increasing_positive(steps: tuple[int, ...], info: ValidationInfo) -> tuple[int, ...]:
+    if any(s < 1 for s in steps) or any(a >= b for a, b in zip(steps, steps[1:])):
+        raise ValueError(
+            f"`{_name(info)}` is {list(steps)}, but must be strictly increasing ints >= 1"
+        )
+    return steps
+
+
+Number = Annotated[int | float, BeforeValidator(_number)]
+"""A finite float or a 64-bit int; ints stay ints (batch sizes); bools and strings are rejected."""
+
+Period = Annotated[StrictInt, AfterValidator(_at_least_one)]
+"""A length in steps, >= 1."""
+
+Steps = Annotated[tuple[StrictInt, ...], AfterValidator(_increasing_positive)]
+"""Strictly increasing steps, each >= 1 (milestones, boundaries)."""
+
+PieceKey = tuple[Any, ...]
+"""``(formula, *params)``: one elementary function of the global step (see the module doc)."""
+
+Piece = tuple[int, PieceKey]
+"""``(start_step, key)``: ``key`` applies from ``start_step`` up to the next piece's start."""
+
+
+def _eval_piece(key: PieceKey, step: int) -> int | float:
+    """Evaluates the elementary function ``key`` at global ``step``."""
+    value: int | float
+    match key:
+        case ("const", constant):
+            value = constant
+        case ("exp", init, gamma, origin):
+            value = init * gamma ** (step - origin)
+        case ("lin", init, slope, origin):
+            value = init + slope * (step - origin)
+        case ("ramp", start_value, end_value, period, origin):
+            value = start_value + (end_value - start_value) * (step - origin) / period
+        case ("cos", init, min_value, length, origin):
+            cosine = math.cos(math.pi * (step - origin) / length)
+            value = min_value + (init - min_value) * (1 + cosine) / 2
+        case _:
+            raise ValueError(f"`key` is {key!r}, which is not a known piece")
+    return value
+
+
+def _piece(*key: Any) -> PieceKey:
+    """The canonical key: a degenerate (constant) function becomes ``("const", v)``."""
+    formula, *params = key
+    constant = (
+        (formula == "exp" and (params[0] == 0 or params[1] == 1))
+        or (formula == "lin" and params[1] == 0)
+        or (formula in ("ramp", "cos") and params[0] == params[1])
+    )
+    return ("const", _eval_piece(key, key[-1])) if constant else key
+
+
+def _shift(key: PieceKey, offset: int) -> PieceKey:
+    """``key`` moved ``offset`` steps later: the origin (last parameter) grows by ``offset``."""
+    return key if key[0] == "const" else (*key[:-1], key[-1] + offset)
+
+
+def same_piece(a: PieceKey, b: PieceKey) -> bool:
+    """Whether two keys are equal in value and type, which guarantees bitwise-equal values."""
+    return a == b and all(type(x) is type(y) for x, y in zip(a, b))
+
+
+def _check_step(name: str, step: int) -> int:
+    step = index(step)
+    if step < 0:
+        raise ValueError(f"`{name}` is {step}, but must be >= 0")
+    return step
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_format(v) for v in value) + "]"
+    return str(value) if isinstance(value, HPFunction) else repr(value)
+
+
+class HPFunction(BaseModel):
+    """Base of every hyper-parameter sequence: a frozen function of the global step.
+
+    Equality is strict: ``Constant(128) != Constant(128.0)``, because an int batch size and a
+    float one are different trainings. Equal sequences have equal :func:`hp_to_json` bytes.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def __init__(self, **data: Any) -> None:
+        """Validates ``data``; each family also takes its parameters positionally."""
+        super().__init__(**data)
+
+    def value(self, step: int) -> int | float:
+        """The value at global ``step`` (int >= 0); raises ValueError for a negative step."""
+        step = _check_step("step", step)
+        return _eval_piece(self._piece_at(step)[0], step)
+
+    def pieces(self, stop: int) -> list[Piece]:
+        """Canonical pieces ``(start_step, key)`` covering steps ``[0, stop)``.
+
+        Sorted by start, the first at step 0 (empty when ``stop`` is 0), consecutive equal keys
+        merged. Raises ValueError for a negative ``stop``.
+        """
+        stop = _check_step("stop", stop)
+        pieces: list[Piece] = []
+        step: int | None = 0
+        while step is not None and step < stop:
+            key, end = self._piece_at(step)
+            if not pieces or not same_piece(pieces[-1][1], key):
+                pieces.append((step, key))
+            step = end
+        return pieces
+
+    @abstractmethod
+    def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
+        """The key of the piece holding ``step`` and the step where it ends (None: never)."""
+
+    def _canonical_bytes(self) -> bytes:
+        return orjson.dumps(hp_to_json(self), option=orjson.OPT_SORT_KEYS)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, HPFunction):
+            return NotImplemented
+        return self._canonical_bytes() == other._canonical_bytes()
+
+    def __hash__(self) -> int:
+        return hash(self._canonical_bytes())
+
+    def __str__(self) -> str:
+        args = ", ".join(
+            f"{field.alias or name}={_format(getattr(self, name))}"
+            for name, field in type(self).model_fields.items()
+            if name != "kind"
+        )
+        return f"{type(self).__name__}({args})"
+
+    __repr__ = __str__
+
+
+class Constant(HPFunction):
+    """``value`` at every step (Hippo thesis A.1 ``Constant(init)``; ``CONSTANT(x; a) = a``).
+
+    Raises ValueError if ``value`` is not a finite number.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", serialize_by_alias=True)
+
+    kind: Literal["Constant"] = "Constant"
+    value_: Number = Field(alias="value")  # ``value`` is the method; JSON and __init__ say "value"
+
+    def __init__(self, value: float, **data: Any) -> None:
+        super().__init__(value=value, **data)
+
+    def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
+        return ("const", self.value_), None
+
+
+class MultiStep(HPFunction):
+    """``init * gamma ** k`` where ``k`` is the number of milestones <= step.
+
+    Hippo thesis A.1 ``MultiStep(init, milestones, gamma)``; the paper's Tables 2-4 call it
+    ``StepLR(gamma, milestones)`` (PyTorch MultiStepLR). ``milestones`` are steps. ``gamma``
+    may exceed 1: ``MultiStep(32, [40], 2)`` doubles a batch size at step 40 (32, then 64; the
+    value stays an int when ``init`` and ``gamma`` are ints).
+
+    Raises ValueError if ``milestones`` are not strictly increasing ints >= 1, if
+    ``gamma <= 0`` or if a number is not finite.
+    """
+
+    kind: Literal["MultiStep"] = "MultiStep"
+    init: Number
+    milestones: Steps
+    gamma: Number
+
+    def __init__(self, init: float, milestones: Sequence[int], gamma: float, **data: Any) -> None:
+        super().__init__(init=init, milestones=milestones, gamma=gamma, **data)
+
+    @field_validator("gamma")
+    @classmethod
+    def _positive_gamma(cls, gamma: int | float) -> int | float:
+        if gamma <= 0:
+            raise ValueError(f"`gamma` is {gamma!r}, but must be > 0")
+        return gamma
+
+    def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
+        k = bisect_right(self.milestones, step)
+        end = self.milestones[k] if k < len(self.milestones) else None
+        return ("const", self.init * self.gamma**k), end
+
+
+class Exponential(HPFunction):
+    """``init * gamma ** step``: multiplied by ``gamma`` at every step.
+
+    Hippo thesis A.1 ``Exponential(init, gamma)``; ``EXPONENTIAL(x; a0, gamma)`` of the paper's
+    node fields and ``Exponential(gamma)`` of Tables 2-4 (PyTorch ExponentialLR).
+
+    Raises ValueError if ``gamma <= 0`` or if a number is not finite. ``value`` raises
+    OverflowError once a float value leaves the float range.
+    """
+
+    kind: Literal["Exponential"] = "Exponential"
+    init: Number
+    gamma: Number
+
+    def __init__(self, init: float, gamma: float, **data: Any) -> None:
+        super().__init__(init=init, gamma=gamma, **data)
+
+    @field_validator("gamma")
+    @classmethod
+    def _positive_gamma(cls, gamma: int | float) -> int | float:
+        if gamma <= 0:
+            raise ValueError(f"`gamma` is {gamma!r}, but must be > 0")
+        return gamma
+
+    def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
+        return _piece("exp", self.init, self.gamma, 0), None
+
+
+class Linear(HPFunction):
+    """``init + slope * step``.
+
+    ``LINEAR(x; a, b) = a + b * x`` of the paper's node fields (Fig. 6 ``LINEAR(1, -0.02)``);
+    Tables 2-4 write ``Linear(total_t)``. ``slope`` is per step.
+
+    Raises ValueError if a number is not finite.
+    """
+
+    kind: Literal["Linear"] = "Linear"
+    init: Number
+    slope: Number
+
+    def __init__(self, init: float, slope: float, **data: Any) -> None:
+        super().__init__(init=init, slope=slope, **data)
+
+    def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
+        return _piece("lin", self.init, self.slope, 0), None
+
+
+class Cosine(HPFunction):
+    """Cosine annealing with warm restarts (SGDR) from ``init`` down to ``min_value``.
+
+    Cycle ``i`` lasts ``T_i = round(period * gamma ** i)`` steps (``T_0 = period``) and starts at
+    ``c_i = T_0 + ... + T_{i-1}``; within it the value is
+    ``min_value + (init - min_value) * (1 + cos(pi * (step - c_i) / T_i)) / 2``, so each cycle
+    restarts at ``init``.
+
+    Hippo thesis A.1 ``Cosine(init, min_y, period, gamma)``; Tables 2-4 write
+    ``CosineAnnealingWarmRestarts(t0=20)`` (PyTorch, ``T_mult`` = ``gamma``).
+
+    Raises ValueError if ``period < 1``, ``gamma < 1`` or a number is not finite.
+    """
+
+    kind: Literal["Cosine"] = "Cosine"
+    init: Number
+    min_value: Number
+    period: Period
+    gamma: Number = 1.0
+
+    def __init__(
+        self,
+        init: float,
+        min_value: float,
+        period: int,
+        gamma: float = 1.0,
+        **data: Any,
+    ) -> None:
+        super().__init__(init=init, min_value=min_value, period=period, gamma=gamma, **data)
+
+    @field_validator("gamma")
+    @classmethod
+    def _gamma_at_least_one(cls, gamma: int | float) -> int | float:
+        if gamma < 1:
+            raise ValueError(f"`gamma` is {gamma!r}, but must be >= 1")
+        return gamma
+
+    def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
+        if self.gamma == 1:
+            length = self.period
+            origin = step - step % length
+        else:
+            origin, i, length = 0, 0, self.period
+            while origin + length <= step:
+                origin, i = origin + length, i + 1
+                length = round(self.period * self.gamma**i)
+        return _piece("cos", self.init, self.min_value, length, origin), origin + length
+
+
+class Warmup(HPFunction):
+    """Linear warm-up from ``init`` for ``period`` steps, then ``then`` in its own frame.
+
+    For ``step < period``: ``init + (then.value(0) - init) * step / period``; for
+    ``step >= period``: ``then.value(step - period)`` (``then`` starts at 0 when the warm-up
+    ends, like PyTorch SequentialLR).
+
+    Hippo thesis A.1 ``Warmup(init, period, func)``; the paper's Tables 2-4 write
+    ``Warmup(duration, target)`` (a different argument order).
+
+    Raises ValueError if ``period < 1`` or ``init`` is not finite.
+    """
+
+    kind: Literal["Warmup"] = "Warmup"
+    init: Number
+    period: Period
+    then: HP
+
+    def __init__(self, init: float, period: int, then: HPFunction, **data: Any) -> None:
+        super().__init__(init=init, period=period, then=then, **data)
+
+    def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
+        if step < self.period:
+            return _piece("ramp", self.init, self.then.value(0), self.period, 0), self.period
+        key, end = self.then._piece_at(step - self.period)
+        return _shift(key, self.period), None if end is None else end + self.period
+
+
+class CyclicLR(HPFunction):
+    """Triangular cycles between ``init`` and ``max_value``.
+
+    Each cycle of ``period_up + period_down`` steps rises linearly from ``init`` to
+    ``max_value`` over ``period_up`` steps, then falls linearly back to ``init`` over
+    ``period_down`` steps; the first cycle starts at step 0.
+
+    Hippo thesis A.1 ``CyclicLR(init, max_y, period1, period2)``; Tables 2-4 write
+    ``CyclicLR(base_lr, max_lr, step_size_up)`` (PyTorch, mode "triangular").
+
+    Raises ValueError if a period is < 1 or a number is not finite.
+    """
+
+    kind: Literal["CyclicLR"] = "CyclicLR"
+    init: Number
+    max_value: Number
+    period_up: Period
+    period_down: Period
+
+    def __init__(
+        self,
+        init: float,
+        max_value: float,
+        period_up: int,
+        period_down: int,
+        **data: Any,
+    ) -> None:
+        super().__init__(
+            init=init, max_value=max_value, period_up=period_up, period_down=period_down, **data
+        )
+
+    def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
+        cycle = self.period_up + self.period_down
+        origin = step - step % cycle
+        if step - origin < self.period_up:
+            key = _piece("ramp", self.init, self.max_value, self.period_up, origin)
+            return key, origin + self.period_up
+        key = _piece("ramp", self.max_value, self.init, self.period_down, origin + self.period_up)
+        return key, origin + cycle
+
+
+class Piecewise(HPFunction):
+    """A chain of sequences: ``functions[i]`` on ``[boundaries[i-1], boundaries[i])``.
+
+    Function ``i`` runs in its own frame: it is evaluated at ``step - boundaries[i-1]``
+    (function 0 at ``step``), like ``Warmup.then``. ``boundaries`` are steps. Piecewise
+    constants (the paper's ``values=(...), milestones=[...]``) are chains of ``Constant``.
+
+    DESIGN.md "hyper-parameter sequence" (chains); HIPPO_SPEC.md §5.2.
+
+    Raises ValueError if ``boundaries`` are not strictly increasing ints >= 1 or their number is
+    not ``len(functions) - 1``.
+    """
+
+    kind: Literal["Piecewise"] = "Piecewise"
+    functions: tuple[HP, ...] = Field(min_length=1)
+    boundaries: Steps
+
+    def __init__(
+        self, functions: Sequence[HPFunction], boundaries: Sequence[int], **data: Any
+    ) -> None:
+        super().__init__(functions=functions, boundaries=boundaries, **data)
+
+    @model_validator(mode="after")
+    def _one_boundary_between_functions(self) -> Piecewise:
+        if len(self.boundaries) != len(self.functions) - 1:
+            raise ValueError(
+                f"`boundaries` is {list(self.boundaries)}, but must have "
+                f"len(functions) - 1 = {len(self.functions) - 1} entries"
+            )
+        return self
+
+    def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
+        i = bisect_right(self.boundaries, step)
+        offset = self.boundaries[i - 1] if i else 0
+        key, end = self.functions[i]._piece_at(step - offset)
+        stop = self.boundaries[i] if i < len(self.boundaries) else None
+        if end is not None:
+            end += offset
+            stop = end if stop is None else min(end, stop)
+        return _shift(key, offset), stop
+
+
+HP = Annotated[
+    Constant | MultiStep | Exponential | Linear | Cosine | Warmup | CyclicLR | Piecewise,
+    Field(discriminator="kind"),
+]
+"""Any hyper-parameter sequence; JSON objects are told apart by their ``kind``."""
+
+Warmup.model_rebuild()
+Piecewise.model_rebuild()
+
+HP_ADAPTER = TypeAdapter(HP)
+"""Validates and dumps :data:`HP` values (JSON-ready dicts, see :func:`hp_from_json`)."""
+
+HPConfig = dict[str, HPFunction]
+"""A trial's hyper-parameters: name -> sequence."""
+
+_CONFIG_ADAPTER = TypeAdapter(dict[str, HP])
+
+
+def as_hp(x: HPFunction | float | dict[str, Any]) -> HPFunction:
+    """``x`` as a sequence: sequences pass through, numbers become :class:`Constant`, dicts are
+    parsed as :data:`HP` JSON.
+
+    Raises TypeError for anything else (bools included), ValueError for an invalid dict.
+    """
+    if isinstance(x, HPFunction):
+        return x
+    if isinstance(x, dict):
+        return HP_ADAPTER.validate_python(x)
+    if isinstance(x, Real) and not isinstance(x, bool):
+        return Constant(x)
+    raise TypeError(
+        f"`x` is {x!r} ({type(x).__name__}), but must be a hyper-parameter sequence, "
+        "an int, a float or a dict"
+    )
+
+
+def hp_to_json(fn: HPFunction) -> dict[str, Any]:
+    """``fn`` as JSON-ready data: ``{"kind": ..., <parameters>}``."""
+    data: dict[str, Any] = fn.model_dump(mode="json")
+    return data
+
+
+def hp_from_json(obj: Any) -> HPFunction:
+    """The sequence that :func:`hp_to_json` wrote. Raises ValueError if ``obj`` is invalid."""
+    return HP_ADAPTER.validate_python(obj)
+
+
+def config_to_json(config: Mapping[str, HPFunction]) -> dict[str, Any]:
+    """``config`` as JSON-ready data, sorted by hyper-parameter name."""
+    return {name: hp_to_json(config[name]) for name in sorted(config)}
+
+
+def config_from_json(obj: Any) -> HPConfig:
+    """The config that :func:`config_to_json` wrote. Raises ValueError if ``obj`` is invalid."""
+    config = _CONFIG_ADAPTER.validate_python(obj)
+    return {name: config[name] for name in sorted(config)}
+
+
+def canonical_json(config: Mapping[str, HPFunction]) -> bytes:
+    """``config`` as orjson bytes with sorted keys: equal configs give equal bytes."""
+    return orjson.dumps(config_to_json(config), option=orjson.OPT_SORT_KEYS)
+
+
+def config_values(config: Mapping[str, HPFunction], step: int) -> dict[str, int | float]:
+    """The value of every hyper-parameter at global ``step``, sorted by name."""
+    return {name: config[name].value(step) for name in sorted(config)}
+
+
+def breakpoints(config: Mapping[str, HPFunction], stop: int) -> list[int]:
+    """Sorted steps in ``[0, stop)`` where some hyper-parameter starts a new canonical piece.
+
+    Consecutive breakpoints delimit the segments of DESIGN.md: over each, every
+    hyper-parameter follows one canonical function. Raises ValueError for a negative ``stop``.
+    """
+    return sorted({start for fn in config.values() for start, _ in fn.pieces(stop)})
+
+
+def first_divergence(
+    a: Mapping[str, HPFunction], b: Mapping[str, HPFunction], start: int, stop: int
+) -> int:
+    """The smallest step in ``[start, stop)`` where some hyper-parameter of ``a`` and ``b``
+    differs (``a[k].value(s) != b[k].value(s)``), or ``stop`` if there is none.
+
+    Two trials share exactly the steps before their first divergence: subsequences are
+    identical iff they have the same function over the same steps (Hippo thesis ch. 3,
+    HIPPO_SPEC.md §1.1). Intervals where both sequences follow the same canonical piece are
+    skipped at once; steps are scanned one by one only where the pieces differ (usually they
+    differ at once).
+
+    Raises ValueError if ``a`` and ``b`` name different hyper-parameters or a step is negative.
+    """
+    if a.keys() != b.keys():
+        raise ValueError(
+            f"`a` and `b` must name the same hyper-parameters, but only `a` has "
+            f"{sorted(a.keys() - b.keys())} and only `b` has {sorted(b.keys() - a.keys())}"
+        )
+    start, stop = _check_step("start", start), _check_step("stop", stop)
+    for name in sorted(a):
+        stop = _first_divergence(a[name], b[name], start, stop)
+    return stop
+
+
+def _first_divergence(fa: HPFunction, fb: HPFunction, start: int, stop: int) -> int:
+    step = start
+    while step < stop:
+        key_a, end_a = fa._piece_at(step)
+        key_b, end_b = fb._piece_at(step)
+        end = min(e for e in (end_a, end_b, stop) if e is not None)
+        if key_a[0] == key_b[0] == "const":
+            if key_a[1] != key_b[1]:
+                return step
+        elif not same_piece(key_a, key_b):
+            for s in range(step, end):
+                if _eval_piece(key_a, s) != _eval_piece(key_b, s):
+                    return s
+        step = end
+    return stop

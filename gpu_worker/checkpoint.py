@@ -1,0 +1,218 @@
+"""Content-addressed checkpoint storage and the checkpoint byte encoding.
+
+A checkpoint object is named by the sha256 of its bytes. A store returns from
+``put`` only after the object is durably written and verified, so a worker
+publishes CheckpointSaved only for verified objects (DESIGN.md invariant 4).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+_REF_PATTERN = re.compile(r"[0-9a-f]{64}")
+
+
+class CheckpointError(Exception):
+    """Base class of checkpoint storage and decoding errors."""
+
+
+class CheckpointMissing(CheckpointError):
+    """No object is stored under ``ref``."""
+
+    def __init__(self, ref: str) -> None:
+        super().__init__(f"checkpoint {ref} is missing")
+        self.ref = ref
+
+
+class CheckpointCorrupt(CheckpointError):
+    """The object stored under ``ref`` hashes to ``actual`` instead."""
+
+    def __init__(self, ref: str, actual: str) -> None:
+        super().__init__(f"checkpoint {ref} is corrupt: its bytes hash to {actual}")
+        self.ref = ref
+        self.actual = actual
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """A stored checkpoint: ``ref`` = sha256 hex digest of its bytes, ``size`` in bytes."""
+
+    ref: str
+    size: int
+
+
+@runtime_checkable
+class CheckpointStore(Protocol):
+    """Content-addressed store of checkpoint bytes (local directory, MinIO, ...).
+
+    ``put`` returns only after the object is durable and verified; putting
+    bytes already stored is a no-op. ``get`` verifies the hash and raises
+    CheckpointMissing or CheckpointCorrupt. ``delete`` of an absent object is
+    a no-op. Methods taking a ``ref`` raise ValueError when it is not 64
+    lowercase hex digits.
+    """
+
+    def put(self, data: bytes) -> CheckpointRef: ...
+
+    def get(self, ref: str) -> bytes: ...
+
+    def exists(self, ref: str) -> bool: ...
+
+    def delete(self, ref: str) -> None: ...
+
+
+def sha256_hex(data: bytes) -> str:
+    """Return the sha256 hex digest (64 lowercase hex digits) of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def _check_ref(ref: str) -> str:
+    if not isinstance(ref, str) or _REF_PATTERN.fullmatch(ref) is None:
+        raise ValueError(f"ref must be a sha256 hex digest (64 lowercase hex digits), got {ref!r}")
+    return ref
+
+
+class LocalCheckpointStore:
+    """CheckpointStore in a local directory: the object ``ref`` lives at ``root/ref[:2]/ref``.
+
+    Writes go to a temporary file in the object's directory, are fsynced and
+    renamed into place with ``os.replace`` (atomic), then the directory is
+    fsynced and the object is re-read and verified before ``put`` returns. A
+    crash at any moment leaves either no object or a complete one, plus at
+    most a stray ``.tmp-*`` file that is never read as an object.
+    """
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = Path(root)
+
+    def path(self, ref: str) -> Path:
+        """Return the file path of object ``ref`` (ValueError on a malformed ref)."""
+        _check_ref(ref)
+        return self.root / ref[:2] / ref
+
+    def put(self, data: bytes) -> CheckpointRef:
+        """Store ``data`` and return its ref; a no-op when it is already stored intact.
+
+        An object present under the same ref with wrong bytes is overwritten.
+        Raises CheckpointCorrupt when the written object does not read back
+        with the right hash, OSError on I/O failure (no temporary file is left).
+        """
+        ref = sha256_hex(data)
+        target = self.path(ref)
+        if self._intact(target, ref):
+            return CheckpointRef(ref=ref, size=len(data))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as tmp:
+                tmp.write(data)
+                tmp.flush()
+                os.fsync(tmp.fileno())
+            os.replace(tmp_name, target)
+        except BaseException:
+            Path(tmp_name).unlink(missing_ok=True)
+            raise
+        self._fsync_dir(target.parent)
+        actual = sha256_hex(target.read_bytes())
+        if actual != ref:
+            raise CheckpointCorrupt(ref, actual)
+        return CheckpointRef(ref=ref, size=len(data))
+
+    def get(self, ref: str) -> bytes:
+        """Return the bytes of object ``ref`` after checking their hash.
+
+        Raises CheckpointMissing when absent, CheckpointCorrupt when the bytes
+        hash to something else.
+        """
+        try:
+            data = self.path(ref).read_bytes()
+        except FileNotFoundError:
+            raise CheckpointMissing(ref) from None
+        actual = sha256_hex(data)
+        if actual != ref:
+            raise CheckpointCorrupt(ref, actual)
+        return data
+
+    def exists(self, ref: str) -> bool:
+        """Return whether an object is stored under ``ref`` (its bytes are not checked)."""
+        return self.path(ref).is_file()
+
+    def delete(self, ref: str) -> None:
+        """Remove object ``ref``; a no-op when it is absent."""
+        self.path(ref).unlink(missing_ok=True)
+
+    @staticmethod
+    def _intact(path: Path, ref: str) -> bool:
+        try:
+            return sha256_hex(path.read_bytes()) == ref
+        except FileNotFoundError:
+            return False
+
+    @staticmethod
+    def _fsync_dir(directory: Path) -> None:
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _canonical(obj: Any) -> Any:
+    """A copy of ``obj`` whose pickle depends only on its value and structure.
+
+    Pickle writes a repeated object (same ``id``) as a back-reference, so
+    bytes would depend on which equal strings happen to be one object (a
+    straight run shares the literal ``"lr"`` between the optimizer and the
+    hyper-parameter values, a restored run does not). Hence: every dict,
+    list and tuple is a fresh copy (never shared), every str is interned
+    (always shared), every tensor is moved to the CPU (tensors already there
+    are kept, so storages shared by several tensors stay shared). Dict
+    attributes (the ``_metadata`` of a module state dict) are kept.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.device.type == "cpu" else obj.detach().cpu()
+    if type(obj) is str:
+        return sys.intern(obj)
+    if isinstance(obj, dict):
+        copied = type(obj)()
+        copied.update((_canonical(key), _canonical(value)) for key, value in obj.items())
+        for name, value in getattr(obj, "__dict__", {}).items():
+            setattr(copied, _canonical(name), _canonical(value))
+        return copied
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_canonical(value) for value in obj)
+    return obj
+
+
+def encode_state(obj: Any) -> bytes:
+    """Serialize a state (tensors, numbers, str, bool, None, dict/list/tuple) with ``torch.save``.
+
+    Tensors are moved to the CPU first, so the bytes do not depend on the
+    device, and equal states give equal bytes however their Python objects
+    happen to be shared.
+    """
+    buffer = io.BytesIO()
+    torch.save(_canonical(obj), buffer)
+    return buffer.getvalue()
+
+
+def decode_state(data: bytes) -> Any:
+    """Inverse of ``encode_state``: ``torch.load(weights_only=True, map_location="cpu")``.
+
+    Raises CheckpointError when ``data`` is not a checkpoint or holds objects
+    that ``weights_only`` loading refuses.
+    """
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as exc:
+        raise CheckpointError(f"cannot decode checkpoint state ({len(data)} bytes): {exc}") from exc

@@ -1,0 +1,54 @@
+"""The embedded worker process: one per device, talking to the coordinator over a pipe.
+
+The coordinator sends encoded StageDispatched events (bytes) and ``b"stop"``; the worker sends
+back encoded events (WorkerJoined first, then each path's results). The worker never writes the
+log itself: in embedded mode the coordinator is the only writer (DESIGN.md "Processes").
+"""
+
+from __future__ import annotations
+
+import os
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from events.codec import decode, encode
+from events.models import Event, StageDispatched, WorkerJoined
+from gpu_worker.checkpoint import LocalCheckpointStore
+from gpu_worker.executor import PathExecutor, resolve_device
+from gpu_worker.loader import load_trainer
+
+STOP = b"stop"
+
+
+def embedded_worker_main(conn: Connection, worker_id: str, index: int, study_file: str, checkpoint_dir: str,
+                         device: str = "auto", threads: int = 1) -> None:
+    """Entry point of a worker subprocess (multiprocessing, spawn start method).
+
+    Args:
+        conn: duplex pipe to the coordinator.
+        index: the worker's position, used to pick ``cuda:<index>`` with ``device="auto"``.
+        threads: torch intra-op threads (1 keeps N workers on N cores from oversubscribing, and
+            keeps float reductions identical whatever the worker count).
+    """
+    torch.set_num_threads(threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    dev = resolve_device(device, index)
+    trainer = load_trainer(study_file)
+    executor = PathExecutor(trainer, worker_id, LocalCheckpointStore(Path(checkpoint_dir)), dev)
+
+    def emit(event: Event) -> None:
+        conn.send_bytes(encode(event))
+
+    emit(executor.stamp(WorkerJoined(worker_id=worker_id, device=str(dev))))
+    while True:
+        try:
+            msg = conn.recv_bytes()
+        except EOFError:
+            return
+        if msg == STOP:
+            return
+        dispatch = decode(msg)
+        if isinstance(dispatch, StageDispatched):
+            executor.run(dispatch, emit)

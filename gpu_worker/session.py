@@ -1,0 +1,230 @@
+"""The framework side of training: the step loop, hyper-parameter values and checkpoints.
+
+A ``TrainingSession`` drives one ``Trainer`` from a fresh start or from a
+checkpoint up to a given global step. Everything that decides what a step
+computes is either a pure function of ``(seed, step, config)`` or saved in the
+checkpoint, so training in stages resumed from checkpoints equals training
+straight through, bit for bit, on the same device (DESIGN.md invariant 1 and
+"Determinism recipe"; HIPPO_SPEC §6).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import torch
+
+from events.hp import HPConfig, config_values
+from gpu_worker.checkpoint import decode_state, encode_state
+from gpu_worker.sampler import ResumableSampler
+from gpu_worker.trainer import Trainer
+
+CHECKPOINT_FORMAT = 1
+"""Version of the checkpoint layout written by ``TrainingSession.save``."""
+
+
+def set_determinism() -> None:
+    """Make torch choose deterministic kernels, process-wide.
+
+    Sets ``torch.use_deterministic_algorithms(True)`` and disables cuDNN
+    autotuning; when CUDA is available also sets (if unset)
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, which must happen before the first
+    cuBLAS call of the process.
+    """
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    if torch.cuda.is_available():
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def step_seed(seed: int, step: int) -> int:
+    """Return the seed of torch's global RNG for global ``step``: a stable 63-bit hash of (seed, step)."""
+    digest = hashlib.sha256(f"stagetree-step:{seed}:{step}".encode("ascii")).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def _differs(old: float | int, new: float | int) -> bool:
+    """Whether ``new`` is not bitwise the same number as ``old`` (``3 != 3.0``, ``0.0 != -0.0``).
+
+    ``setup`` after a restore receives the exact values, so a straight run
+    must call it for any change a restore could observe.
+    """
+    return type(old) is not type(new) or repr(old) != repr(new)
+
+
+class TrainingSession:
+    """Trains one trainer with one seed on one device, stage after stage.
+
+    Start with ``start_fresh()`` (step 0) or ``load(checkpoint_bytes)``, then
+    call ``train(config, to_step)`` for each stage, ``evaluate()`` and
+    ``save()`` between stages. The constructor calls ``set_determinism()``.
+
+    Per global step ``s`` ``train`` does, in order: seed torch's global RNG
+    with ``step_seed(seed, s)``; compute the values ``config_values(config, s)``;
+    call ``trainer.setup`` with the values that changed since step ``s - 1``
+    (all of them at the first step after ``start_fresh`` or ``load``); draw the
+    mini-batch from the ``ResumableSampler``; call ``trainer.train_step``.
+
+    Raises ValueError (naming field and value) for a seed outside
+    ``[0, 2**63)``; RuntimeError when ``train``/``save``/``evaluate`` is called
+    before ``start_fresh`` or ``load``.
+    """
+
+    def __init__(self, trainer: Trainer, seed: int, device: torch.device | str = "cpu") -> None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+        set_determinism()
+        self.trainer = trainer
+        self.seed = seed
+        self.device = torch.device(device)
+        self._sampler: ResumableSampler | None = None
+        self._step = 0
+        self._hp: dict[str, float | int] = {}
+        self._setup_all = True
+
+    @property
+    def step(self) -> int:
+        """The next global step to train (= number of steps trained so far)."""
+        return self._step
+
+    def start_fresh(self) -> None:
+        """Build the trainer from the seed and start at step 0."""
+        self._build()
+        self._sampler = ResumableSampler(self.trainer.train_size(), self.seed)
+        self._step = 0
+        self._hp = {}
+        self._setup_all = True
+
+    def load(self, data: bytes) -> None:
+        """Build the trainer from the seed, then restore a checkpoint made by ``save``.
+
+        Restores the trainer state (model, optimizer), the sampler (generator
+        state, permutation, position), the step and the hyper-parameter
+        values. The next ``train`` step calls ``setup`` with ALL values: the
+        trainer keeps hyper-parameter effects outside its state dict (a
+        rebuilt loader, a dropout rate), and since ``setup`` is idempotent,
+        re-applying every value restores them exactly.
+
+        Raises CheckpointError when ``data`` cannot be decoded, ValueError
+        when the format is not ``CHECKPOINT_FORMAT`` or the sampler state
+        does not fit the trainer's ``train_size()``.
+        """
+        state = decode_state(data)
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+            found = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"checkpoint format must be {CHECKPOINT_FORMAT}, got {found!r}")
+        self._build()
+        self.trainer.load_state_dict(state["trainer"])
+        sampler = ResumableSampler(self.trainer.train_size(), self.seed)
+        sampler.load_state_dict(state["sampler"])
+        self._sampler = sampler
+        self._step = state["step"]
+        self._hp = dict(state["hp"])
+        self._setup_all = True
+
+    def save(self) -> bytes:
+        """Return the checkpoint bytes of the current state.
+
+        Layout: ``encode_state({"format": 1, "step": int, "trainer":
+        trainer.state_dict(), "sampler": sampler.state_dict(), "hp": {name:
+        value}})`` with every tensor on the CPU; equal states give equal bytes.
+        """
+        sampler = self._require_started()
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "step": self._step,
+            "trainer": self.trainer.state_dict(),
+            "sampler": sampler.state_dict(),
+            "hp": dict(self._hp),
+        }
+        return encode_state(state)
+
+    def train(self, config: HPConfig, to_step: int) -> None:
+        """Train global steps ``[step, to_step)`` under ``config``; afterwards ``step == to_step``.
+
+        ``config`` maps hyper-parameter names (a subset of
+        ``trainer.hyperparameters``) to functions of the global step. The
+        mini-batch size is ``config[trainer.batch_size_hp]`` at each step when
+        present, else ``trainer.default_batch_size``.
+
+        Raises ValueError when ``to_step < step``, when the config names a
+        hyper-parameter the trainer does not accept or differs in names from
+        the values restored from a checkpoint, or when a batch size is not a
+        positive integer.
+        """
+        sampler = self._require_started()
+        if isinstance(to_step, bool) or not isinstance(to_step, int) or to_step < self._step:
+            raise ValueError(f"to_step must be an int >= step {self._step}, got {to_step!r}")
+        unknown = sorted(set(config) - set(self.trainer.hyperparameters))
+        if unknown:
+            raise ValueError(
+                f"config names hyper-parameters {unknown} that trainer {self.trainer.name!r} "
+                f"does not accept; it accepts {list(self.trainer.hyperparameters)}"
+            )
+        if self._hp and set(config) != set(self._hp):
+            raise ValueError(
+                f"config hyper-parameters {sorted(config)} differ from those already applied "
+                f"{sorted(self._hp)}"
+            )
+        for s in range(self._step, to_step):
+            torch.manual_seed(step_seed(self.seed, s))
+            values = config_values(config, s)
+            batch_size = self._batch_size(values, s)
+            if self._setup_all:
+                changed = values
+            else:
+                changed = {k: v for k, v in values.items() if _differs(self._hp[k], v)}
+            if changed:
+                self.trainer.setup(dict(changed))
+            self._hp = values
+            self._setup_all = False
+            indices = (
+                torch.empty(0, dtype=torch.int64)
+                if batch_size is None
+                else sampler.next_batch(batch_size)
+            )
+            self.trainer.train_step(indices, s)
+            self._step = s + 1
+
+    def evaluate(self) -> dict[str, float]:
+        """Return ``trainer.evaluate()`` as ``{name: float}``, sorted by name.
+
+        Runs under ``torch.no_grad()`` with torch's global RNG (CPU, and the
+        session's CUDA device) saved and restored, so evaluating between steps
+        never changes what training computes.
+        """
+        self._require_started()
+        cuda_devices = (
+            [self.device.index if self.device.index is not None else torch.cuda.current_device()]
+            if self.device.type == "cuda"
+            else []
+        )
+        with torch.random.fork_rng(devices=cuda_devices), torch.no_grad():
+            metrics = self.trainer.evaluate()
+        return {str(name): float(metrics[name]) for name in sorted(metrics)}
+
+    def _build(self) -> None:
+        torch.manual_seed(self.seed)
+        self.trainer.build(self.seed, self.device)
+
+    def _require_started(self) -> ResumableSampler:
+        if self._sampler is None:
+            raise RuntimeError("training session not started: call start_fresh() or load() first")
+        return self._sampler
+
+    def _batch_size(self, values: dict[str, float | int], step: int) -> int | None:
+        """Examples to draw at ``step``; None when the trainer draws no batches."""
+        name = self.trainer.batch_size_hp
+        if name is None:
+            return None
+        if name not in values:
+            return self.trainer.default_batch_size
+        value = values[name]
+        if isinstance(value, bool) or value != int(value) or int(value) < 1:
+            raise ValueError(
+                f"hyper-parameter {name!r} (batch size) must be a positive integer, "
+                f"got {value!r} at step {step}"
+            )
+        return int(value)

@@ -1,0 +1,252 @@
+"""Embedded mode: one coordinator process, an embedded RocksDB log, N worker subprocesses.
+
+The coordinator is the only writer of the log and the projection (DESIGN.md "Processes").
+It appends what the SDK submits and what workers report, folds the plan stream with the
+projector, and after every fold asks the scheduler for decisions, appending each
+StageDispatched (to ``stagetree.plan`` and ``stagetree.dispatch``) before sending it to the
+worker's pipe. Everything runs on one asyncio loop; worker pipes are read by one thread each,
+which only hands raw bytes to the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from events import topics
+from events.codec import InvalidEvent, decode, encode
+from events.log import EmbeddedLog, append_events
+from events.models import DeadLettered, Event, StageDispatched, WorkerLost
+from gpu_worker.process import STOP, embedded_worker_main
+from projections.state import State
+from projections.store import ProjectionStore, Projector
+from scheduler.decide import decide
+from stagetree.study import TrialFailed
+
+
+class CoordinatorError(RuntimeError):
+    """The coordinator cannot continue (e.g. its own decision was rejected by the reducer)."""
+
+
+def event_key(event: Event) -> str:
+    """The record key of an event on the plan stream: plan key, else worker id, else study id."""
+    for attr in ("plan_key", "worker_id", "study_id"):
+        value = getattr(event, attr, None)
+        if value:
+            return str(value)
+    return ""
+
+
+class EmbeddedCoordinator:
+    """Owns ``run_dir`` (``log/``, ``state/``, ``checkpoints/``) and the worker processes.
+
+    Args:
+        run_dir: the run directory; reopening it continues from the log (``--resume``).
+        study_file: the study file the workers import to build the trainer.
+        workers: number of worker processes (one per device).
+        device: ``auto`` (``cuda:i`` when present, else cpu), ``cpu`` or ``cuda:N``.
+        threads: torch threads per worker.
+
+    Use as an async context manager inside a running loop.
+    """
+
+    def __init__(self, run_dir: str | Path, study_file: str | Path, workers: int, *, device: str = "auto",
+                 threads: int = 1) -> None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"`workers` is {workers!r}, but must be an int >= 1 in embedded mode")
+        self.run_dir = Path(run_dir)
+        self.study_file = Path(study_file)
+        self.workers = workers
+        self.device = device
+        self.threads = threads
+        self.log = EmbeddedLog(self.run_dir / "log")
+        self.store = ProjectionStore(self.run_dir / "state")
+        self.projector = Projector(self.log, store=self.store)
+        self.projector.catch_up()
+        self.checkpoint_dir = self.run_dir / "checkpoints"
+        self._waiters: dict[tuple[str, int], list[asyncio.Future[dict[str, float]]]] = {}
+        self._conns: dict[str, Connection] = {}
+        self._procs: dict[str, mp.process.BaseProcess] = {}
+        self._stopping = False
+        self._inbox: asyncio.Queue[tuple[str, bytes | None]] | None = None
+        self._pump_task: asyncio.Task[None] | None = None
+        self.on_fold: list[Callable[[list[tuple[int, Event]]], None]] = []
+        self.failure: BaseException | None = None
+
+    @property
+    def state(self) -> State:
+        return self.projector.state
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> EmbeddedCoordinator:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        """Declare workers of an earlier incarnation lost, then start this run's workers."""
+        loop = asyncio.get_running_loop()
+        self._inbox = asyncio.Queue()
+        stale = [w for w in sorted(self.state.workers) if self.state.workers[w].alive]
+        if stale:
+            self.append([WorkerLost(producer="coordinator", worker_id=w, reason="coordinator restarted")
+                         for w in stale])
+        ctx = mp.get_context("spawn")
+        for i in range(self.workers):
+            worker_id = f"w{i}"
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=embedded_worker_main,
+                args=(child, worker_id, i, str(self.study_file), str(self.checkpoint_dir), self.device, self.threads),
+                name=f"stagetree-worker-{worker_id}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._conns[worker_id], self._procs[worker_id] = parent, proc
+            threading.Thread(target=self._read_pipe, args=(loop, worker_id, parent), daemon=True).start()
+        self._pump_task = asyncio.create_task(self._pump())
+
+    async def stop(self) -> None:
+        """Stop workers and close the log and the store."""
+        self._stopping = True
+        for conn in self._conns.values():
+            try:
+                conn.send_bytes(STOP)
+            except OSError:
+                pass
+        for proc in self._procs.values():
+            await asyncio.get_running_loop().run_in_executor(None, proc.join, 10)
+            if proc.is_alive():
+                proc.kill()
+        if self._pump_task is not None:
+            self._pump_task.cancel()
+        self.log.close()
+        self.store.close()
+
+    def _read_pipe(self, loop: asyncio.AbstractEventLoop, worker_id: str, conn: Connection) -> None:
+        assert self._inbox is not None
+        while True:
+            try:
+                data: bytes | None = conn.recv_bytes()
+            except (EOFError, OSError):
+                data = None
+            try:
+                loop.call_soon_threadsafe(self._inbox.put_nowait, (worker_id, data))
+            except RuntimeError:  # loop closed
+                return
+            if data is None:
+                return
+
+    async def _pump(self) -> None:
+        assert self._inbox is not None
+        while True:
+            items = [await self._inbox.get()]
+            while not self._inbox.empty():
+                items.append(self._inbox.get_nowait())
+            events: list[Event] = []
+            dead: list[tuple[str, bytes]] = []
+            for worker_id, data in items:
+                if data is None:
+                    if not self._stopping and self.state.workers.get(worker_id, None) is not None:
+                        events.append(WorkerLost(producer="coordinator", worker_id=worker_id, reason="process exited"))
+                    continue
+                try:
+                    events.append(decode(data))
+                except InvalidEvent as exc:
+                    letter = DeadLettered(producer="coordinator", stream=f"pipe:{worker_id}", offset=-1,
+                                          reason=exc.reason, raw=data.decode("utf-8", "replace"))
+                    dead.append((worker_id, encode(letter)))
+            if dead:
+                self.log.append_many(topics.DEADLETTER, dead)
+            if events:
+                try:
+                    self.append(events)
+                except Exception as exc:  # surface to the waiting SDK instead of dying silently
+                    self._fail(exc)
+                    return
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failure = exc
+        for futures in self._waiters.values():
+            for f in futures:
+                if not f.done():
+                    f.set_exception(exc)
+        self._waiters.clear()
+
+    # ------------------------------------------------------------------ the Runtime protocol
+
+    def append(self, events: list[Event]) -> None:
+        """Stamp and append events to the plan stream, fold, schedule, and resolve futures."""
+        if self.failure is not None:
+            raise CoordinatorError(f"the coordinator failed: {self.failure}")
+        now = time.time()
+        stamped = [e if e.ts else e.model_copy(update={"ts": now}) for e in events]
+        append_events(self.log, topics.PLAN, [(event_key(e), e) for e in stamped])
+        self._fold()
+        self._schedule()
+        self._resolve()
+
+    def watch(self, trial_id: str, steps: int) -> asyncio.Future[dict[str, float]]:
+        """A future resolved with the trial's metrics at ``steps`` (at once if already known)."""
+        future: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
+        if self.failure is not None:
+            future.set_exception(CoordinatorError(f"the coordinator failed: {self.failure}"))
+            return future
+        self._waiters.setdefault((trial_id, steps), []).append(future)
+        self._resolve()
+        return future
+
+    # ------------------------------------------------------------------ internals
+
+    def _fold(self) -> None:
+        applied = self.projector.catch_up()
+        for listener in self.on_fold:
+            listener(applied)
+
+    def _schedule(self) -> None:
+        while (decision := decide(self.state)) is not None:
+            decision = decision.model_copy(update={"ts": time.time()})
+            (offset,) = append_events(self.log, topics.PLAN, [(decision.plan_key, decision)])
+            append_events(self.log, topics.DISPATCH, [(decision.worker_id, decision)])
+            self._fold()
+            if offset in self.state.rejected:
+                raise CoordinatorError(f"the scheduler's decision at offset {offset} was rejected: "
+                                       f"{self.state.rejected[offset]}")
+            self._send(decision)
+
+    def _send(self, decision: StageDispatched) -> None:
+        try:
+            self._conns[decision.worker_id].send_bytes(encode(decision))
+        except (OSError, KeyError):
+            self.append([WorkerLost(producer="coordinator", worker_id=decision.worker_id, reason="pipe closed")])
+
+    def _resolve(self) -> None:
+        for key in list(self._waiters):
+            trial_id, steps = key
+            trial = self.state.trials.get(trial_id)
+            if trial is None:
+                continue
+            futures = self._waiters[key]
+            if steps in trial.results:
+                for f in futures:
+                    if not f.done():
+                        f.set_result(dict(trial.results[steps]))
+            elif trial.status == "failed":
+                for f in futures:
+                    if not f.done():
+                        f.set_exception(TrialFailed(trial_id, trial.error))
+            elif trial.status == "cancelled":
+                for f in futures:
+                    f.cancel()
+            else:
+                continue
+            del self._waiters[key]

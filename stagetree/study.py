@@ -1,0 +1,179 @@
+"""The client SDK: a Study submits trials as events and awaits their metrics.
+
+``study.submit(hp, steps)`` returns an asyncio future with the metrics at ``steps``
+(Hippo §5.4/5.6: every request is a coroutine; submissions made in the same event-loop turn
+are batched into one append). Trials are identified by a stable hash of the study and the
+hyper-parameter configuration, so submitting the same configuration with more steps extends
+the trial (a promotion), and a re-run of a study (``--resume``) finds its earlier results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from events.hp import HPConfig, as_hp, canonical_json
+from events.models import Event, TrialCancelled, TrialSubmitted
+from gpu_worker.trainer import Trainer
+from projections import search_plan
+from projections.state import State
+
+
+class TrialFailed(RuntimeError):
+    """The trial's training raised; ``error`` is the worker's report."""
+
+    def __init__(self, trial_id: str, error: str | None) -> None:
+        super().__init__(f"trial {trial_id} failed: {error}")
+        self.trial_id = trial_id
+        self.error = error
+
+
+class Runtime(Protocol):
+    """What a Study needs from a deployment (embedded coordinator, or Kafka client)."""
+
+    @property
+    def state(self) -> State: ...
+
+    def append(self, events: list[Event]) -> None: ...
+
+    def watch(self, trial_id: str, steps: int) -> asyncio.Future[dict[str, float]]: ...
+
+
+def plan_key_of(trainer: Trainer, seed: int) -> str:
+    """The plan key: sha256 of the trainer's fingerprint (name, version, constants, data order)
+    and the seed, 16 hex characters. Studies with equal plan keys share one search plan."""
+    return hashlib.sha256(f"{trainer.fingerprint()}:{seed}".encode()).hexdigest()[:16]
+
+
+class Study:
+    """One HPO study: a trainer, a seed, a name, and the runtime it submits to.
+
+    Args:
+        runtime: the deployment that records events and answers trials.
+        name: study id; the same name resumes the same study.
+        trainer: the study's Trainer (its ``hyperparameters`` are the names a config must give).
+        seed: model-initialisation and data-order seed (part of the plan key).
+        merge: False gives every trial a search plan of its own (the papers' trial-based
+            baseline, ``--no-merge``); results are the same, shared prefixes are retrained.
+    """
+
+    def __init__(self, runtime: Runtime, name: str, trainer: Trainer, seed: int = 0, *, merge: bool = True) -> None:
+        if not name:
+            raise ValueError(f"`name` is {name!r}, but must be a non-empty string")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"`seed` is {seed!r}, but must be an int in [0, 2**63)")
+        self.runtime = runtime
+        self.name = name
+        self.trainer = trainer
+        self.seed = seed
+        self.merge = merge
+        self.plan_key = plan_key_of(trainer, seed)
+        self._pending: list[Event] = []
+        self._flush_scheduled = False
+
+    # ------------------------------------------------------------------ validation
+
+    def config(self, hp: Mapping[str, Any]) -> HPConfig:
+        """Validate ``hp`` into a configuration of hyper-parameter functions.
+
+        Numbers become Constant; dicts are parsed as JSON functions.
+
+        Raises:
+            ValueError: a name the trainer does not know, a missing name, or an invalid function.
+        """
+        if not isinstance(hp, Mapping):
+            raise ValueError(f"`hp` is {hp!r}, but must be a mapping of hyper-parameter names to functions")
+        known = set(self.trainer.hyperparameters)
+        unknown = sorted(set(hp) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown hyper-parameter {unknown[0]!r} for trainer {self.trainer.name!r}; known: {sorted(known)}"
+            )
+        missing = sorted(known - set(hp))
+        if missing:
+            raise ValueError(f"hyper-parameter {missing[0]!r} of trainer {self.trainer.name!r} has no value in {dict(hp)!r}")
+        out: HPConfig = {}
+        for name in sorted(hp):
+            try:
+                out[name] = as_hp(hp[name])
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"hyper-parameter {name!r}: {exc}") from None
+        return out
+
+    def trial_id(self, config: HPConfig) -> str:
+        """Stable id of ``config`` in this study: 16 hex characters of sha256(study, config)."""
+        return hashlib.sha256(self.name.encode() + b"\0" + canonical_json(config)).hexdigest()[:16]
+
+    def _plan_for(self, trial_id: str) -> str:
+        return self.plan_key if self.merge else f"{self.plan_key}/trial/{trial_id}"
+
+    @staticmethod
+    def _check_steps(steps: Any) -> int:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+            raise ValueError(f"`steps` is {steps!r}, but must be a positive int")
+        return steps
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, hp: Mapping[str, Any], steps: int) -> asyncio.Future[dict[str, float]]:
+        """Request the metrics of ``hp`` trained for ``steps`` steps; returns a future of them.
+
+        Must be called with a running event loop. Submissions in one loop turn are appended as
+        one batch. A trial already answered at ``steps`` resolves at once without a new event.
+
+        Raises:
+            ValueError: invalid ``hp`` or ``steps`` (nothing is recorded).
+        """
+        steps = self._check_steps(steps)
+        config = self.config(hp)
+        trial_id = self.trial_id(config)
+        future = self.runtime.watch(trial_id, steps)
+        trial = self.runtime.state.trials.get(trial_id)
+        if trial is None or steps not in trial.results:
+            self._enqueue(TrialSubmitted(producer=f"sdk:{self.name}", study_id=self.name, trial_id=trial_id,
+                                         plan_key=self._plan_for(trial_id), seed=self.seed, hp=config, steps=steps))
+        return future
+
+    def cancel(self, hp: Mapping[str, Any]) -> None:
+        """Withdraw the trial of ``hp``: requests that no other trial waits on are dropped."""
+        trial_id = self.trial_id(self.config(hp))
+        if trial_id not in self.runtime.state.trials:
+            raise ValueError(f"`hp` {dict(hp)!r} names no submitted trial of study {self.name!r}")
+        self._enqueue(TrialCancelled(producer=f"sdk:{self.name}", study_id=self.name, trial_id=trial_id))
+
+    async def eval(self, hp: Mapping[str, Any], step: int) -> dict[str, float]:
+        """Metrics of ``hp`` at ``step``: answered from stored metrics when the plan has them
+        (any trial's, Hippo §5.4 ``study.eval``), else trained like :meth:`submit`."""
+        step = self._check_steps(step)
+        config = self.config(hp)
+        plan = self.runtime.state.plans.get(self._plan_for(self.trial_id(config)))
+        if plan is not None:
+            placement = search_plan.place(plan, config, step)
+            if placement.node_id is not None and step in plan.nodes[placement.node_id].metrics:
+                return dict(plan.nodes[placement.node_id].metrics[step])
+        return await self.submit(hp, step)
+
+    def _enqueue(self, event: Event) -> None:
+        self._pending.append(event)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        batch, self._pending = self._pending, []
+        if batch:
+            self.runtime.append(batch)
+
+
+async def wait_all(futures: list[asyncio.Future[Any]]) -> list[Any]:
+    """Wait until every future is done; results in order (Hippo's ``wait_all``)."""
+    return list(await asyncio.gather(*futures))
+
+
+async def wait_any(futures: list[asyncio.Future[Any]]) -> tuple[set[asyncio.Future[Any]], set[asyncio.Future[Any]]]:
+    """Wait until at least one future is done; returns (done, pending) (Hippo's ``wait_any``)."""
+    done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+    return done, pending

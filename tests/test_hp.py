@@ -1,0 +1,406 @@
+"""Hyper-parameter sequences (events.hp): values, JSON, validation, canonical pieces, merging."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from events.hp import (
+    Constant,
+    Cosine,
+    CyclicLR,
+    Exponential,
+    HPConfig,
+    HPFunction,
+    Linear,
+    MultiStep,
+    Piecewise,
+    Warmup,
+    _eval_piece,
+    as_hp,
+    breakpoints,
+    canonical_json,
+    config_from_json,
+    config_to_json,
+    config_values,
+    first_divergence,
+    hp_from_json,
+    hp_to_json,
+    same_piece,
+)
+
+# --------------------------------------------------------------------------- strategies
+
+numbers = st.integers(-1000, 1000) | st.floats(-1e3, 1e3, allow_nan=False)
+gammas = st.integers(1, 4) | st.floats(0.01, 4.0)
+periods = st.integers(1, 50)
+milestones = st.lists(st.integers(1, 500), unique=True, max_size=4).map(sorted)
+
+leaves: st.SearchStrategy[HPFunction] = st.one_of(
+    st.builds(Constant, numbers),
+    st.builds(MultiStep, numbers, milestones, gammas),
+    st.builds(Exponential, numbers, gammas),
+    st.builds(Linear, numbers, numbers),
+    st.builds(Cosine, numbers, numbers, periods, st.integers(1, 3) | st.floats(1.0, 3.0)),
+    st.builds(CyclicLR, numbers, numbers, periods, periods),
+)
+
+
+def _piecewise(
+    children: st.SearchStrategy[HPFunction],
+) -> st.SearchStrategy[HPFunction]:
+    return st.lists(children, min_size=1, max_size=3).flatmap(
+        lambda fns: st.lists(
+            st.integers(1, 300), min_size=len(fns) - 1, max_size=len(fns) - 1, unique=True
+        ).map(lambda bounds: Piecewise(fns, sorted(bounds)))
+    )
+
+
+functions: st.SearchStrategy[HPFunction] = st.recursive(
+    leaves,
+    lambda children: st.builds(Warmup, numbers, periods, children) | _piecewise(children),
+    max_leaves=5,
+)
+configs: st.SearchStrategy[HPConfig] = st.dictionaries(
+    st.sampled_from(["bs", "lr", "momentum", "wd"]), functions, min_size=1
+)
+
+# --------------------------------------------------------------------------- values
+
+
+@pytest.mark.parametrize(
+    ("fn", "expected"),
+    [
+        (Constant(0.1), [0.1, 0.1, 0.1]),
+        (MultiStep(0.1, [2, 4], 0.1), [0.1, 0.1, 0.01, 0.01, 0.001, 0.001]),
+        (Exponential(0.1, 0.9), [0.1, 0.09, 0.081, 0.0729]),
+        (Linear(1, -0.02), [1, 0.98, 0.96, 0.94]),
+        # SGDR, gamma 2: cycles [0, 2), [2, 6), [6, 14), each restarting at init.
+        (
+            Cosine(1.0, 0.0, 2, gamma=2),
+            [1.0, 0.5, 1.0, (1 + math.sqrt(0.5)) / 2, 0.5, (1 - math.sqrt(0.5)) / 2, 1.0],
+        ),
+        (
+            Cosine(1.0, 0.2, 4),
+            [1.0, 0.2 + 0.4 * (1 + math.sqrt(0.5)), 0.6, 0.2 + 0.4 * (1 - math.sqrt(0.5)), 1.0],
+        ),
+        # Ramp 0.0 -> then.value(0) = 0.1 over 4 steps, then the exponential from its step 0.
+        (Warmup(0.0, 4, Exponential(0.1, 0.5)), [0.0, 0.025, 0.05, 0.075, 0.1, 0.05, 0.025]),
+        (CyclicLR(0.0, 1.0, 2, 4), [0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0, 0.5, 1.0]),
+        # Each function runs in its own frame, starting at 0 at its boundary.
+        (
+            Piecewise([Constant(1), Linear(10, -1), Exponential(8, 0.5)], [3, 5]),
+            [1, 1, 1, 10, 9, 8.0, 4.0, 2.0],
+        ),
+    ],
+    ids=lambda v: str(v)[:40] if isinstance(v, HPFunction) else "",
+)
+def test_values_match_hand_computed_numbers(fn: HPFunction, expected: list[float]) -> None:
+    assert [fn.value(s) for s in range(len(expected))] == pytest.approx(expected)
+
+
+def _reference(fn: HPFunction, step: int) -> float:
+    """The value by the family's formula, written out independently of canonical pieces."""
+    match fn:
+        case Constant():
+            return fn.value_
+        case MultiStep():
+            return fn.init * fn.gamma ** sum(m <= step for m in fn.milestones)
+        case Exponential():
+            return fn.init * fn.gamma**step
+        case Linear():
+            return fn.init + fn.slope * step
+        case Cosine():
+            start, cycle = 0, 0
+            while step >= start + round(fn.period * fn.gamma**cycle):
+                start, cycle = start + round(fn.period * fn.gamma**cycle), cycle + 1
+            length = round(fn.period * fn.gamma**cycle)
+            cosine = math.cos(math.pi * (step - start) / length)
+            return fn.min_value + (fn.init - fn.min_value) * (1 + cosine) / 2
+        case Warmup():
+            if step >= fn.period:
+                return _reference(fn.then, step - fn.period)
+            target = _reference(fn.then, 0)
+            return fn.init + (target - fn.init) * step / fn.period
+        case CyclicLR():
+            rest = step % (fn.period_up + fn.period_down)
+            if rest < fn.period_up:
+                return fn.init + (fn.max_value - fn.init) * rest / fn.period_up
+            return fn.max_value + (fn.init - fn.max_value) * (rest - fn.period_up) / fn.period_down
+        case Piecewise():
+            i = sum(b <= step for b in fn.boundaries)
+            return _reference(fn.functions[i], step - (fn.boundaries[i - 1] if i else 0))
+    raise AssertionError(fn)
+
+
+@given(functions, st.integers(0, 300))
+@settings(deadline=None)
+def test_values_follow_the_family_formulas(fn: HPFunction, step: int) -> None:
+    assert fn.value(step) == pytest.approx(_reference(fn, step), rel=1e-12, abs=1e-12)
+
+
+def test_multistep_int_doubling_keeps_ints() -> None:
+    bs = MultiStep(32, [40], 2)
+    assert (bs.value(0), bs.value(39), bs.value(40), bs.value(1000)) == (32, 32, 64, 64)
+    assert all(type(bs.value(s)) is int for s in (0, 40))
+    assert type(MultiStep(32, [40], 2.0).value(40)) is float
+
+
+def test_value_rejects_negative_step() -> None:
+    with pytest.raises(ValueError, match="`step` is -1"):
+        Constant(0.1).value(-1)
+
+
+def test_str_is_readable() -> None:
+    fn = MultiStep(0.1, [90, 135], 0.1)
+    assert str(fn) == repr(fn) == "MultiStep(init=0.1, milestones=[90, 135], gamma=0.1)"
+    assert str(Constant(0.1)) == "Constant(value=0.1)"
+    assert (
+        str(Piecewise([Warmup(0.0, 5, Exponential(0.1, 0.9)), Constant(1e-6)], [30]))
+        == "Piecewise(functions=[Warmup(init=0.0, period=5, then=Exponential(init=0.1, "
+        "gamma=0.9)), Constant(value=1e-06)], boundaries=[30])"
+    )
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+@given(functions)
+def test_json_round_trip(fn: HPFunction) -> None:
+    data = hp_to_json(fn)
+    assert hp_from_json(data) == fn
+    assert hp_from_json(orjson.loads(orjson.dumps(data))) == fn
+    assert as_hp(data) == fn
+    assert hp_from_json(data).pieces(50) == fn.pieces(50)
+
+
+@given(configs)
+def test_config_json_round_trip_and_canonical_bytes(config: HPConfig) -> None:
+    data = config_to_json(config)
+    assert list(data) == sorted(config)
+    restored = config_from_json(orjson.loads(orjson.dumps(data)))
+    assert restored == config
+    reordered = dict(reversed(list(config.items())))
+    assert canonical_json(restored) == canonical_json(reordered) == canonical_json(config)
+
+
+def test_json_shape() -> None:
+    assert hp_to_json(Constant(0.1)) == {"kind": "Constant", "value": 0.1}
+    assert hp_to_json(Warmup(0, 3, MultiStep(32, [40], 2))) == {
+        "kind": "Warmup",
+        "init": 0,
+        "period": 3,
+        "then": {"kind": "MultiStep", "init": 32, "milestones": [40], "gamma": 2},
+    }
+
+
+def test_equality_is_strict_about_int_and_float() -> None:
+    assert Constant(128) != Constant(128.0)
+    assert canonical_json({"bs": Constant(128)}) != canonical_json({"bs": Constant(128.0)})
+    assert Constant(128) == Constant(128) and hash(Constant(128)) == hash(Constant(128))
+    # The values are equal, so the two configs never diverge.
+    assert first_divergence({"bs": Constant(128)}, {"bs": Constant(128.0)}, 0, 1000) == 1000
+
+
+def test_as_hp() -> None:
+    fn = Cosine(0.1, 0.0, 20)
+    assert as_hp(fn) is fn
+    assert as_hp(128) == Constant(128)
+    assert as_hp(0.1) == Constant(0.1)
+    assert as_hp({"kind": "Linear", "init": 1, "slope": -0.02}) == Linear(1, -0.02)
+    assert type(as_hp(np.float64(0.1)).value(0)) is float
+    numpy_bs = MultiStep.model_validate({"init": np.int64(32), "milestones": [40], "gamma": 2})
+    assert numpy_bs == MultiStep(32, [40], 2) and type(numpy_bs.value(40)) is int
+    for bad in ("0.1", None, True, [0.1]):
+        with pytest.raises(TypeError, match=repr(bad).replace("[", r"\[")):
+            as_hp(bad)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("make", "field", "value"),
+    [
+        (lambda: Constant(math.nan), "value", "nan"),
+        (lambda: Constant(math.inf), "value", "inf"),
+        (lambda: Constant(True), "value", "True"),
+        (lambda: Constant("0.1"), "value", "'0.1'"),  # type: ignore[arg-type]
+        (lambda: MultiStep(2**63, [10], 2), "init", str(2**63)),
+        (lambda: Linear(0.1, -math.inf), "slope", "-inf"),
+        (lambda: MultiStep(0.1, [90, 90], 0.1), "milestones", "[90, 90]"),
+        (lambda: MultiStep(0.1, [0, 10], 0.1), "milestones", "[0, 10]"),
+        (lambda: MultiStep(0.1, [10], 0), "gamma", "0"),
+        (lambda: Exponential(0.1, -0.5), "gamma", "-0.5"),
+        (lambda: Cosine(0.1, 0.0, 10, 0.5), "gamma", "0.5"),
+        (lambda: Cosine(0.1, 0.0, 0), "period", "0"),
+        (lambda: Warmup(0.0, -3, Constant(0.1)), "period", "-3"),
+        (lambda: CyclicLR(0.01, 0.1, 5, 0), "period_down", "0"),
+        (lambda: Piecewise([Constant(0.1), Constant(0.01)], [50, 60]), "boundaries", "[50, 60]"),
+        (lambda: Piecewise([Constant(0.1), Constant(0.01)], [0]), "boundaries", "[0]"),
+        (
+            lambda: hp_from_json(
+                {"kind": "Warmup", "init": 0, "period": 0, "then": hp_to_json(Constant(1))}
+            ),
+            "period",
+            "0",
+        ),
+    ],
+)
+def test_invalid_parameters_name_field_and_value(
+    make: Callable[[], object], field: str, value: str
+) -> None:
+    with pytest.raises(ValueError) as info:
+        make()
+    assert f"`{field}` is {value}" in str(info.value)
+
+
+# --------------------------------------------------------------------------- canonical pieces
+
+
+def test_pieces_of_multistep_and_constant_share_a_key() -> None:
+    assert Constant(0.1).pieces(200) == [(0, ("const", 0.1))]
+    assert MultiStep(0.1, [90, 135], 0.1).pieces(200) == [
+        (0, ("const", 0.1)),
+        (90, ("const", 0.1 * 0.1)),
+        (135, ("const", 0.1 * 0.1**2)),
+    ]
+    assert MultiStep(0.1, [90, 135], 0.1).pieces(100) == [
+        (0, ("const", 0.1)),
+        (90, ("const", 0.1 * 0.1)),
+    ]
+    assert Constant(0.1).pieces(0) == []
+
+
+def test_pieces_shift_inner_frames() -> None:
+    assert Warmup(0.0, 4, Exponential(0.1, 0.5)).pieces(100) == [
+        (0, ("ramp", 0.0, 0.1, 4, 0)),
+        (4, ("exp", 0.1, 0.5, 4)),
+    ]
+    assert Piecewise([Constant(1), Cosine(1.0, 0.0, 10)], [5]).pieces(30) == [
+        (0, ("const", 1)),
+        (5, ("cos", 1.0, 0.0, 10, 5)),
+        (15, ("cos", 1.0, 0.0, 10, 15)),
+        (25, ("cos", 1.0, 0.0, 10, 25)),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fn", "key"),
+    [
+        (Exponential(0.1, 1), ("const", 0.1)),
+        (Exponential(0, 0.5), ("const", 0.0)),
+        (Linear(2, 0), ("const", 2)),
+        (Cosine(0.1, 0.1, 10), ("const", 0.1)),
+        (CyclicLR(0.1, 0.1, 2, 2), ("const", 0.1)),
+        (Warmup(0.1, 10, Constant(0.1)), ("const", 0.1)),
+        (Piecewise([Constant(0.1), Constant(0.1)], [50]), ("const", 0.1)),
+        (MultiStep(0.1, [10, 20], 1), ("const", 0.1)),
+    ],
+    ids=str,
+)
+def test_degenerate_pieces_are_constants(fn: HPFunction, key: tuple[object, ...]) -> None:
+    assert fn.pieces(100) == [(0, key)]
+
+
+@given(functions, st.integers(0, 300))
+@settings(deadline=None)
+def test_pieces_cover_the_range_and_compute_the_values(fn: HPFunction, stop: int) -> None:
+    pieces = fn.pieces(stop)
+    starts = [start for start, _ in pieces]
+    assert starts == sorted(set(starts))
+    assert (starts[:1] == [0]) == (stop > 0) and all(s < stop for s in starts)
+    assert not any(same_piece(a, b) for (_, a), (_, b) in zip(pieces, pieces[1:]))
+    bounds = [*starts[1:], stop]
+    for (start, key), end in zip(pieces, bounds):
+        for s in range(start, end):
+            assert fn.value(s) == _eval_piece(key, s)
+
+
+def test_breakpoints_are_the_union_of_piece_starts() -> None:
+    config = {"lr": MultiStep(0.1, [90, 135], 0.1), "bs": MultiStep(128, [40], 2)}
+    assert breakpoints(config, 200) == [0, 40, 90, 135]
+    assert breakpoints(config, 100) == [0, 40, 90]
+    assert config_values(config, 95) == {"bs": 256, "lr": pytest.approx(0.01)}
+    assert list(config_values(config, 0)) == ["bs", "lr"]
+
+
+# --------------------------------------------------------------------------- first divergence
+
+LR_FAMILY = [
+    Constant(0.1),
+    Constant(0.01),
+    Constant(1),
+    Constant(1.0),
+    MultiStep(0.1, [100], 0.1),
+    MultiStep(0.1, [100, 150], 0.1),
+    MultiStep(0.1, [120], 0.1),
+    MultiStep(0.1, [100], 1),
+    Exponential(0.1, 0.99),
+    Exponential(3, 3),  # exact ints ...
+    Exponential(3.0, 3),  # ... differ from floats once 3**step passes 2**53
+    Linear(0.1, -0.0001),
+    Linear(0.1, 0),
+    Cosine(0.1, 0.0, 50),
+    Cosine(0.1, 0.0, 50, 2),
+    Cosine(0.1, 0.0, 25),
+    Warmup(0.0, 10, Constant(0.1)),
+    Warmup(0.0, 10, Exponential(0.1, 0.99)),
+    Warmup(0.1, 10, Constant(0.1)),
+    CyclicLR(0.01, 0.1, 20, 30),
+    CyclicLR(0.01, 0.1, 20, 20),
+    Piecewise([Constant(0.1), Exponential(0.1, 0.99)], [100]),
+    Piecewise([Constant(0.1), Constant(0.01)], [100]),
+    Piecewise([Cosine(0.1, 0.0, 50), Constant(0.1)], [100]),
+    Piecewise([Warmup(0.0, 10, Constant(0.1)), Cosine(0.1, 0.0, 50, 2)], [60]),
+]
+BS_FAMILY = [
+    Constant(128),
+    Constant(128.0),
+    MultiStep(128, [40], 2),
+    MultiStep(128, [40, 80], 2),
+    Warmup(32, 20, Constant(128)),
+]
+family_configs = st.fixed_dictionaries(
+    {"lr": st.sampled_from(LR_FAMILY), "bs": st.sampled_from(BS_FAMILY)}
+)
+
+
+def _brute_force(a: HPConfig, b: HPConfig, start: int, stop: int) -> int:
+    diverged = (s for s in range(start, stop) if any(a[k].value(s) != b[k].value(s) for k in a))
+    return next(diverged, stop)
+
+
+@given(family_configs, family_configs, st.integers(0, 300), st.integers(0, 300))
+@settings(max_examples=500, deadline=None)
+def test_first_divergence_equals_a_step_by_step_scan(
+    a: HPConfig, b: HPConfig, start: int, stop: int
+) -> None:
+    assert first_divergence(a, b, start, stop) == _brute_force(a, b, start, stop)
+
+
+def test_constant_and_multistep_diverge_at_the_milestone() -> None:
+    a = {"lr": Constant(0.1)}
+    b = {"lr": MultiStep(0.1, [100], 0.1)}
+    assert first_divergence(a, b, 0, 200) == 100
+    assert first_divergence(a, b, 0, 100) == 100
+    assert first_divergence(a, b, 150, 200) == 150
+
+
+def test_long_ranges_are_skipped_piece_by_piece() -> None:
+    assert first_divergence({"lr": Constant(0.1)}, {"lr": Constant(0.1)}, 0, 30_000) == 30_000
+    late = {"lr": MultiStep(0.1, [29_000], 0.1)}
+    assert first_divergence({"lr": Constant(0.1)}, late, 0, 30_000) == 29_000
+    cosine = {"lr": Cosine(0.1, 0.0, 1)}
+    assert first_divergence(cosine, dict(cosine), 0, 30_000) == 30_000
+
+
+def test_first_divergence_rejects_different_names() -> None:
+    with pytest.raises(ValueError, match=r"only `a` has \['lr'\] and only `b` has \['bs'\]"):
+        first_divergence({"lr": Constant(0.1)}, {"bs": Constant(0.1)}, 0, 10)

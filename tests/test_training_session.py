@@ -1,0 +1,352 @@
+"""TrainingSession, ResumableSampler and the digits example, on real torch and real data.
+
+Checks DESIGN.md invariant 1 (merged = independent, bit for bit): training
+straight through equals training in stages, each stage a new session loaded
+from the previous stage's checkpoint bytes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from events.hp import Constant, CyclicLR, Exponential, HPConfig, MultiStep, Warmup
+from gpu_worker.checkpoint import decode_state, encode_state
+from gpu_worker.sampler import ResumableSampler
+from gpu_worker.session import TrainingSession, step_seed
+from gpu_worker.trainer import Trainer
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "digits.py"
+MAX_STEPS = 60
+
+
+def _load_example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("stagetree_example_digits", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+digits = _load_example()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """One intra-op thread, as in a worker: small steps on shared cores stall with more."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def new_session(seed: int = 7) -> TrainingSession:
+    return TrainingSession(digits.DigitsTrainer(), seed)
+
+
+def straight(config: HPConfig, steps: int, seed: int = 7) -> TrainingSession:
+    session = new_session(seed)
+    session.start_fresh()
+    session.train(config, steps)
+    return session
+
+
+def chunked(config: HPConfig, boundaries: list[int], steps: int, seed: int = 7) -> TrainingSession:
+    """Train ``[0, steps)`` in stages ending at ``boundaries``, each stage a new session."""
+    session = new_session(seed)
+    session.start_fresh()
+    for boundary in [*boundaries, steps]:
+        session.train(config, boundary)
+        data = session.save()
+        session = new_session(seed)
+        session.load(data)
+    session.train(config, steps)
+    return session
+
+
+def assert_same_training(a: TrainingSession, b: TrainingSession) -> None:
+    assert a.step == b.step
+    state_a = a.trainer.model.state_dict()
+    state_b = b.trainer.model.state_dict()
+    assert state_a.keys() == state_b.keys()
+    for name in state_a:
+        assert torch.equal(state_a[name], state_b[name]), name
+    assert a.save() == b.save()
+    assert a.evaluate() == b.evaluate()
+
+
+def lr_functions(steps: int) -> st.SearchStrategy:
+    milestones = st.lists(st.integers(1, steps), min_size=1, max_size=3, unique=True).map(sorted)
+    return st.one_of(
+        st.sampled_from([0.01, 0.05, 0.1]).map(Constant),
+        st.builds(MultiStep, st.sampled_from([0.05, 0.1]), milestones, st.sampled_from([0.1, 0.5])),
+        st.builds(
+            Warmup,
+            st.just(0.001),
+            st.integers(1, steps),
+            st.builds(Exponential, st.sampled_from([0.05, 0.1]), st.sampled_from([0.9, 0.97])),
+        ),
+        st.builds(
+            CyclicLR,
+            st.just(0.01),
+            st.sampled_from([0.1, 0.2]),
+            st.integers(1, 20),
+            st.integers(1, 20),
+        ),
+    )
+
+
+@st.composite
+def configs(draw: st.DrawFn, steps: int) -> HPConfig:
+    batch_size = draw(
+        st.one_of(
+            st.sampled_from([8, 16, 32, 64]).map(Constant),
+            st.builds(MultiStep, st.sampled_from([8, 16, 32]), st.integers(1, steps).map(lambda m: [m]), st.just(2)),
+        )
+    )
+    momentum = draw(
+        st.one_of(
+            st.sampled_from([0.0, 0.5, 0.9]).map(Constant),
+            st.builds(MultiStep, st.just(0.9), st.integers(1, steps).map(lambda m: [m]), st.just(0.5)),
+        )
+    )
+    return {"lr": draw(lr_functions(steps)), "batch_size": batch_size, "momentum": momentum}
+
+
+@st.composite
+def split_runs(draw: st.DrawFn) -> tuple[HPConfig, list[int], int]:
+    steps = draw(st.integers(1, MAX_STEPS))
+    config = draw(configs(steps))
+    boundaries = sorted(draw(st.lists(st.integers(0, steps), max_size=4)))
+    return config, boundaries, steps
+
+
+@settings(deadline=None, max_examples=15)
+@given(split_runs())
+def test_split_and_resume_equals_straight_through(run: tuple[HPConfig, list[int], int]) -> None:
+    config, boundaries, steps = run
+    assert_same_training(straight(config, steps), chunked(config, boundaries, steps))
+
+
+def test_branches_from_a_shared_prefix_equal_independent_runs() -> None:
+    prefix_steps, steps = 20, 45
+    shared = {"lr": Constant(0.1), "batch_size": Constant(32), "momentum": Constant(0.9)}
+    branch_a = {
+        "lr": MultiStep(0.1, [prefix_steps], 0.1),
+        "batch_size": Constant(32),
+        "momentum": Constant(0.9),
+    }
+    branch_b = {
+        "lr": Warmup(0.1, prefix_steps, Exponential(0.1, 0.95)),
+        "batch_size": MultiStep(32, [prefix_steps], 2),
+        "momentum": MultiStep(0.9, [30], 0.5),
+    }
+    prefix = straight(shared, prefix_steps).save()
+    for branch in (branch_a, branch_b):
+        resumed = new_session()
+        resumed.load(prefix)
+        resumed.train(branch, steps)
+        assert_same_training(straight(branch, steps), resumed)
+
+
+def test_checkpoint_bytes_are_a_function_of_the_state() -> None:
+    config = {"lr": Constant(0.05), "batch_size": Constant(16), "momentum": Constant(0.9)}
+    first, second = straight(config, 12), straight(config, 12)
+    data = first.save()
+    assert first.save() == data
+    assert second.save() == data
+    reloaded = new_session()
+    reloaded.load(data)
+    assert reloaded.save() == data
+    state = decode_state(data)
+    assert state["format"] == 1 and state["step"] == 12
+    assert state["hp"] == {"batch_size": 16, "lr": 0.05, "momentum": 0.9}
+    assert straight(config, 12, seed=8).save() != data
+
+
+def test_evaluate_between_steps_changes_nothing() -> None:
+    config = {"lr": Constant(0.1), "batch_size": Constant(32), "momentum": Constant(0.9)}
+    plain = straight(config, 30)
+    interleaved = new_session()
+    interleaved.start_fresh()
+    for stop in (10, 20, 30):
+        interleaved.train(config, stop)
+        rng = torch.get_rng_state()
+        metrics = interleaved.evaluate()
+        assert torch.equal(torch.get_rng_state(), rng)
+        assert set(metrics) == {"val_acc", "val_loss"}
+        assert all(type(value) is float for value in metrics.values())
+    assert_same_training(plain, interleaved)
+
+
+def test_setup_receives_changed_values_then_all_after_load() -> None:
+    class Recording(digits.DigitsTrainer):
+        def __init__(self) -> None:
+            self.calls: list[tuple[int, dict[str, float | int]]] = []
+            self._step = 0
+
+        def setup(self, hp: dict[str, float | int]) -> None:
+            self.calls.append((self._step, dict(hp)))
+            super().setup(hp)
+
+        def train_step(self, indices: torch.Tensor, step: int) -> None:
+            self._step = step + 1
+            super().train_step(indices, step)
+
+    config = {"lr": MultiStep(0.1, [3], 0.1), "batch_size": Constant(8), "momentum": Constant(0.9)}
+    trainer = Recording()
+    session = TrainingSession(trainer, 7)
+    session.start_fresh()
+    session.train(config, 5)
+    assert trainer.calls == [
+        (0, {"batch_size": 8, "lr": 0.1, "momentum": 0.9}),
+        (3, {"lr": 0.1 * 0.1}),
+    ]
+    resumed_trainer = Recording()
+    resumed = TrainingSession(resumed_trainer, 7)
+    resumed.load(session.save())
+    resumed.train(config, 6)
+    assert resumed_trainer.calls == [(0, {"batch_size": 8, "lr": 0.1 * 0.1, "momentum": 0.9})]
+
+
+def test_digits_trainer_learns() -> None:
+    config = {"lr": Constant(0.1), "batch_size": Constant(32), "momentum": Constant(0.9)}
+    session = straight(config, 150)
+    metrics = session.evaluate()
+    assert metrics["val_acc"] > 0.85
+    assert session.trainer.train_size() == 1438
+    assert session.trainer.val_labels.shape == (359,)
+
+
+def test_seed_fixes_split_and_initial_weights() -> None:
+    a, b, c = new_session(1), new_session(1), new_session(2)
+    for session in (a, b, c):
+        session.start_fresh()
+    assert torch.equal(a.trainer.val_labels, b.trainer.val_labels)
+    assert torch.equal(a.trainer.model.fc.weight, b.trainer.model.fc.weight)
+    assert not torch.equal(a.trainer.val_images, c.trainer.val_images)
+    assert not torch.equal(a.trainer.model.fc.weight, c.trainer.model.fc.weight)
+
+
+def test_session_rejects_bad_calls() -> None:
+    config = {"lr": Constant(0.1), "batch_size": Constant(32), "momentum": Constant(0.9)}
+    session = new_session()
+    with pytest.raises(RuntimeError, match="start_fresh"):
+        session.train(config, 1)
+    session.start_fresh()
+    session.train(config, 5)
+    with pytest.raises(ValueError, match="to_step"):
+        session.train(config, 4)
+    with pytest.raises(ValueError, match="'weight_decay'"):
+        session.train({**config, "weight_decay": Constant(0.0)}, 6)
+    with pytest.raises(ValueError, match="differ"):
+        session.train({"lr": Constant(0.1)}, 6)
+    with pytest.raises(ValueError, match="'batch_size'.*2.5"):
+        session.train({**config, "batch_size": Constant(2.5)}, 6)
+    assert session.step == 5
+    with pytest.raises(ValueError, match="seed"):
+        TrainingSession(digits.DigitsTrainer(), -1)
+
+
+def test_step_seed_is_stable_and_63_bit() -> None:
+    assert step_seed(7, 3) == step_seed(7, 3)
+    seeds = {step_seed(seed, step) for seed in range(4) for step in range(50)}
+    assert len(seeds) == 200
+    assert all(0 <= value < 2**63 for value in seeds)
+
+
+def test_trainer_fingerprint_and_name() -> None:
+    trainer = digits.DigitsTrainer()
+    assert trainer.name == "DigitsTrainer"
+    assert trainer.fingerprint() == digits.DigitsTrainer().fingerprint()
+    assert len(trainer.fingerprint()) == 64
+
+    class Bumped(digits.DigitsTrainer):
+        name = "DigitsTrainer"
+        version = "2"
+
+    assert Bumped().fingerprint() != trainer.fingerprint()
+
+    class BadConstants(digits.DigitsTrainer):
+        def constants(self) -> dict[str, object]:
+            return {"dropout": float("nan")}
+
+    with pytest.raises(ValueError, match="constants"):
+        BadConstants().fingerprint()
+    assert issubclass(digits.DigitsTrainer, Trainer)
+
+
+# --- ResumableSampler -------------------------------------------------------
+
+
+@settings(deadline=None, max_examples=50)
+@given(
+    st.integers(1, 40),
+    st.integers(0, 2**63 - 1),
+    st.lists(st.integers(1, 50), min_size=1, max_size=30),
+)
+def test_sampler_covers_each_index_once_per_permutation(
+    n: int, seed: int, batch_sizes: list[int]
+) -> None:
+    sampler = ResumableSampler(n, seed)
+    batches = [sampler.next_batch(size) for size in batch_sizes]
+    for batch, size in zip(batches, batch_sizes):
+        assert batch.dtype == torch.int64 and batch.shape == (size,)
+    drawn = torch.cat(batches)
+    full = len(drawn) // n
+    for epoch in range(full):
+        assert sorted(drawn[epoch * n : (epoch + 1) * n].tolist()) == list(range(n))
+    rest = drawn[full * n :].tolist()
+    assert len(set(rest)) == len(rest)
+    assert sampler.epoch == (len(drawn) - 1) // n
+    assert sampler.position == len(drawn) - sampler.epoch * n
+
+
+@settings(deadline=None, max_examples=50)
+@given(
+    st.integers(1, 40),
+    st.integers(0, 2**32),
+    st.lists(st.integers(1, 50), max_size=10),
+    st.lists(st.integers(1, 50), min_size=1, max_size=10),
+)
+def test_sampler_state_round_trip(
+    n: int, seed: int, before: list[int], after: list[int]
+) -> None:
+    sampler = ResumableSampler(n, seed)
+    for size in before:
+        sampler.next_batch(size)
+    restored = ResumableSampler(n, seed + 1)
+    restored.load_state_dict(decode_state(encode_state(sampler.state_dict())))
+    for size in after:
+        assert torch.equal(sampler.next_batch(size), restored.next_batch(size))
+    assert encode_state(sampler.state_dict()) == encode_state(restored.state_dict())
+
+
+def test_sampler_is_a_function_of_the_seed() -> None:
+    assert torch.equal(ResumableSampler(100, 3).next_batch(100), ResumableSampler(100, 3).next_batch(100))
+    assert not torch.equal(ResumableSampler(100, 3).next_batch(100), ResumableSampler(100, 4).next_batch(100))
+
+
+def test_sampler_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+        ResumableSampler(0, 1)
+    with pytest.raises(ValueError, match="seed .*-1"):
+        ResumableSampler(5, -1)
+    sampler = ResumableSampler(5, 1)
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        sampler.next_batch(0)
+    with pytest.raises(ValueError, match="batch_size must be an int, got 2.0"):
+        sampler.next_batch(2.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="n must be 6, got 5"):
+        ResumableSampler(6, 1).load_state_dict(sampler.state_dict())
+    with pytest.raises(ValueError, match="position .* 9"):
+        sampler.load_state_dict({**sampler.state_dict(), "position": 9})
