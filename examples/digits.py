@@ -22,6 +22,8 @@ from torch import nn
 from torch.nn import functional
 
 from gpu_worker.trainer import Trainer
+from stagetree.hp import Constant, Cosine, CyclicLR, Exponential, MultiStep, Warmup
+from stagetree.tuners import GridSearchSpace, SuccessiveHalving
 
 VALIDATION_FRACTION = 0.2
 DROPOUT = 0.25
@@ -121,5 +123,30 @@ class DigitsTrainer(Trainer):
         return {"val_acc": accuracy.item(), "val_loss": loss.item()}
 
 
+# ----------------------------------------------------------------------------- the study
+
+name = "digits"
+seed = 0
 trainer = DigitsTrainer()
-# tuner: defined below by the lead
+
+space = GridSearchSpace(
+    {
+        # learning-rate sequences (8): step decays, warm-ups, cosine restarts, cyclic
+        "lr": [
+            MultiStep(0.1, (100, 200), 0.1),
+            MultiStep(0.1, (200,), 0.1),
+            MultiStep(0.05, (150, 300), 0.2),
+            Constant(0.05),
+            Warmup(0.0, 25, Exponential(0.1, 0.995)),
+            Warmup(0.0, 25, MultiStep(0.1, (175,), 0.1)),
+            Cosine(0.1, 0.001, 100, gamma=2.0),
+            CyclicLR(0.01, 0.1, 50, 50),
+        ],
+        # batch-size sequences (2): constant, or doubled at step 100
+        "batch_size": [Constant(32), MultiStep(32, (100,), 2)],
+        # momentum (4): constants, and 0.5 raised to 0.9 at step 100
+        "momentum": [Constant(0.0), Constant(0.5), Constant(0.9), MultiStep(0.5, (100,), 1.8)],
+    }
+)  # 8 x 2 x 4 = 64 trials
+
+tuner = SuccessiveHalving(space, metric="val_acc", mode="max", min_steps=30, max_steps=480, reduction=4)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any
 
 import torch
 
@@ -40,7 +39,10 @@ def set_determinism() -> None:
 
 
 def step_seed(seed: int, step: int) -> int:
-    """Return the seed of torch's global RNG for global ``step``: a stable 63-bit hash of (seed, step)."""
+    """Return the seed of torch's global RNG at global ``step``: a 63-bit hash of (seed, step).
+
+    Stable across processes and Python versions (sha256, not ``hash``).
+    """
     digest = hashlib.sha256(f"stagetree-step:{seed}:{step}".encode("ascii")).digest()
     return int.from_bytes(digest[:8], "big") >> 1
 

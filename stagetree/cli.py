@@ -72,6 +72,7 @@ async def _run_embedded(args: argparse.Namespace, console: Console) -> dict[str,
         coord.on_fold.append(progress.on_fold)
         with progress:
             result: TunerResult = await tuner.run(study)
+            await coord.drain()
         e2e = before + (time.monotonic() - started)
         best = result.best
         best_metric = float(best.metrics[result.metric]) if best else None

@@ -76,6 +76,7 @@ class EmbeddedCoordinator:
         self._inbox: asyncio.Queue[tuple[str, bytes | None]] | None = None
         self._pump_task: asyncio.Task[None] | None = None
         self.on_fold: list[Callable[[list[tuple[int, Event]]], None]] = []
+        self._idle: asyncio.Event | None = None
         self.failure: BaseException | None = None
 
     @property
@@ -176,6 +177,8 @@ class EmbeddedCoordinator:
 
     def _fail(self, exc: BaseException) -> None:
         self.failure = exc
+        if self._idle is not None:
+            self._idle.set()
         for futures in self._waiters.values():
             for f in futures:
                 if not f.done():
@@ -211,6 +214,19 @@ class EmbeddedCoordinator:
         applied = self.projector.catch_up()
         for listener in self.on_fold:
             listener(applied)
+        if self._idle is not None and not self.busy():
+            self._idle.set()
+
+    def busy(self) -> bool:
+        """True while a dispatched path has not finished, failed or been lost."""
+        return any(d.status == "running" for d in self.state.dispatches.values())
+
+    async def drain(self) -> None:
+        """Wait until every dispatched path has reported its end (so totals are complete)."""
+        while self.busy() and self.failure is None:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
+        self._idle = None
 
     def _schedule(self) -> None:
         while (decision := decide(self.state)) is not None:

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.hp import Constant, CyclicLR, Exponential, HPConfig, MultiStep, Warmup
+from events.hp import Constant, Cosine, CyclicLR, Exponential, HPConfig, MultiStep, Warmup
 from gpu_worker.checkpoint import decode_state, encode_state
 from gpu_worker.sampler import ResumableSampler
 from gpu_worker.session import TrainingSession, step_seed
@@ -49,19 +49,23 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
-def new_session(seed: int = 7) -> TrainingSession:
-    return TrainingSession(digits.DigitsTrainer(), seed)
+def new_session(seed: int = 7, device: str = "cpu") -> TrainingSession:
+    return TrainingSession(digits.DigitsTrainer(), seed, device)
 
 
-def straight(config: HPConfig, steps: int, seed: int = 7) -> TrainingSession:
-    session = new_session(seed)
+def straight(config: HPConfig, steps: int, seed: int = 7, device: str = "cpu") -> TrainingSession:
+    session = new_session(seed, device)
     session.start_fresh()
     session.train(config, steps)
     return session
 
 
 def chunked(config: HPConfig, boundaries: list[int], steps: int, seed: int = 7) -> TrainingSession:
-    """Train ``[0, steps)`` in stages ending at ``boundaries``, each stage a new session."""
+    """Train ``[0, steps)`` in stages ending at ``boundaries`` and ``steps``.
+
+    Each stage runs in a new session loaded from the previous stage's
+    checkpoint bytes; the returned session is loaded from the last one.
+    """
     session = new_session(seed)
     session.start_fresh()
     for boundary in [*boundaries, steps]:
@@ -69,7 +73,6 @@ def chunked(config: HPConfig, boundaries: list[int], steps: int, seed: int = 7) 
         data = session.save()
         session = new_session(seed)
         session.load(data)
-    session.train(config, steps)
     return session
 
 
@@ -96,6 +99,9 @@ def lr_functions(steps: int) -> st.SearchStrategy:
             st.builds(Exponential, st.sampled_from([0.05, 0.1]), st.sampled_from([0.9, 0.97])),
         ),
         st.builds(
+            Cosine, st.just(0.1), st.just(0.001), st.integers(1, steps), st.sampled_from([1.0, 2.0])
+        ),
+        st.builds(
             CyclicLR,
             st.just(0.01),
             st.sampled_from([0.1, 0.2]),
@@ -107,16 +113,17 @@ def lr_functions(steps: int) -> st.SearchStrategy:
 
 @st.composite
 def configs(draw: st.DrawFn, steps: int) -> HPConfig:
+    one_milestone = st.integers(1, steps).map(lambda milestone: [milestone])
     batch_size = draw(
         st.one_of(
             st.sampled_from([8, 16, 32, 64]).map(Constant),
-            st.builds(MultiStep, st.sampled_from([8, 16, 32]), st.integers(1, steps).map(lambda m: [m]), st.just(2)),
+            st.builds(MultiStep, st.sampled_from([8, 16, 32]), one_milestone, st.just(2)),
         )
     )
     momentum = draw(
         st.one_of(
             st.sampled_from([0.0, 0.5, 0.9]).map(Constant),
-            st.builds(MultiStep, st.just(0.9), st.integers(1, steps).map(lambda m: [m]), st.just(0.5)),
+            st.builds(MultiStep, st.just(0.9), one_milestone, st.just(0.5)),
         )
     )
     return {"lr": draw(lr_functions(steps)), "batch_size": batch_size, "momentum": momentum}
@@ -137,7 +144,16 @@ def test_split_and_resume_equals_straight_through(run: tuple[HPConfig, list[int]
     assert_same_training(straight(config, steps), chunked(config, boundaries, steps))
 
 
-def test_branches_from_a_shared_prefix_equal_independent_runs() -> None:
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+        ),
+    ],
+)
+def test_branches_from_a_shared_prefix_equal_independent_runs(device: str) -> None:
     prefix_steps, steps = 20, 45
     shared = {"lr": Constant(0.1), "batch_size": Constant(32), "momentum": Constant(0.9)}
     branch_a = {
@@ -150,12 +166,12 @@ def test_branches_from_a_shared_prefix_equal_independent_runs() -> None:
         "batch_size": MultiStep(32, [prefix_steps], 2),
         "momentum": MultiStep(0.9, [30], 0.5),
     }
-    prefix = straight(shared, prefix_steps).save()
+    prefix = straight(shared, prefix_steps, device=device).save()
     for branch in (branch_a, branch_b):
-        resumed = new_session()
+        resumed = new_session(device=device)
         resumed.load(prefix)
         resumed.train(branch, steps)
-        assert_same_training(straight(branch, steps), resumed)
+        assert_same_training(straight(branch, steps, device=device), resumed)
 
 
 def test_checkpoint_bytes_are_a_function_of_the_state() -> None:
@@ -216,6 +232,38 @@ def test_setup_receives_changed_values_then_all_after_load() -> None:
     resumed.load(session.save())
     resumed.train(config, 6)
     assert resumed_trainer.calls == [(0, {"batch_size": 8, "lr": 0.1 * 0.1, "momentum": 0.9})]
+
+
+def test_default_batch_size_when_the_config_does_not_set_it() -> None:
+    session = straight({"lr": Constant(0.1), "momentum": Constant(0.0)}, 3)
+    sampler = decode_state(session.save())["sampler"]
+    assert sampler["position"] == 3 * digits.DigitsTrainer.default_batch_size
+
+
+class SelfSampling(digits.DigitsTrainer):
+    """Draws its own mini-batches from the step-seeded global RNG."""
+
+    hyperparameters = ("lr", "momentum")
+    batch_size_hp = None
+
+    def train_step(self, indices: torch.Tensor, step: int) -> None:
+        assert indices.dtype == torch.int64 and indices.shape == (0,)
+        super().train_step(torch.randint(0, self.train_size(), (24,)), step)
+
+
+def test_trainer_without_framework_batches_resumes_bit_for_bit() -> None:
+    config = {"lr": MultiStep(0.1, [9], 0.5), "momentum": Constant(0.9)}
+    whole = TrainingSession(SelfSampling(), 3)
+    whole.start_fresh()
+    whole.train(config, 20)
+    first = TrainingSession(SelfSampling(), 3)
+    first.start_fresh()
+    first.train(config, 7)
+    second = TrainingSession(SelfSampling(), 3)
+    second.load(first.save())
+    second.train(config, 20)
+    assert_same_training(whole, second)
+    assert decode_state(whole.save())["sampler"]["position"] == 0
 
 
 def test_digits_trainer_learns() -> None:
@@ -332,8 +380,11 @@ def test_sampler_state_round_trip(
 
 
 def test_sampler_is_a_function_of_the_seed() -> None:
-    assert torch.equal(ResumableSampler(100, 3).next_batch(100), ResumableSampler(100, 3).next_batch(100))
-    assert not torch.equal(ResumableSampler(100, 3).next_batch(100), ResumableSampler(100, 4).next_batch(100))
+    def first_epoch(seed: int) -> torch.Tensor:
+        return ResumableSampler(100, seed).next_batch(100)
+
+    assert torch.equal(first_epoch(3), first_epoch(3))
+    assert not torch.equal(first_epoch(3), first_epoch(4))
 
 
 def test_sampler_rejects_bad_arguments() -> None:
