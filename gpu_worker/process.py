@@ -18,8 +18,18 @@ from events.models import Event, StageDispatched, WorkerJoined
 from gpu_worker.checkpoint import LocalCheckpointStore
 from gpu_worker.executor import PathExecutor, resolve_device
 from gpu_worker.loader import load_trainer
+from gpu_worker.session import TrainingSession
+from gpu_worker.trainer import Trainer
 
 STOP = b"stop"
+
+
+def warm_up(trainer: Trainer, device: torch.device) -> None:
+    """Build the trainer once and evaluate, before joining: loading data and torch's first-call
+    costs are worker start-up, not time held by a stage (worker-seconds count stages only)."""
+    session = TrainingSession(trainer, 0, device)
+    session.start_fresh()
+    session.evaluate()
 
 
 def embedded_worker_main(conn: Connection, worker_id: str, index: int, study_file: str, checkpoint_dir: str,
@@ -37,6 +47,7 @@ def embedded_worker_main(conn: Connection, worker_id: str, index: int, study_fil
     dev = resolve_device(device, index)
     trainer = load_trainer(study_file)
     executor = PathExecutor(trainer, worker_id, LocalCheckpointStore(Path(checkpoint_dir)), dev)
+    warm_up(trainer, dev)
 
     def emit(event: Event) -> None:
         conn.send_bytes(encode(event))

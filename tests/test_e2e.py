@@ -1,0 +1,104 @@
+"""End to end: `stagetree run` with 2 worker processes on the real digits data.
+
+Merged and --no-merge runs of the same study give identical per-trial metrics (merging changes
+what is computed, never the answer), and a run killed with SIGKILL mid-study finishes with
+--resume, retraining no finished stage, with the same results.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from events import topics
+from events.codec import decode
+from events.log import EmbeddedLog
+from events.models import StageDispatched, StageFinished
+
+pytestmark = pytest.mark.e2e
+
+STUDY = Path(__file__).parent / "studies" / "tiny_sha.py"
+STAGETREE = [sys.executable, "-m", "stagetree.cli"]
+
+
+def run(out: Path, *flags: str) -> dict:
+    proc = subprocess.run([*STAGETREE, "run", str(STUDY), "--workers", "2", "--out", str(out), "--quiet", *flags],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return orjson.loads((out / "summary.json").read_bytes())
+
+
+def per_trial(summary: dict) -> dict:
+    return {t["trial_id"]: (t["steps"], t["metrics"]) for t in summary["trials"]}
+
+
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run(tmp_path_factory.mktemp("merged") / "run")
+
+
+def test_merged_and_trial_based_runs_give_identical_metrics(merged: dict, tmp_path: Path) -> None:
+    trial = run(tmp_path / "trial", "--no-merge")
+    assert merged["mode"] == "merged" and trial["mode"] == "trial"
+    assert per_trial(merged) == per_trial(trial)
+    assert len(merged["trials"]) == 16
+    assert merged["best_trial"] == trial["best_trial"] and merged["best_metric"] == trial["best_metric"]
+    # merging trains each unique step once; the baseline trains every trial's steps
+    assert merged["executed_steps"] == merged["unique_steps"] < merged["total_steps"]
+    assert trial["executed_steps"] == trial["total_steps"]
+    assert merged["merge_rate"] == pytest.approx(merged["total_steps"] / merged["unique_steps"])
+    assert merged["best_metric"] > 0.5  # it really learned to read digits
+
+
+def _events(out: Path) -> list:
+    log = EmbeddedLog(out / "log")
+    try:
+        return [decode(r.value) for r in log.read(topics.PLAN)]
+    finally:
+        log.close()
+
+
+def test_kill_and_resume_finishes_with_the_same_results(merged: dict, tmp_path: Path) -> None:
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([*STAGETREE, "run", str(STUDY), "--workers", "2", "--out", str(out), "--quiet"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    ckpts = out / "checkpoints"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if ckpts.exists() and sum(1 for _ in ckpts.rglob("*") if _.is_file()) >= 6:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the study finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)  # the coordinator and its workers, mid-study
+    proc.wait(timeout=30)
+    before = _events(out)
+    finished = [(e.plan_key, e.node_id, e.from_step, e.to_step) for e in before if isinstance(e, StageFinished)]
+    assert finished, "nothing had finished before the kill"
+
+    resumed = run(out, "--resume")
+    assert per_trial(resumed) == per_trial(merged)
+    assert resumed["best_trial"] == merged["best_trial"]
+    after = _events(out)[len(before):]
+    for e in after:
+        if isinstance(e, StageDispatched):
+            for s in e.stages:
+                for plan_key, node_id, a, b in finished:
+                    overlap = plan_key == e.plan_key and node_id == s.node_id and s.from_step < b and a < s.to_step
+                    assert not overlap, f"finished stage {node_id} [{a},{b}) was retrained by {e.dispatch_id}"
+
+
+def test_resuming_a_finished_run_answers_from_the_log(merged: dict, tmp_path: Path) -> None:
+    out = tmp_path / "done"
+    first = run(out)
+    n = len(_events(out))
+    again = run(out, "--resume")
+    assert per_trial(again) == per_trial(first) == per_trial(merged)
+    new = _events(out)[n:]
+    assert not any(isinstance(e, StageDispatched) for e in new)  # every answer came from stored metrics
