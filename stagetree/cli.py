@@ -22,7 +22,7 @@ from rich.console import Console
 
 from events.models import StudyFinished, StudyStarted
 from gpu_worker.loader import StudyFileError, load_module, trainer_of
-from stagetree.embedded import EmbeddedCoordinator
+from stagetree.embedded import CoordinatorError, EmbeddedCoordinator
 from stagetree.progress import Progress
 from stagetree.study import Study, TrialFailed
 from stagetree.summary import build_summary, elapsed_before
@@ -124,14 +124,14 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    console = Console(stderr=False)
-    err = Console(stderr=True)
+    console = Console(soft_wrap=True)
+    err = Console(stderr=True, soft_wrap=True)
     try:
         summary = asyncio.run(_run_embedded(args, console))
     except (UsageError, StudyFileError, ValueError) as exc:
         err.print(f"[red]error:[/red] {exc}")
         return 2
-    except TrialFailed as exc:
+    except (TrialFailed, CoordinatorError) as exc:
         err.print(f"[red]error:[/red] {exc}")
         return 1
     _print_summary(summary, console)

@@ -171,8 +171,7 @@ class EmbeddedCoordinator:
             if events:
                 try:
                     self.append(events)
-                except Exception as exc:  # surface to the waiting SDK instead of dying silently
-                    self._fail(exc)
+                except Exception:  # append() handed the failure to every waiting future
                     return
 
     def _fail(self, exc: BaseException) -> None:
@@ -193,10 +192,17 @@ class EmbeddedCoordinator:
             raise CoordinatorError(f"the coordinator failed: {self.failure}")
         now = time.time()
         stamped = [e if e.ts else e.model_copy(update={"ts": now}) for e in events]
-        append_events(self.log, topics.PLAN, [(event_key(e), e) for e in stamped])
-        self._fold()
-        self._schedule()
-        self._resolve()
+        try:
+            append_events(self.log, topics.PLAN, [(event_key(e), e) for e in stamped])
+            self._fold()
+            self._schedule()
+            self._resolve()
+            if not self._stopping and self._procs and not any(w.alive for w in self.state.workers.values()) \
+                    and not any(p.is_alive() for p in self._procs.values()):
+                raise CoordinatorError("every worker process has exited; see the WorkerLost events")
+        except Exception as exc:
+            self._fail(exc)
+            raise
 
     def watch(self, trial_id: str, steps: int) -> asyncio.Future[dict[str, float]]:
         """A future resolved with the trial's metrics at ``steps`` (at once if already known)."""

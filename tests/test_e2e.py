@@ -20,7 +20,7 @@ import pytest
 from events import topics
 from events.codec import decode
 from events.log import EmbeddedLog
-from events.models import StageDispatched, StageFinished
+from events.models import StageDispatched, StageFailed, StageFinished
 from projections.reducer import Rejected, apply
 from projections.state import State
 from projections.store import ProjectionStore, snapshot
@@ -143,3 +143,14 @@ def test_resuming_a_finished_run_answers_from_the_log(merged: dict, tmp_path: Pa
     assert per_trial(again) == per_trial(first) == per_trial(merged)
     new = _events(out)[n:]
     assert not any(isinstance(e, StageDispatched) for e in new)  # every answer came from stored metrics
+
+
+def test_a_failing_trainer_fails_its_trial_with_the_error(tmp_path: Path) -> None:
+    out = tmp_path / "failing"
+    study = Path(__file__).parent / "studies" / "failing.py"
+    proc = subprocess.run([*STAGETREE, "run", str(study), "--workers", "1", "--out", str(out), "--quiet"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "loss diverged at step 12" in proc.stderr
+    failed = [e for e in _events(out) if isinstance(e, StageFailed)]
+    assert len(failed) == 1 and failed[0].kind == "error" and failed[0].to_step == 20

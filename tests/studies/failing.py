@@ -1,0 +1,29 @@
+"""A study whose trainer raises at step 12 when the learning rate is 0.5: that trial fails."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+from digits import DigitsTrainer  # noqa: E402
+
+from stagetree.tuners import GridSearch, GridSearchSpace  # noqa: E402
+
+
+class ExplodingTrainer(DigitsTrainer):
+    name = "ExplodingTrainer"
+
+    def setup(self, hp):
+        super().setup(hp)
+        if "lr" in hp:
+            self.lr = hp["lr"]
+
+    def train_step(self, indices, step):
+        if self.lr == 0.5 and step == 12:
+            raise FloatingPointError("loss diverged at step 12")
+        super().train_step(indices, step)
+
+
+trainer = ExplodingTrainer()
+tuner = GridSearch(GridSearchSpace({"lr": [0.05, 0.5], "batch_size": [32], "momentum": [0.0]}), steps=20,
+                   metric="val_acc")
