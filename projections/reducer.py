@@ -240,13 +240,19 @@ def _release(state: State, dispatch: Dispatch, touched: set[Key], status: str) -
     touched.add(("dispatch", dispatch.dispatch_id))
 
 
-def _stage_finished(state: State, ev: StageFinished, touched: set[Key]) -> None:
+def _dispatched_stage(state: State, ev: StageFinished | StageFailed) -> Dispatch:
+    """The dispatch that ``ev``'s stage belongs to. Raises Rejected when there is none."""
     dispatch = state.dispatches.get(ev.dispatch_id)
     if dispatch is None:
         raise Rejected(f"unknown dispatch {ev.dispatch_id!r}")
     stage = (ev.node_id, ev.from_step, ev.to_step)
     if stage not in dispatch.stages:
         raise Rejected(f"stage {stage} is not part of dispatch {ev.dispatch_id!r}")
+    return dispatch
+
+
+def _stage_finished(state: State, ev: StageFinished, touched: set[Key]) -> None:
+    dispatch = _dispatched_stage(state, ev)
     node = state.plans[dispatch.plan_key].nodes[ev.node_id]
     steps = ev.to_step - ev.from_step
     state.stats.executed_steps += steps
@@ -268,12 +274,8 @@ def _stage_finished(state: State, ev: StageFinished, touched: set[Key]) -> None:
 
 
 def _stage_failed(state: State, ev: StageFailed, touched: set[Key]) -> None:
-    dispatch = state.dispatches.get(ev.dispatch_id)
-    if dispatch is None:
-        raise Rejected(f"unknown dispatch {ev.dispatch_id!r}")
+    dispatch = _dispatched_stage(state, ev)
     stage = (ev.node_id, ev.from_step, ev.to_step)
-    if stage not in dispatch.stages:
-        raise Rejected(f"stage {stage} is not part of dispatch {ev.dispatch_id!r}")
     plan = state.plans[dispatch.plan_key]
     if ev.kind == "error":
         # The trainer raised: the trials waiting at the ends of the unfinished stages fail.

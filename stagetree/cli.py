@@ -57,8 +57,9 @@ async def _run_embedded(args: argparse.Namespace, console: Console) -> dict[str,
     if args.resume and not has_log:
         raise UsageError(f"--resume: {str(out)!r} holds no run to resume")
     mode = "trial" if args.no_merge else "merged"
-    started = time.monotonic()
     async with EmbeddedCoordinator(out, args.file, args.workers, device=args.device) as coord:
+        await coord.ready()
+        started = time.monotonic()  # end-to-end time runs from a ready cluster to the answer
         prior = coord.state.studies.get(name)
         if prior is not None and prior["mode"] != mode:
             raise UsageError(f"{str(out)!r} holds a {prior['mode']!r} run of {name!r}; it cannot resume as {mode!r}")

@@ -227,6 +227,19 @@ class EmbeddedCoordinator:
         """True while a dispatched path has not finished, failed or been lost."""
         return any(d.status == "running" for d in self.state.dispatches.values())
 
+    async def ready(self, timeout: float = 300.0) -> None:
+        """Wait until every worker of this run has joined (start-up is not study time).
+
+        Raises:
+            CoordinatorError: a worker did not join within ``timeout`` seconds (or exited).
+        """
+        deadline = time.monotonic() + timeout
+        while not all(w in self.state.workers and self.state.workers[w].alive for w in self._procs):
+            if self.failure is not None or time.monotonic() > deadline or \
+                    any(not p.is_alive() for p in self._procs.values()):
+                raise CoordinatorError(f"workers did not start within {timeout} s: see their output above")
+            await asyncio.sleep(0.02)
+
     async def drain(self) -> None:
         """Wait until every dispatched path has reported its end (so totals are complete)."""
         while self.busy() and self.failure is None:
