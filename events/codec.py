@@ -52,7 +52,7 @@ def from_dict(obj: Any) -> Event:
     if cls is None:
         raise InvalidEvent(f"unknown event type {etype!r}")
     version = obj.get("version")
-    if not isinstance(version, int) or version < 1 or version > cls.version:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1 or version > cls.version:
         raise InvalidEvent(f"{etype}: unsupported schema version {version!r} (known: 1..{cls.version})")
     payload = obj.get("payload")
     if not isinstance(payload, dict):

@@ -13,6 +13,7 @@ s updates); seconds are wall-clock seconds measured by the producer; sizes are b
 
 from __future__ import annotations
 
+import math
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -22,7 +23,9 @@ from events.hp import HP
 
 HEADER_FIELDS = ("event_id", "producer", "ts", "trace")
 
-Steps = NonNegativeInt
+Steps = Annotated[int, Field(ge=0, le=2**63 - 1)]
+Ident = Annotated[str, Field(min_length=1, pattern=r"^[^\x00-\x1f\x7f]+$")]
+"""An identifier (study, trial, plan key, node, dispatch, worker): non-empty, no control characters."""
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
@@ -46,7 +49,7 @@ class Event(BaseModel):
     type: ClassVar[str] = ""
     version: ClassVar[int] = 1
 
-    event_id: str = Field(default_factory=new_event_id, min_length=1)
+    event_id: Ident = Field(default_factory=new_event_id)
     producer: str = ""
     ts: float = 0.0
     trace: dict[str, str] | None = None
@@ -67,9 +70,9 @@ class StudyStarted(Event):
     """
 
     type: ClassVar[str] = "StudyStarted"
-    study_id: str = Field(min_length=1)
+    study_id: Ident
     name: str
-    plan_key: str = Field(min_length=1)
+    plan_key: Ident
     mode: Literal["merged", "trial"]
     workers: NonNegativeInt
     seed: int
@@ -82,7 +85,7 @@ class StudyFinished(Event):
     """A study run ended with its tuner's answer. ``end_to_end_seconds`` covers every incarnation."""
 
     type: ClassVar[str] = "StudyFinished"
-    study_id: str
+    study_id: Ident
     best_trial: str | None
     best_metric: float | None
     end_to_end_seconds: float = Field(ge=0)
@@ -96,12 +99,12 @@ class TrialSubmitted(Event):
     """
 
     type: ClassVar[str] = "TrialSubmitted"
-    study_id: str = Field(min_length=1)
-    trial_id: str = Field(min_length=1)
-    plan_key: str = Field(min_length=1)
+    study_id: Ident
+    trial_id: Ident
+    plan_key: Ident
     seed: int
     hp: dict[str, HP]
-    steps: PositiveInt
+    steps: Annotated[int, Field(gt=0, le=2**63 - 1)]
 
     @field_validator("hp")
     @classmethod
@@ -115,8 +118,8 @@ class TrialCancelled(Event):
     """The trial no longer needs results; requests nobody else waits on are dropped."""
 
     type: ClassVar[str] = "TrialCancelled"
-    study_id: str
-    trial_id: str = Field(min_length=1)
+    study_id: Ident
+    trial_id: Ident
 
 
 # --------------------------------------------------------------------------- scheduling
@@ -126,7 +129,7 @@ class CheckpointSource(BaseModel):
     """Where a dispatched path starts: the checkpoint of ``node_id`` at ``step``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    node_id: str
+    node_id: Ident
     step: Steps
     ref: Sha256
 
@@ -140,7 +143,7 @@ class StageSpec(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    node_id: str
+    node_id: Ident
     hp: dict[str, HP]
     from_step: Steps
     to_step: Steps
@@ -164,9 +167,9 @@ class StageDispatched(Event):
     """
 
     type: ClassVar[str] = "StageDispatched"
-    dispatch_id: str = Field(min_length=1)
-    worker_id: str = Field(min_length=1)
-    plan_key: str
+    dispatch_id: Ident
+    worker_id: Ident
+    plan_key: Ident
     seed: int
     decided_at: int = Field(ge=-1)
     source: CheckpointSource | None
@@ -177,9 +180,9 @@ class StageStarted(Event):
     """A worker began training a stage of a dispatch."""
 
     type: ClassVar[str] = "StageStarted"
-    dispatch_id: str
-    worker_id: str
-    node_id: str
+    dispatch_id: Ident
+    worker_id: Ident
+    node_id: Ident
     from_step: Steps
     to_step: Steps
 
@@ -188,9 +191,9 @@ class CheckpointSaved(Event):
     """A checkpoint object was written and verified (sha256) before this event was published."""
 
     type: ClassVar[str] = "CheckpointSaved"
-    dispatch_id: str
-    plan_key: str
-    node_id: str
+    dispatch_id: Ident
+    plan_key: Ident
+    node_id: Ident
     step: Steps
     ref: Sha256
     size: PositiveInt
@@ -200,11 +203,19 @@ class MetricsReported(Event):
     """Evaluation metrics of ``node_id`` at ``step`` (first report wins)."""
 
     type: ClassVar[str] = "MetricsReported"
-    dispatch_id: str
-    plan_key: str
-    node_id: str
+    dispatch_id: Ident
+    plan_key: Ident
+    node_id: Ident
     step: Steps
-    metrics: dict[str, float]
+    metrics: dict[str, float | None]
+
+    @field_validator("metrics", mode="before")
+    @classmethod
+    def _non_finite_as_null(cls, v: Any) -> Any:
+        """NaN and infinities (a diverged model) cannot be written as JSON: recorded as null."""
+        if isinstance(v, dict):
+            return {k: None if isinstance(x, float) and not math.isfinite(x) else x for k, x in v.items()}
+        return v
 
 
 class StageFinished(Event):
@@ -212,10 +223,10 @@ class StageFinished(Event):
     ``train_seconds`` the part spent in optimizer steps (the per-step profile)."""
 
     type: ClassVar[str] = "StageFinished"
-    dispatch_id: str
-    worker_id: str
-    plan_key: str
-    node_id: str
+    dispatch_id: Ident
+    worker_id: Ident
+    plan_key: Ident
+    node_id: Ident
     from_step: Steps
     to_step: Steps
     seconds: float = Field(ge=0)
@@ -228,10 +239,10 @@ class StageFailed(Event):
     plan and recomputed)."""
 
     type: ClassVar[str] = "StageFailed"
-    dispatch_id: str
-    worker_id: str
-    plan_key: str
-    node_id: str
+    dispatch_id: Ident
+    worker_id: Ident
+    plan_key: Ident
+    node_id: Ident
     from_step: Steps
     to_step: Steps
     kind: Literal["error", "checkpoint_corrupt", "checkpoint_missing"]
@@ -243,7 +254,7 @@ class WorkerJoined(Event):
     """A worker (one per device) is ready for dispatches."""
 
     type: ClassVar[str] = "WorkerJoined"
-    worker_id: str = Field(min_length=1)
+    worker_id: Ident
     device: str
 
 
@@ -252,7 +263,7 @@ class WorkerLost(Event):
     unfinished stages are dispatched again from the last checkpoints."""
 
     type: ClassVar[str] = "WorkerLost"
-    worker_id: str = Field(min_length=1)
+    worker_id: Ident
     reason: str
 
 

@@ -114,7 +114,7 @@ class ProjectionStore:
     def commit(self, state: State, touched: set[Key]) -> None:
         """Write the touched records and the offset of ``state`` atomically."""
         batch = WriteBatch(raw_mode=True)
-        for key in touched | {("meta",)}:
+        for key in touched | {("meta",), ("stats",)}:
             data = record_of(state, key)
             if data is None:
                 batch.delete(_db_key(key))

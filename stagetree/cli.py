@@ -19,12 +19,13 @@ from typing import Any
 
 import orjson
 from rich.console import Console
+from rich.markup import escape
 
 from events.models import StudyFinished, StudyStarted
 from gpu_worker.loader import StudyFileError, load_module, trainer_of
 from stagetree.embedded import CoordinatorError, EmbeddedCoordinator
 from stagetree.progress import Progress
-from stagetree.study import Study, TrialFailed
+from stagetree.study import Study, TrialFailed, validate_config
 from stagetree.summary import build_summary, elapsed_before
 from stagetree.tuners import Tuner, TunerResult
 
@@ -42,6 +43,11 @@ def _study_file(path: str) -> tuple[Any, Any, Tuner, int, str]:
     seed = getattr(module, "seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise StudyFileError(f"study file {path!r}: `seed` is {seed!r}, but must be an int in [0, 2**63)")
+    for i, config in enumerate(tuner.space):
+        try:
+            validate_config(trainer, config)
+        except ValueError as exc:
+            raise StudyFileError(f"study file {path!r}: configuration {i} of the tuner's space: {exc}") from None
     name = getattr(module, "name", Path(path).stem)
     if not isinstance(name, str) or not name:
         raise StudyFileError(f"study file {path!r}: `name` is {name!r}, but must be a non-empty string")
@@ -76,7 +82,8 @@ async def _run_embedded(args: argparse.Namespace, console: Console) -> dict[str,
             await coord.drain()
         e2e = before + (time.monotonic() - started)
         best = result.best
-        best_metric = float(best.metrics[result.metric]) if best else None
+        value = best.metrics.get(result.metric) if best else None
+        best_metric = float(value) if value is not None else None
         coord.append([StudyFinished(producer="cli", study_id=name, best_trial=best.trial_id if best else None,
                                     best_metric=best_metric, end_to_end_seconds=e2e)])
         summary = build_summary(coord.state, name, mode=mode, workers=args.workers,
@@ -130,10 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = asyncio.run(_run_embedded(args, console))
     except (UsageError, StudyFileError, ValueError) as exc:
-        err.print(f"[red]error:[/red] {exc}")
+        err.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
     except (TrialFailed, CoordinatorError) as exc:
-        err.print(f"[red]error:[/red] {exc}")
+        err.print(f"[red]error:[/red] {escape(str(exc))}")
         return 1
     _print_summary(summary, console)
     return 0

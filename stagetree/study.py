@@ -47,6 +47,37 @@ def plan_key_of(trainer: Trainer, seed: int) -> str:
     return hashlib.sha256(f"{trainer.fingerprint()}:{seed}".encode()).hexdigest()[:16]
 
 
+def validate_config(trainer: Trainer, hp: Mapping[str, Any]) -> HPConfig:
+    """Validate ``hp`` into a configuration of hyper-parameter functions for ``trainer``.
+
+    Every name in ``trainer.hyperparameters`` must be given (all trials of a plan name the same
+    hyper-parameters, so their values can be compared step by step). Numbers become Constant;
+    dicts are parsed as JSON functions.
+
+    Raises:
+        ValueError: a name the trainer does not know, a missing name, or an invalid function.
+    """
+    if not isinstance(hp, Mapping):
+        raise ValueError(f"`hp` is {hp!r}, but must be a mapping of hyper-parameter names to functions")
+    known = set(trainer.hyperparameters)
+    unknown = sorted(set(hp) - known)
+    if unknown:
+        raise ValueError(f"unknown hyper-parameter {unknown[0]!r} for trainer {trainer.name!r}; known: {sorted(known)}")
+    missing = sorted(known - set(hp))
+    if missing:
+        raise ValueError(f"hyper-parameter {missing[0]!r} of trainer {trainer.name!r} has no value in {dict(hp)!r}")
+    out: HPConfig = {}
+    for name in sorted(hp):
+        try:
+            out[name] = as_hp(hp[name])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"hyper-parameter {name!r}: {exc}") from None
+    return out
+
+
+MAX_STEPS = 2**63 - 1
+
+
 class Study:
     """One HPO study: a trainer, a seed, a name, and the runtime it submits to.
 
@@ -76,31 +107,8 @@ class Study:
     # ------------------------------------------------------------------ validation
 
     def config(self, hp: Mapping[str, Any]) -> HPConfig:
-        """Validate ``hp`` into a configuration of hyper-parameter functions.
-
-        Numbers become Constant; dicts are parsed as JSON functions.
-
-        Raises:
-            ValueError: a name the trainer does not know, a missing name, or an invalid function.
-        """
-        if not isinstance(hp, Mapping):
-            raise ValueError(f"`hp` is {hp!r}, but must be a mapping of hyper-parameter names to functions")
-        known = set(self.trainer.hyperparameters)
-        unknown = sorted(set(hp) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown hyper-parameter {unknown[0]!r} for trainer {self.trainer.name!r}; known: {sorted(known)}"
-            )
-        missing = sorted(known - set(hp))
-        if missing:
-            raise ValueError(f"hyper-parameter {missing[0]!r} of trainer {self.trainer.name!r} has no value in {dict(hp)!r}")
-        out: HPConfig = {}
-        for name in sorted(hp):
-            try:
-                out[name] = as_hp(hp[name])
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"hyper-parameter {name!r}: {exc}") from None
-        return out
+        """Validate ``hp`` for this study's trainer (see :func:`validate_config`)."""
+        return validate_config(self.trainer, hp)
 
     def trial_id(self, config: HPConfig) -> str:
         """Stable id of ``config`` in this study: 16 hex characters of sha256(study, config)."""
@@ -111,8 +119,8 @@ class Study:
 
     @staticmethod
     def _check_steps(steps: Any) -> int:
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
-            raise ValueError(f"`steps` is {steps!r}, but must be a positive int")
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 < steps <= MAX_STEPS:
+            raise ValueError(f"`steps` is {steps!r}, but must be a positive int below 2**63")
         return steps
 
     # ------------------------------------------------------------------ requests
@@ -139,7 +147,8 @@ class Study:
     def cancel(self, hp: Mapping[str, Any]) -> None:
         """Withdraw the trial of ``hp``: requests that no other trial waits on are dropped."""
         trial_id = self.trial_id(self.config(hp))
-        if trial_id not in self.runtime.state.trials:
+        queued = any(isinstance(e, TrialSubmitted) and e.trial_id == trial_id for e in self._pending)
+        if trial_id not in self.runtime.state.trials and not queued:
             raise ValueError(f"`hp` {dict(hp)!r} names no submitted trial of study {self.name!r}")
         self._enqueue(TrialCancelled(producer=f"sdk:{self.name}", study_id=self.name, trial_id=trial_id))
 

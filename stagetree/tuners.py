@@ -91,12 +91,18 @@ class Tuner(ABC):
     async def run(self, study: Study) -> TunerResult:
         """Tune ``study`` and return the result."""
 
-    def score(self, metrics: Mapping[str, float]) -> float:
-        """The metric as a quantity to maximise. Raises KeyError naming a missing metric."""
+    def score(self, metrics: Mapping[str, float | None]) -> float:
+        """The metric as a quantity to maximise; a null (non-finite) value ranks last.
+
+        Raises:
+            KeyError: the metric was not reported (the message lists what was).
+        """
         if self.metric not in metrics:
             raise KeyError(f"metric {self.metric!r} not reported; reported: {sorted(metrics)}")
-        value = float(metrics[self.metric])
-        return value if self.mode == "max" else -value
+        value = metrics[self.metric]
+        if value is None:
+            return float("-inf")
+        return float(value) if self.mode == "max" else -float(value)
 
     def rank(self, results: list[TrialResult]) -> list[TrialResult]:
         """Best first; ties broken by trial id so the order is deterministic."""

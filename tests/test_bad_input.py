@@ -1,0 +1,428 @@
+"""Bad input gets a clear error naming the field and the value, and loses nothing already
+recorded (DESIGN.md "Standards for the code").
+
+The SDK half drives a real :class:`~stagetree.study.Study` over a small runtime that does what
+the embedded coordinator does with the log: encode events onto the plan stream of a real
+EmbeddedLog and fold them with the real Projector into a real ProjectionStore. The CLI half
+calls ``stagetree.cli.main`` with bad files and flags; none of those may start a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from events import topics
+from events.hp import Constant, Cosine, MultiStep, Warmup
+from events.log import EmbeddedLog, append_events
+from events.models import Event
+from gpu_worker.trainer import Trainer
+from projections.state import State
+from projections.store import ProjectionStore, Projector, snapshot
+from stagetree.cli import main
+from stagetree.study import Study
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+
+
+class TinyTrainer(Trainer):
+    """A trainer the Study only inspects (names, fingerprint); it is never trained here."""
+
+    hyperparameters = ("lr", "momentum")
+
+    def build(self, seed: int, device: torch.device) -> None:
+        self.model = torch.nn.Linear(1, 1)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def train_size(self) -> int:
+        return 1
+
+    def setup(self, hp: dict[str, float | int]) -> None:
+        pass
+
+    def train_step(self, indices: torch.Tensor, step: int) -> None:
+        pass
+
+    def evaluate(self) -> dict[str, float]:
+        return {}
+
+
+class LogRuntime:
+    """The Runtime protocol over a real log: append = encode + append + fold; watch = a future."""
+
+    def __init__(self, path: Path) -> None:
+        self.log = EmbeddedLog(path / "log")
+        self.store = ProjectionStore(path / "state")
+        self.projector = Projector(self.log, store=self.store)
+        self.watched: list[tuple[str, int]] = []
+
+    @property
+    def state(self) -> State:
+        return self.projector.state
+
+    def append(self, events: list[Event]) -> None:
+        append_events(self.log, topics.PLAN, [(getattr(e, "plan_key", "") or "", e) for e in events])
+        self.projector.catch_up()
+
+    def watch(self, trial_id: str, steps: int) -> asyncio.Future[dict[str, float]]:
+        self.watched.append((trial_id, steps))
+        return asyncio.get_running_loop().create_future()
+
+    def close(self) -> None:
+        self.log.close()
+        self.store.close()
+
+
+@pytest.fixture
+def runtime(tmp_path: Path) -> Iterator[LogRuntime]:
+    rt = LogRuntime(tmp_path)
+    yield rt
+    rt.close()
+
+
+GOOD = {"lr": MultiStep(0.1, (100, 200), 0.1), "momentum": 0.9}
+
+
+@pytest.fixture
+def study(runtime: LogRuntime) -> Study:
+    """A study with one valid trial already recorded."""
+    study = Study(runtime, "s", TinyTrainer(), seed=3)
+
+    async def record() -> None:
+        study.submit(GOOD, 100)
+        await asyncio.sleep(0)  # the batch is appended at the end of this loop turn
+
+    asyncio.run(record())
+    assert runtime.log.end_offset(topics.PLAN) == 1
+    assert len(runtime.state.trials) == 1
+    return study
+
+
+def check_rejected(study: Study, runtime: LogRuntime, call: Callable[[Study], Any], *needles: str) -> str:
+    """Run ``call`` inside an event loop; it must raise ValueError whose message contains every
+    needle, and nothing may reach the log or the projection."""
+    end = runtime.log.end_offset(topics.PLAN)
+    records = list(runtime.log.read(topics.PLAN))
+    stored = runtime.store.records()
+    state = snapshot(runtime.state)
+    watched = list(runtime.watched)
+
+    async def attempt() -> str:
+        with pytest.raises(ValueError) as info:
+            result = call(study)
+            if asyncio.iscoroutine(result):
+                await result
+        await asyncio.sleep(0)  # let any (wrongly) scheduled flush run
+        await asyncio.sleep(0)
+        return str(info.value)
+
+    message = asyncio.run(attempt())
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
+    assert runtime.log.end_offset(topics.PLAN) == end
+    assert list(runtime.log.read(topics.PLAN)) == records
+    assert runtime.log.end_offset(topics.DEADLETTER) == 0
+    assert runtime.store.records() == stored
+    assert snapshot(runtime.state) == state
+    assert runtime.watched == watched  # no future was handed out for a rejected request
+    return message
+
+
+# ============================================================================ Study.config / submit
+
+
+def test_unknown_hyperparameter(study: Study, runtime: LogRuntime) -> None:
+    check_rejected(study, runtime, lambda s: s.submit({**GOOD, "dropout": 0.5}, 100), "'dropout'", "TinyTrainer")
+    check_rejected(study, runtime, lambda s: s.config({**GOOD, "dropout": 0.5}), "'dropout'")
+
+
+def test_missing_hyperparameter(study: Study, runtime: LogRuntime) -> None:
+    msg = check_rejected(study, runtime, lambda s: s.submit({"lr": 0.1}, 100), "'momentum'")
+    assert "0.1" in msg  # shows the config it was given
+    check_rejected(study, runtime, lambda s: s.submit({}, 100), "'lr'")
+
+
+@pytest.mark.parametrize("steps", [0, -5, 2.5, True, False, "10", None, 10.0])
+def test_bad_steps(study: Study, runtime: LogRuntime, steps: object) -> None:
+    check_rejected(study, runtime, lambda s: s.submit(GOOD, steps), "`steps`", repr(steps))
+
+
+@pytest.mark.parametrize("step", [0, -1, 1.5, True])
+def test_bad_eval_step(study: Study, runtime: LogRuntime, step: object) -> None:
+    check_rejected(study, runtime, lambda s: s.eval(GOOD, step), "`steps`", repr(step))
+
+
+def test_steps_beyond_64_bits_are_rejected_at_submit(study: Study, runtime: LogRuntime) -> None:
+    """``steps`` travels as a JSON integer, which orjson limits to 64 bits: a larger value must
+    be refused by ``submit`` with a ValueError naming ``steps``, not fail later inside the loop
+    callback that appends the batch (where it is lost and the future never resolves)."""
+    check_rejected(study, runtime, lambda s: s.submit(GOOD, 2**64), "steps", str(2**64))
+
+
+@pytest.mark.parametrize(
+    ("lr", "needles"),
+    [
+        ({"kind": "MultiStep", "init": 0.1, "milestones": [200, 100], "gamma": 0.1}, ["milestones", "[200, 100]"]),
+        ({"kind": "MultiStep", "init": 0.1, "milestones": [100, 100], "gamma": 0.1}, ["milestones", "[100, 100]"]),
+        ({"kind": "MultiStep", "init": 0.1, "milestones": [0], "gamma": 0.1}, ["milestones", "[0]"]),
+        ({"kind": "MultiStep", "init": 0.1, "milestones": [100], "gamma": -2}, ["gamma", "-2"]),
+        ({"kind": "Cosine", "init": 0.1, "min_value": 0.0, "period": 50, "gamma": 0.5}, ["gamma", "0.5"]),
+        ({"kind": "Cosine", "init": 0.1, "min_value": 0.0, "period": 0}, ["period", "0"]),
+        ({"kind": "Warmup", "init": 0.0, "period": 0, "then": {"kind": "Constant", "value": 0.1}}, ["period", "0"]),
+        ({"kind": "Warmup", "init": 0.0, "period": 10, "then": {"kind": "Constant", "value": "x"}}, ["value", "'x'"]),
+        ({"kind": "Exponential", "init": 0.1, "gamma": 0}, ["gamma", "0"]),
+        ({"kind": "Constant", "value": float("inf")}, ["value", "inf", "finite"]),
+        ({"kind": "StepLR", "gamma": 0.1}, ["StepLR"]),
+        (True, ["True"]),
+        ("0.1", ["'0.1'"]),
+        (None, ["None"]),
+        (float("nan"), ["nan", "finite"]),
+        (2**70, ["value", str(2**70)]),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_invalid_function(study: Study, runtime: LogRuntime, lr: object, needles: list[str]) -> None:
+    msg = check_rejected(study, runtime, lambda s: s.submit({"lr": lr, "momentum": 0.9}, 100), "'lr'", *needles)
+    assert msg.startswith("hyper-parameter 'lr'")
+
+
+@pytest.mark.parametrize(
+    ("make", "needles"),
+    [
+        (lambda: MultiStep(0.1, (200, 100), 0.1), ["milestones", "[200, 100]"]),
+        (lambda: Cosine(0.1, 0.0, 50, gamma=0.9), ["gamma", "0.9"]),
+        (lambda: Warmup(0.0, 0, Constant(0.1)), ["period", "0"]),
+        (lambda: Constant(True), ["value", "True"]),
+    ],
+)
+def test_invalid_function_objects(make: Callable[[], object], needles: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        make()
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+def test_hp_not_a_mapping(study: Study, runtime: LogRuntime) -> None:
+    check_rejected(study, runtime, lambda s: s.submit([("lr", 0.1), ("momentum", 0.9)], 100), "`hp`", "'lr'")
+
+
+def test_cancel_unknown_trial(study: Study, runtime: LogRuntime) -> None:
+    check_rejected(study, runtime, lambda s: s.cancel({"lr": 0.5, "momentum": 0.9}), "`hp`", "0.5", "'s'")
+    check_rejected(study, runtime, lambda s: s.cancel({"lr": 0.5}), "'momentum'")
+
+
+def test_valid_requests_still_work_after_errors(study: Study, runtime: LogRuntime) -> None:
+    check_rejected(study, runtime, lambda s: s.submit(GOOD, 0), "`steps`")
+
+    async def more() -> None:
+        study.submit(GOOD, 200)  # a promotion of the recorded trial
+        study.submit({"lr": 0.05, "momentum": 0.0}, 50)
+        await asyncio.sleep(0)
+        study.cancel({"lr": 0.05, "momentum": 0.0})
+        await asyncio.sleep(0)
+
+    asyncio.run(more())
+    assert runtime.log.end_offset(topics.PLAN) == 4
+    assert runtime.state.rejected == {}
+    assert sorted(t.status for t in runtime.state.trials.values()) == ["cancelled", "pending"]
+
+
+def test_cancel_right_after_submit_in_the_same_loop_turn(study: Study, runtime: LogRuntime) -> None:
+    """``submit`` accepted the trial (its TrialSubmitted is batched for the end of the loop
+    turn); cancelling it in the same turn is valid input and must not be refused as "names no
+    submitted trial" just because the batch has not been appended yet."""
+    hp = {"lr": 0.05, "momentum": 0.0}
+
+    async def submit_then_cancel() -> None:
+        study.submit(hp, 50)
+        study.cancel(hp)
+        await asyncio.sleep(0)
+
+    asyncio.run(submit_then_cancel())
+    assert runtime.state.trials[study.trial_id(study.config(hp))].status == "cancelled"
+    assert runtime.state.rejected == {}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needles"),
+    [
+        ({"name": ""}, ["`name`", "''"]),
+        ({"seed": -1}, ["`seed`", "-1"]),
+        ({"seed": True}, ["`seed`", "True"]),
+        ({"seed": 2**63}, ["`seed`", str(2**63)]),
+        ({"seed": 1.0}, ["`seed`", "1.0"]),
+    ],
+)
+def test_bad_study_arguments(runtime: LogRuntime, kwargs: dict, needles: list[str]) -> None:
+    args = {"name": "s", "seed": 0} | kwargs
+    with pytest.raises(ValueError) as info:
+        Study(runtime, args["name"], TinyTrainer(), args["seed"])
+    for needle in needles:
+        assert needle in str(info.value)
+    assert runtime.log.end_offset(topics.PLAN) == 0
+
+
+# ============================================================================ the CLI
+
+
+def cli(argv: list[str]) -> int:
+    """``main(argv)``'s exit code; argparse reports bad flags by raising SystemExit(2)."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    assert multiprocessing.active_children() == []  # no worker was started
+    return code
+
+
+def squash(text: str) -> str:
+    """Rich wraps long lines; compare without whitespace."""
+    return "".join(text.split())
+
+
+def write(path: Path, body: str) -> Path:
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+PREAMBLE = f"""
+import sys
+sys.path.insert(0, {str(EXAMPLES)!r})
+from digits import DigitsTrainer
+from stagetree.tuners import GridSearch, GridSearchSpace
+"""
+
+VALID = PREAMBLE + """
+trainer = DigitsTrainer()
+tuner = GridSearch(GridSearchSpace({"lr": [0.1], "batch_size": [32], "momentum": [0.0]}), steps=1, metric="val_acc")
+name = "tiny"
+"""
+
+
+@pytest.fixture(autouse=True)
+def _restore_sys_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))  # study files insert examples/
+
+
+def test_cli_missing_study_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope.py"
+    assert cli(["run", str(missing), "--out", str(tmp_path / "out")]) == 2
+    err = squash(capsys.readouterr().err)
+    assert squash(str(missing)) in err and "doesnotexist" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("filename", ["exp[v2].py", "exp[bold]1.py"])
+def test_cli_error_shows_the_value_verbatim(tmp_path: Path, capsys: pytest.CaptureFixture[str], filename: str) -> None:
+    """The error names the value as given: square brackets in a path are not console markup."""
+    missing = tmp_path / filename
+    assert cli(["run", str(missing), "--out", str(tmp_path / "out")]) == 2
+    assert squash(str(missing)) in squash(capsys.readouterr().err)
+
+
+def test_cli_error_with_markup_like_text_still_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path / "raises.py", "raise ValueError('bad slice x[/] in config')\n")
+    assert cli(["run", str(path), "--out", str(tmp_path / "out")]) == 2
+    assert squash("bad slice x[/] in config") in squash(capsys.readouterr().err)
+
+
+def test_cli_syntax_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path / "broken.py", "trainer = (\n")
+    assert cli(["run", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = squash(capsys.readouterr().err)
+    assert squash(str(path)) in err and "SyntaxError" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_import_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path / "raises.py", "raise RuntimeError('dataset not found')\n")
+    assert cli(["run", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = squash(capsys.readouterr().err)
+    assert "RuntimeError" in err and squash("dataset not found") in err
+
+
+def test_cli_file_without_tuner(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path / "notuner.py", PREAMBLE + "trainer = DigitsTrainer()\n")
+    assert cli(["run", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = squash(capsys.readouterr().err)
+    assert "`tuner`" in err and "None" in err and squash(str(path)) in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_tuner_not_a_tuner(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path / "badtuner.py", PREAMBLE + "trainer = DigitsTrainer()\ntuner = 'sha'\n")
+    assert cli(["run", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = squash(capsys.readouterr().err)
+    assert "`tuner`" in err and "'sha'" in err
+
+
+@pytest.mark.parametrize("value", ["42", "object()", "None", "GridSearch"])
+def test_cli_trainer_not_a_trainer(tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str) -> None:
+    body = PREAMBLE + f"""
+tuner = GridSearch(GridSearchSpace({{"lr": [0.1]}}), steps=1, metric="val_acc")
+trainer = {value}
+"""
+    path = write(tmp_path / "badtrainer.py", body)
+    assert cli(["run", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = squash(capsys.readouterr().err)
+    assert "`trainer`" in err and "Trainer" in err
+    if value == "42":
+        assert "got42" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("body", "needles"), [
+    ("seed = -1\n", ["`seed`", "-1"]),
+    ("seed = 'zero'\n", ["`seed`", "'zero'"]),
+    ("name = ''\n", ["`name`", "''"]),
+])
+def test_cli_bad_seed_or_name(tmp_path: Path, capsys: pytest.CaptureFixture[str], body: str,
+                              needles: list[str]) -> None:
+    path = write(tmp_path / "badmeta.py", VALID + body)
+    assert cli(["run", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = squash(capsys.readouterr().err)
+    for needle in needles:
+        assert squash(needle) in err
+
+
+@pytest.mark.parametrize("workers", ["0", "-1", "two", "1.5"])
+def test_cli_bad_workers(tmp_path: Path, capsys: pytest.CaptureFixture[str], workers: str) -> None:
+    path = write(tmp_path / "study.py", VALID)
+    assert cli(["run", str(path), "--workers", workers, "--out", str(tmp_path / "out")]) == 2
+    err = squash(capsys.readouterr().err)
+    assert "--workers" in err and squash(repr(workers)) in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_run_into_existing_out_without_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path / "study.py", VALID)
+    out = tmp_path / "out"
+    # An earlier run left its log behind.
+    with EmbeddedLog(out / "log") as log:
+        log.append(topics.PLAN, "k", b"earlier run")
+    assert cli(["run", str(path), "--out", str(out)]) == 2
+    err = squash(capsys.readouterr().err)
+    assert "--out" in err and squash(str(out)) in err and "--resume" in err
+    # The earlier run is intact and nothing else was created.
+    with EmbeddedLog(out / "log") as log:
+        assert [r.value for r in log.read(topics.PLAN)] == [b"earlier run"]
+        assert log.end_offset(topics.DEADLETTER) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["log"]
+
+
+def test_cli_resume_without_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path / "study.py", VALID)
+    out = tmp_path / "out"
+    assert cli(["run", str(path), "--out", str(out), "--resume"]) == 2
+    err = squash(capsys.readouterr().err)
+    assert "--resume" in err and squash(str(out)) in err
+    assert not (out / "log").exists()

@@ -1,0 +1,372 @@
+"""Tuners (stagetree/tuners.py) against hand-computed expectations.
+
+The tuners drive a real :class:`~stagetree.study.Study`. The training backend under it is a
+test double, :class:`FormulaRuntime`: it answers every ``(trial, steps)`` request as soon as
+the study's batch is appended, with metrics given by a known formula of the trial's
+hyper-parameter values and the steps. It records every appended batch, so the tests can check
+exactly which trials each rung or milestone submitted, and at how many steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from events.hp import Constant, MultiStep, Piecewise
+from events.models import Event, TrialSubmitted
+from gpu_worker.trainer import Trainer
+from projections.state import State
+from stagetree.study import Study
+from stagetree.tuners import (
+    EarlyStopTuner,
+    GridSearch,
+    GridSearchSpace,
+    Schedule,
+    SuccessiveHalving,
+    TunerResult,
+    rungs,
+)
+
+Formula = Callable[[dict[str, float], int], dict[str, float]]
+
+
+class XYTrainer(Trainer):
+    """Never trained: the Study only reads its hyper-parameter names and fingerprint."""
+
+    hyperparameters = ("x", "y")
+
+    def build(self, seed: int, device: torch.device) -> None:  # pragma: no cover
+        raise AssertionError("not trained in these tests")
+
+    def train_size(self) -> int:  # pragma: no cover
+        return 0
+
+    def setup(self, hp: dict[str, float | int]) -> None:  # pragma: no cover
+        pass
+
+    def train_step(self, indices: torch.Tensor, step: int) -> None:  # pragma: no cover
+        pass
+
+    def evaluate(self) -> dict[str, float]:  # pragma: no cover
+        return {}
+
+
+class FormulaRuntime:
+    """Runtime protocol double: metrics = ``formula(hp values at the last step, steps)``.
+
+    Attributes:
+        batches: every appended batch as ``[(x, y, steps), ...]`` in submission order.
+        trial_ids: the trial ids of every appended batch.
+    """
+
+    def __init__(self, formula: Formula) -> None:
+        self.formula = formula
+        self.state = State()  # never has results, so the study submits every request
+        self.batches: list[list[tuple[float, float, int]]] = []
+        self.trial_ids: list[list[str]] = []
+        self._waiters: dict[tuple[str, int], list[asyncio.Future[dict[str, float]]]] = {}
+
+    def append(self, events: list[Event]) -> None:
+        batch = []
+        for event in events:
+            assert isinstance(event, TrialSubmitted)
+            values = {name: fn.value(event.steps - 1) for name, fn in event.hp.items()}
+            batch.append((values["x"], values["y"], event.steps))
+            metrics = self.formula(values, event.steps)
+            for future in self._waiters.pop((event.trial_id, event.steps), []):
+                future.set_result(dict(metrics))
+        self.batches.append(batch)
+        self.trial_ids.append([e.trial_id for e in events])
+
+    def watch(self, trial_id: str, steps: int) -> asyncio.Future[dict[str, float]]:
+        future: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault((trial_id, steps), []).append(future)
+        return future
+
+
+def tune(tuner: Any, formula: Formula) -> tuple[TunerResult, FormulaRuntime, Study]:
+    runtime = FormulaRuntime(formula)
+    study = Study(runtime, "tuners", XYTrainer(), seed=0)
+    result = asyncio.run(asyncio.wait_for(tuner.run(study), timeout=30))
+    assert not runtime._waiters, "a request was never submitted"
+    return result, runtime, study
+
+
+def xs(batch: list[tuple[float, float, int]]) -> list[float]:
+    return sorted(x for x, _, _ in batch)
+
+
+def steps_of(batch: list[tuple[float, float, int]]) -> set[int]:
+    return {s for _, _, s in batch}
+
+
+def space_x(n: int, **kw: Any) -> GridSearchSpace:
+    return GridSearchSpace({"x": list(range(n)), "y": [0]}, **kw)
+
+
+# ============================================================================ rungs
+
+
+def test_rungs() -> None:
+    assert rungs(30, 480, 4) == [30, 120, 480]
+    assert rungs(1, 10, 3) == [1, 3, 9, 10]
+    assert rungs(10, 160, 2) == [10, 20, 40, 80, 160]
+    assert rungs(5, 5, 2) == [5]
+    assert rungs(5, 6, 4) == [5, 6]
+    assert rungs(1, 100, 10) == [1, 10, 100]
+    assert SuccessiveHalving(space_x(2), "acc", min_steps=30, max_steps=480, reduction=4).rungs() == [30, 120, 480]
+
+
+# ============================================================================ successive halving
+
+
+def test_successive_halving_16_configs_reduction_2() -> None:
+    # Best is the x closest to 10.3; no ties: |x - 10.3| are all distinct.
+    formula = lambda v, s: {"acc": s - (v["x"] - 10.3) ** 2, "loss": (v["x"] - 10.3) ** 2}  # noqa: E731
+    tuner = SuccessiveHalving(space_x(16), "acc", "max", min_steps=10, max_steps=160, reduction=2)
+    result, runtime, study = tune(tuner, formula)
+
+    assert [len(b) for b in runtime.batches] == [16, 8, 4, 2, 1]
+    assert [steps_of(b) for b in runtime.batches] == [{10}, {20}, {40}, {80}, {160}]
+    assert xs(runtime.batches[0]) == list(range(16))
+    assert xs(runtime.batches[1]) == [7, 8, 9, 10, 11, 12, 13, 14]
+    assert xs(runtime.batches[2]) == [9, 10, 11, 12]
+    assert xs(runtime.batches[3]) == [10, 11]
+    assert xs(runtime.batches[4]) == [10]
+
+    assert result.best is not None
+    assert result.best.hp == {"x": Constant(10), "y": Constant(0)}
+    assert result.best.steps == 160
+    assert result.best.metrics == pytest.approx({"acc": 160 - 0.09, "loss": 0.09})
+    assert result.best.trial_id == study.trial_id(study.config({"x": 10, "y": 0}))
+    assert (result.metric, result.mode) == ("acc", "max")
+    # Every trial's last result: how far each x got.
+    last = {r.hp["x"].value(0): r.steps for r in result.trials}
+    assert last == {**{x: 10 for x in range(16)}, **{x: 20 for x in (7, 8, 13, 14)}, 9: 40, 12: 40,
+                    11: 80, 10: 160}
+    assert [r.trial_id for r in result.trials] == sorted(r.trial_id for r in result.trials)
+
+
+def test_successive_halving_min_mode_gives_the_same_survivors() -> None:
+    formula = lambda v, s: {"loss": (v["x"] - 10.3) ** 2 / s}  # noqa: E731
+    tuner = SuccessiveHalving(space_x(16), "loss", "min", min_steps=10, max_steps=160, reduction=2)
+    result, runtime, _ = tune(tuner, formula)
+    assert [xs(b) for b in runtime.batches[2:]] == [[9, 10, 11, 12], [10, 11], [10]]
+    assert result.best is not None and result.best.hp["x"] == Constant(10)
+
+
+def test_successive_halving_promotes_on_the_metrics_at_each_rung() -> None:
+    # Large x looks best early, small x is best late: the answer is the best *survivor*.
+    formula = lambda v, s: {"acc": v["x"] if s < 40 else -v["x"]}  # noqa: E731
+    tuner = SuccessiveHalving(space_x(16), "acc", min_steps=10, max_steps=160, reduction=2)
+    result, runtime, _ = tune(tuner, formula)
+    assert [xs(b) for b in runtime.batches] == [
+        list(range(16)), [8, 9, 10, 11, 12, 13, 14, 15], [12, 13, 14, 15], [12, 13], [12]]
+    assert result.best is not None and result.best.hp["x"] == Constant(12)
+    assert result.best.metrics == {"acc": -12}
+
+
+def test_successive_halving_reduction_4_keeps_a_quarter_and_at_least_one() -> None:
+    formula = lambda v, s: {"acc": v["x"]}  # noqa: E731
+    tuner = SuccessiveHalving(space_x(6), "acc", min_steps=30, max_steps=480, reduction=4)
+    _, runtime, _ = tune(tuner, formula)
+    # 6 // 4 = 1 survivor after the first rung, then max(1, 1 // 4) = 1.
+    assert [(xs(b), steps_of(b)) for b in runtime.batches] == [
+        (list(range(6)), {30}), ([5], {120}), ([5], {480})]
+
+
+def test_promotion_resubmits_the_same_trial() -> None:
+    formula = lambda v, s: {"acc": v["x"]}  # noqa: E731
+    tuner = SuccessiveHalving(space_x(4), "acc", min_steps=1, max_steps=4, reduction=2)
+    _, runtime, study = tune(tuner, formula)
+    seen = runtime.trial_ids
+    assert [len(ids) for ids in seen] == [4, 2, 1]
+    assert set(seen[1]) <= set(seen[0]) and set(seen[2]) <= set(seen[1])
+    assert seen[2] == [study.trial_id(study.config({"x": 3, "y": 0}))]
+
+
+# ============================================================================ grid search
+
+
+GRID = GridSearchSpace({"x": [0, 1, 2, 3, 4], "y": [0.0, 1.0]})
+
+
+def test_grid_search_argmax() -> None:
+    formula = lambda v, s: {"acc": -((v["x"] - 2) ** 2) + 0.5 * v["y"], "loss": (v["x"] - 3) ** 2 + v["y"]}  # noqa: E731
+    result, runtime, _ = tune(GridSearch(GRID, steps=25, metric="acc", mode="max"), formula)
+    assert len(runtime.batches) == 1 and len(runtime.batches[0]) == 10
+    assert steps_of(runtime.batches[0]) == {25}
+    assert result.best is not None
+    assert result.best.hp == {"x": Constant(2), "y": Constant(1.0)}
+    assert result.best.metrics == {"acc": 0.5, "loss": 2.0}
+    assert result.best.steps == 25
+    assert len(result.trials) == 10
+
+
+def test_grid_search_argmin() -> None:
+    formula = lambda v, s: {"acc": -((v["x"] - 2) ** 2) + 0.5 * v["y"], "loss": (v["x"] - 3) ** 2 + v["y"]}  # noqa: E731
+    result, _, _ = tune(GridSearch(GRID, steps=25, metric="loss", mode="min"), formula)
+    assert result.best is not None
+    assert result.best.hp == {"x": Constant(3), "y": Constant(0.0)}
+    assert result.best.metrics["loss"] == 0.0
+    assert (result.metric, result.mode) == ("loss", "min")
+
+
+def test_grid_search_ties_are_broken_by_trial_id() -> None:
+    # x = 2 and x = 3 tie for the best score, for either y.
+    formula = lambda v, s: {"acc": -abs(v["x"] - 2.5)}  # noqa: E731
+    for mode, sign in (("max", 1), ("min", -1)):
+        result, _, study = tune(GridSearch(GRID, steps=5, metric="acc", mode=mode),
+                                lambda v, s, sign=sign: {"acc": sign * formula(v, s)["acc"]})
+        tied = [study.trial_id(study.config({"x": x, "y": y})) for x in (2, 3) for y in (0.0, 1.0)]
+        assert result.best is not None and result.best.trial_id == min(tied)
+    # Everything ties: the smallest trial id wins.
+    result, _, study = tune(GridSearch(GRID, steps=5, metric="acc"), lambda v, s: {"acc": 1.0})
+    assert result.best is not None
+    assert result.best.trial_id == min(study.trial_id(c) for c in GRID)
+
+
+def test_grid_search_uses_the_sequence_not_just_its_start() -> None:
+    # The double scores the value at the last trained step: the chain 0 -> 1 at step 10 ends
+    # higher than the constant 0.5, although it starts lower.
+    chain = Piecewise((Constant(0.0), Constant(1.0)), (10,))
+    space = GridSearchSpace({"x": [0], "y": [Constant(0.5), chain]})
+    result, _, _ = tune(GridSearch(space, steps=20, metric="y"), lambda v, s: {"y": v["y"]})
+    assert result.best is not None and result.best.hp["y"] == chain
+    assert result.best.metrics == {"y": 1.0} and len(result.trials) == 2
+
+
+def test_missing_metric_names_it() -> None:
+    with pytest.raises(KeyError, match="val_acc"):
+        tune(GridSearch(GRID, steps=5, metric="val_acc"), lambda v, s: {"acc": 1.0})
+
+
+# ============================================================================ early stopping
+
+
+def test_early_stop_tuner_8_to_5_then_best_4_to_10() -> None:
+    schedule = Schedule.from_milestones((5, 8), (10, 4))
+    assert schedule.milestones == ((5, 8), (10, 4))
+    # At 5 steps large x looks best; at 10 small x is best among the survivors.
+    formula = lambda v, s: {"acc": v["x"] if s == 5 else -v["x"]}  # noqa: E731
+    result, runtime, _ = tune(EarlyStopTuner(schedule, space_x(10), "acc"), formula)
+    assert [(xs(b), steps_of(b)) for b in runtime.batches] == [
+        (list(range(8)), {5}),  # only the first 8 configurations of the space start
+        ([4, 5, 6, 7], {10}),
+    ]
+    assert result.best is not None and result.best.hp["x"] == Constant(4)
+    assert result.best.steps == 10 and result.best.metrics == {"acc": -4}
+    last = {r.hp["x"].value(0): r.steps for r in result.trials}
+    assert last == {0: 5, 1: 5, 2: 5, 3: 5, 4: 10, 5: 10, 6: 10, 7: 10}
+
+
+def test_early_stop_tuner_three_milestones_min_mode() -> None:
+    schedule = Schedule.from_milestones((2, 6), (4, 3), (8, 1))
+    formula = lambda v, s: {"loss": abs(v["x"] - 4.2) + s}  # noqa: E731
+    result, runtime, _ = tune(EarlyStopTuner(schedule, space_x(6), "loss", "min"), formula)
+    assert [(xs(b), steps_of(b)) for b in runtime.batches] == [
+        (list(range(6)), {2}), ([3, 4, 5], {4}), ([4], {8})]
+    assert result.best is not None and result.best.hp["x"] == Constant(4)
+    assert result.best.metrics["loss"] == pytest.approx(8.2)
+
+
+# ============================================================================ search spaces
+
+
+def test_grid_search_space_product_and_order() -> None:
+    space = GridSearchSpace({"x": [1, 2, 3], "y": [0.1, 0.2]})
+    assert len(space) == 6
+    configs = list(space)
+    assert configs[0] == {"x": Constant(1), "y": Constant(0.1)}
+    assert configs[1] == {"x": Constant(1), "y": Constant(0.2)}
+    assert configs[-1] == {"x": Constant(3), "y": Constant(0.2)}
+    assert [(c["x"].value(0), c["y"].value(0)) for c in configs] == [
+        (x, y) for x in (1, 2, 3) for y in (0.1, 0.2)]
+    # Numbers become constants; ints stay ints.
+    assert configs[0]["x"] != Constant(1.0)
+    assert list(space) == configs  # iterable more than once
+    big = GridSearchSpace({"a": range(4), "b": [MultiStep(0.1, (5,), 0.1), {"kind": "Constant", "value": 2}],
+                           "c": (1, 2, 3)})
+    assert len(big) == 24
+
+
+def test_grid_search_space_filter() -> None:
+    space = GridSearchSpace({"x": [1, 2, 3], "y": [0.1, 0.2]}, filter=lambda c: c["x"].value(0) != 2)
+    assert len(space) == 4
+    assert {c["x"].value(0) for c in space} == {1, 3}
+    none = GridSearchSpace({"x": [1]}, filter=lambda c: False)
+    assert len(none) == 0 and list(none) == []
+    # A conditional space: momentum only matters when the optimizer uses it.
+    cond = GridSearchSpace({"x": [0, 1], "y": [0.0, 0.5, 0.9]},
+                           filter=lambda c: c["x"].value(0) == 1 or c["y"].value(0) == 0.0)
+    assert len(cond) == 4
+
+
+def test_grid_search_over_an_empty_filtered_space_has_no_best() -> None:
+    result, runtime, _ = tune(GridSearch(GridSearchSpace({"x": [1], "y": [0]}, filter=lambda c: False), 5, "acc"),
+                              lambda v, s: {"acc": 1.0})
+    assert result.best is None and result.trials == []
+    assert runtime.batches == []
+
+
+# ============================================================================ invalid arguments
+
+
+def check_value_error(make: Callable[[], Any], *needles: str) -> None:
+    with pytest.raises(ValueError) as info:
+        make()
+    for needle in needles:
+        assert needle in str(info.value), f"{needle!r} not in {str(info.value)!r}"
+
+
+SPACE = space_x(4)
+
+
+@pytest.mark.parametrize(
+    ("make", "needles"),
+    [
+        (lambda: GridSearch(SPACE, steps=0, metric="acc"), ["`steps`", "0"]),
+        (lambda: GridSearch(SPACE, steps=-3, metric="acc"), ["`steps`", "-3"]),
+        (lambda: GridSearch(SPACE, steps=2.5, metric="acc"), ["`steps`", "2.5"]),
+        (lambda: GridSearch(SPACE, steps=True, metric="acc"), ["`steps`", "True"]),
+        (lambda: GridSearch(SPACE, steps=5, metric=""), ["`metric`", "''"]),
+        (lambda: GridSearch(SPACE, steps=5, metric="acc", mode="maximize"), ["`mode`", "'maximize'"]),
+        (lambda: SuccessiveHalving(SPACE, "acc", min_steps=0, max_steps=10), ["`min_steps`", "0"]),
+        (lambda: SuccessiveHalving(SPACE, "acc", min_steps=1, max_steps=-10), ["`max_steps`", "-10"]),
+        (lambda: SuccessiveHalving(SPACE, "acc", min_steps=20, max_steps=10), ["`min_steps`", "20", "10"]),
+        (lambda: SuccessiveHalving(SPACE, "acc", min_steps=1, max_steps=10, reduction=1), ["`reduction`", "1"]),
+        (lambda: SuccessiveHalving(SPACE, "acc", min_steps=1, max_steps=10, reduction=2.0), ["`reduction`", "2.0"]),
+        (lambda: SuccessiveHalving(SPACE, "acc", min_steps=1, max_steps=10, reduction=True), ["`reduction`", "True"]),
+        (lambda: SuccessiveHalving(SPACE, "acc", "best", min_steps=1, max_steps=10), ["`mode`", "'best'"]),
+        (lambda: Schedule.from_milestones(), ["`milestones`"]),
+        (lambda: Schedule.from_milestones((5,)), ["`milestones[0]`", "(5,)"]),
+        (lambda: Schedule.from_milestones((0, 4)), ["milestones[0].steps", "0"]),
+        (lambda: Schedule.from_milestones((5, 0)), ["milestones[0].keep", "0"]),
+        (lambda: Schedule.from_milestones((5, 8), (5, 4)), ["`milestones[1]`", "(5, 4)"]),
+        (lambda: Schedule.from_milestones((5, 8), (3, 4)), ["`milestones[1]`", "(3, 4)"]),
+        (lambda: Schedule.from_milestones((5, 4), (10, 8)), ["`milestones[1]`", "(10, 8)"]),
+        (lambda: Schedule.from_milestones((5, 8), (10, 2.5)), ["milestones[1].keep", "2.5"]),
+        (lambda: EarlyStopTuner(Schedule.from_milestones((5, 8)), SPACE, "acc", mode="up"), ["`mode`", "'up'"]),
+        (lambda: GridSearchSpace({}), ["`hp_dict`"]),
+        (lambda: GridSearchSpace({"x": []}), ["`hp_dict['x']`", "[]"]),
+        (lambda: GridSearchSpace({"x": "abc"}), ["`hp_dict['x']`", "'abc'"]),
+        (lambda: GridSearchSpace({"x": 0.1}), ["`hp_dict['x']`", "0.1"]),
+        (lambda: GridSearchSpace({"x": [0.1, True]}), ["`hp_dict['x']`", "True"]),
+        (lambda: GridSearchSpace({"x": [{"kind": "Nope"}]}), ["`hp_dict['x']`", "Nope"]),
+        (lambda: GridSearchSpace({"x": [{"kind": "MultiStep", "init": 0.1, "milestones": [9, 3], "gamma": 0.1}]}),
+         ["`hp_dict['x']`", "milestones", "[9, 3]"]),
+    ],
+)
+def test_invalid_tuner_arguments(make: Callable[[], Any], needles: list[str]) -> None:
+    check_value_error(make, *needles)
+
+
+def test_study_rejects_a_space_that_does_not_match_the_trainer() -> None:
+    # The space names "lr", which XYTrainer does not know: the first submit says so.
+    space = GridSearchSpace({"lr": [0.1], "x": [1], "y": [0]})
+    with pytest.raises(ValueError, match="'lr'"):
+        tune(GridSearch(space, steps=5, metric="acc"), lambda v, s: {"acc": 1.0})
