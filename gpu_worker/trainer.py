@@ -33,9 +33,10 @@ class Trainer(abc.ABC):
     * ``version`` (str, default ``"1"``): bump it whenever a change to the code
       changes what training computes, so old checkpoints are not reused.
     * ``hyperparameters`` (tuple of str): names of the hyper-parameters the
-      trainer accepts, e.g. ``("lr", "batch_size", "momentum")``. A trial's
-      config may name only these; a name missing from a config keeps the
-      default the trainer set in ``build``.
+      trainer accepts, e.g. ``("lr", "batch_size", "momentum")``. A study's
+      trial configs must name exactly these (``stagetree.study.validate_config``),
+      so the values of two trials can be compared step by step; a session
+      given a partial config keeps the defaults set in ``build`` for the rest.
     * ``batch_size_hp`` (str or None, default ``"batch_size"``): the
       hyper-parameter that sets the mini-batch size (examples per step) drawn
       by the framework's sampler. When the config lacks it,
