@@ -9,6 +9,8 @@ implements the same :class:`EventLog` protocol on confluent-kafka.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 import threading
 from collections.abc import Iterator, Sequence
@@ -32,12 +34,14 @@ class LogLocked(LogError):
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    """One record of a stream: ``offset`` (0-based), ``key`` and ``value`` (encoded event bytes)."""
+    """One record of a stream: ``offset`` (0-based), ``key``, ``value`` (encoded event bytes) and
+    ``chain``, the stream's hash chain after this record (32 bytes; empty if the transport keeps none)."""
 
     stream: str
     offset: int
     key: str
     value: bytes
+    chain: bytes = b""
 
 
 class EventLog(Protocol):
@@ -68,6 +72,30 @@ def append_events(log: EventLog, stream: str, items: Sequence[tuple[str, Event]]
 _OFFSET = struct.Struct(">Q")
 _KEYLEN = struct.Struct(">I")
 
+CHAIN_START = bytes(32)
+"""The chain value before a stream's first record."""
+
+
+def chain_next(prev: bytes, stream: str, offset: int, key: str, value: bytes, secret: bytes | None = None) -> bytes:
+    """The hash chain after a record: sha256 (or HMAC-SHA256 keyed with ``secret``) of the
+    previous chain value, the stream name, the offset, the key and the value.
+
+    Any insertion, deletion, reordering or edit of a record changes every later chain value;
+    with a secret, an edited log cannot be re-sealed without it.
+    """
+    kb = key.encode()
+    msg = prev + stream.encode() + b"\x00" + _OFFSET.pack(offset) + _KEYLEN.pack(len(kb)) + kb + value
+    if secret:
+        return hmac.new(secret, msg, hashlib.sha256).digest()
+    return hashlib.sha256(msg).digest()
+
+
+def chain_algorithm(secret: bytes | None) -> str:
+    return "hmac-sha256" if secret else "sha256"
+
+
+_CHAIN_META = b"m:chain"
+
 
 def _record_key(stream: str, offset: int) -> bytes:
     return b"r" + stream.encode() + b"\x00" + _OFFSET.pack(offset)
@@ -77,20 +105,25 @@ class EmbeddedLog:
     """A durable single-writer log in RocksDB (rocksdict), with Kafka's stream/offset interface.
 
     Layout: key ``b"r" + stream + b"\\0" + offset (8 bytes, big-endian)`` -> ``len(key) (4 bytes)
-    + key + value``. Every append is one WriteBatch written with ``sync=True``, so an
-    acknowledged record survives a kill -9 of the process and a power loss.
+    + key + chain (32 bytes) + value``. Every append is one WriteBatch written with
+    ``sync=True``, so an acknowledged record survives a kill -9 of the process and a power loss.
+    The log is the one writer of its streams, so it also writes each stream's hash chain
+    (:func:`chain_next`), keyed with ``secret`` when given; the algorithm is recorded in the
+    database and the same secret is needed to append again.
 
     Args:
         path: directory of the database (created if absent).
         sync: fsync the write-ahead log on every append (default True).
+        secret: HMAC key of the hash chain (None: plain sha256).
 
     Raises:
         LogLocked: the database is open in another process.
+        LogError: ``secret`` does not match how the log was created.
 
     Thread safety: appends are serialized by a lock; reads may run concurrently with appends.
     """
 
-    def __init__(self, path: str | Path, *, sync: bool = True) -> None:
+    def __init__(self, path: str | Path, *, sync: bool = True, secret: bytes | None = None) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         opts = Options(raw_mode=True)
@@ -105,6 +138,30 @@ class EmbeddedLog:
         self._wopts.sync = sync
         self._lock = threading.Lock()
         self._ends: dict[str, int] = {}
+        self._heads: dict[str, bytes] = {}
+        self.secret = secret or None
+        algo = chain_algorithm(self.secret).encode()
+        stored = self._db.get(_CHAIN_META)
+        if stored is None:
+            self._db.put(_CHAIN_META, algo, self._wopts)
+        elif bytes(stored) != algo:
+            self._db.close()
+            raise LogError(f"the log at {self.path} is chained with {bytes(stored).decode()}, "
+                           f"but was opened for {algo.decode()} (a wrong or missing secret)")
+
+    @property
+    def chain(self) -> str:
+        """The chain algorithm: ``sha256`` or ``hmac-sha256``."""
+        return chain_algorithm(self.secret)
+
+    def head(self, stream: str) -> bytes:
+        """The chain value after the last record of ``stream`` (CHAIN_START when empty)."""
+        head = self._heads.get(stream)
+        if head is None:
+            end = self.end_offset(stream)
+            head = CHAIN_START if end == 0 else next(iter(self.read(stream, end - 1))).chain
+            self._heads[stream] = head
+        return head
 
     def end_offset(self, stream: str) -> int:
         """The offset the next append to ``stream`` will get (= number of records)."""
@@ -130,14 +187,40 @@ class EmbeddedLog:
         """Append records atomically (all or none) in order; returns their offsets."""
         with self._lock:
             start = self.end_offset(stream)
-            batch = WriteBatch(raw_mode=True)
+            head = self.head(stream)
+            chained = []
             for i, (key, value) in enumerate(items):
-                kb = key.encode()
-                batch.put(_record_key(stream, start + i), _KEYLEN.pack(len(kb)) + kb + value)
-            if items:
-                self._db.write(batch, self._wopts)
-                self._ends[stream] = start + len(items)
-            return list(range(start, start + len(items)))
+                head = chain_next(head, stream, start + i, key, value, self.secret)
+                chained.append((key, value, head))
+            return self._write(stream, start, chained)
+
+    def import_records(self, stream: str, records: Sequence[tuple[str, bytes, bytes]]) -> list[int]:
+        """Append ``(key, value, chain)`` records keeping the given chain values (log import):
+        whether they are right is for ``replay verify`` to say, not for the importer."""
+        with self._lock:
+            return self._write(stream, self.end_offset(stream), list(records))
+
+    def _write(self, stream: str, start: int, records: list[tuple[str, bytes, bytes]]) -> list[int]:
+        batch = WriteBatch(raw_mode=True)
+        for i, (key, value, chain) in enumerate(records):
+            if len(chain) != 32:
+                raise ValueError(f"`chain` of record {start + i} has {len(chain)} bytes, but must have 32")
+            kb = key.encode()
+            batch.put(_record_key(stream, start + i), _KEYLEN.pack(len(kb)) + kb + chain + value)
+        if records:
+            self._db.write(batch, self._wopts)
+            self._ends[stream] = start + len(records)
+            self._heads[stream] = records[-1][2]
+        return list(range(start, start + len(records)))
+
+    def streams(self) -> list[str]:
+        """Names of the streams that hold records, sorted."""
+        names = set()
+        for raw_key in self._db.keys(from_key=b"r"):
+            if not raw_key.startswith(b"r"):
+                break
+            names.add(bytes(raw_key[1:-9]).decode())
+        return sorted(names)
 
     def read(self, stream: str, start: int = 0, stop: int | None = None) -> Iterator[Record]:
         """Yield records of ``stream`` with ``start <= offset < stop`` (stop: current end)."""
@@ -152,7 +235,8 @@ class EmbeddedLog:
             if offset >= end:
                 break
             (klen,) = _KEYLEN.unpack_from(raw)
-            yield Record(stream, offset, raw[4 : 4 + klen].decode(), bytes(raw[4 + klen :]))
+            body = 4 + klen
+            yield Record(stream, offset, raw[4:body].decode(), bytes(raw[body + 32 :]), bytes(raw[body : body + 32]))
 
     def close(self) -> None:
         """Flush and release the database (and its LOCK)."""

@@ -79,6 +79,8 @@ class StudyStarted(Event):
     trainer: str
     metric: str | None = None
     metric_mode: Literal["max", "min"] | None = None
+    study_file: str | None = None
+    """Path of the study file the run imported (what ``replay reexecute`` rebuilds the trainer from)."""
 
 
 class StudyFinished(Event):

@@ -23,6 +23,9 @@ from rich.markup import escape
 
 from events.models import StudyFinished, StudyStarted
 from gpu_worker.loader import StudyFileError, load_module, trainer_of
+from events.log import LogError
+from replay.audit import AuditError, secret_from
+from replay.commands import register
 from stagetree.embedded import CoordinatorError, EmbeddedCoordinator
 from stagetree.progress import Progress
 from stagetree.study import Study, TrialFailed, validate_config
@@ -63,7 +66,8 @@ async def _run_embedded(args: argparse.Namespace, console: Console) -> dict[str,
     if args.resume and not has_log:
         raise UsageError(f"--resume: {str(out)!r} holds no run to resume")
     mode = "trial" if args.no_merge else "merged"
-    async with EmbeddedCoordinator(out, args.file, args.workers, device=args.device) as coord:
+    async with EmbeddedCoordinator(out, args.file, args.workers, device=args.device,
+                                   secret=secret_from(args.log_key)) as coord:
         await coord.ready()
         started = time.monotonic()  # end-to-end time runs from a ready cluster to the answer
         prior = coord.state.studies.get(name)
@@ -73,7 +77,8 @@ async def _run_embedded(args: argparse.Namespace, console: Console) -> dict[str,
         study = Study(coord, name, trainer, seed, merge=not args.no_merge)
         coord.append([StudyStarted(producer="cli", study_id=name, name=name, plan_key=study.plan_key, mode=mode,
                                    workers=args.workers, seed=seed, trainer=f"{trainer.name}@{trainer.version}",
-                                   metric=tuner.metric, metric_mode=tuner.mode)])
+                                   metric=tuner.metric, metric_mode=tuner.mode,
+                                   study_file=str(Path(args.file).resolve()))])
         progress = Progress(lambda: coord.state, f"{name} ({mode}, {args.workers} workers)",
                             enabled=not args.quiet)
         coord.on_fold.append(progress.on_fold)
@@ -127,7 +132,16 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue the run in --out from its log")
     run.add_argument("--device", default="auto", help="auto (cuda:i when present, else cpu), cpu, or cuda:N")
     run.add_argument("--quiet", action="store_true", help="no live progress display")
+    run.add_argument("--log-key", help="HMAC secret of the log's hash chain (default: $STAGETREE_LOG_KEY)")
+    run.set_defaults(func=cmd_run)
+    register(sub, _positive)
     return p
+
+
+def cmd_run(args: argparse.Namespace, console: Console) -> int:
+    summary = asyncio.run(_run_embedded(args, console))
+    _print_summary(summary, console)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,15 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(soft_wrap=True)
     err = Console(stderr=True, soft_wrap=True)
     try:
-        summary = asyncio.run(_run_embedded(args, console))
-    except (UsageError, StudyFileError, ValueError) as exc:
+        return int(args.func(args, console))
+    except (UsageError, StudyFileError, AuditError, LogError, ValueError) as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
     except (TrialFailed, CoordinatorError) as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}")
         return 1
-    _print_summary(summary, console)
-    return 0
 
 
 if __name__ == "__main__":

@@ -51,12 +51,13 @@ class EmbeddedCoordinator:
         workers: number of worker processes (one per device).
         device: ``auto`` (``cuda:i`` when present, else cpu), ``cpu`` or ``cuda:N``.
         threads: torch threads per worker.
+        secret: HMAC key of the log's hash chain (None: plain sha256).
 
     Use as an async context manager inside a running loop.
     """
 
     def __init__(self, run_dir: str | Path, study_file: str | Path, workers: int, *, device: str = "auto",
-                 threads: int = 1) -> None:
+                 threads: int = 1, secret: bytes | None = None) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"`workers` is {workers!r}, but must be an int >= 1 in embedded mode")
         self.run_dir = Path(run_dir)
@@ -64,7 +65,7 @@ class EmbeddedCoordinator:
         self.workers = workers
         self.device = device
         self.threads = threads
-        self.log = EmbeddedLog(self.run_dir / "log")
+        self.log = EmbeddedLog(self.run_dir / "log", secret=secret)
         self.store = ProjectionStore(self.run_dir / "state")
         self.projector = Projector(self.log, store=self.store)
         self.projector.catch_up()

@@ -84,7 +84,8 @@ class TestEventLogContract:
     def test_records_carry_stream_name(self, event_log: EventLog) -> None:
         event_log.append("stagetree.plan", "k", b"v")
         (record,) = event_log.read("stagetree.plan")
-        assert record == Record("stagetree.plan", 0, "k", b"v")
+        assert (record.stream, record.offset, record.key, record.value) == ("stagetree.plan", 0, "k", b"v")
+        assert len(record.chain) == 32
 
     def test_streams_are_independent(self, event_log: EventLog) -> None:
         # Interleaved appends; names chosen so one is a prefix of the other.

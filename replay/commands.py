@@ -1,0 +1,135 @@
+"""The audit commands of the ``stagetree`` CLI: ``log export|import``, ``replay verify|reexecute``.
+
+Each handler takes the parsed arguments and a console and returns an exit code: 0 when
+everything matched, 1 when a check failed or a stage diverged (the message names the first
+failing offset, event and check, or the trial, node and step), 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import orjson
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from events import topics
+from projections.state import State
+from replay.audit import AuditError, export_log, fold, import_log, open_source, secret_from, verify
+from replay.reexecute import reexecute
+
+
+def _progress(console: Console, quiet: bool) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, disable=quiet, transient=True)
+
+
+def trials_through(state: State, plan_key: str, node_id: str, step: int) -> list[str]:
+    """Trials whose hyper-parameter path trains ``node_id`` up to ``step`` or beyond."""
+    plan = state.plans.get(plan_key)
+    if plan is None:
+        return []
+    out = []
+    for t in state.trials.values():
+        if t.plan_key != plan_key or t.steps not in t.requests:
+            continue
+        node = plan.nodes.get(t.requests[t.steps])
+        end = t.steps
+        while node is not None:
+            if node.node_id == node_id and step <= end:
+                out.append(t.trial_id)
+                break
+            end = node.start_step
+            node = plan.nodes.get(node.parent_id) if node.parent_id else None
+    return sorted(out)
+
+
+def cmd_export(args: argparse.Namespace, console: Console) -> int:
+    source = open_source(args.source, secret_from(args.log_key))
+    n = export_log(source, Path(args.out))
+    console.print(f"exported {n} records ({source.chain} chain) to {escape(args.out)}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace, console: Console) -> int:
+    source = open_source(args.file)
+    import_log(source, Path(args.out), secret_from(args.log_key))
+    console.print(f"imported {sum(len(v) for v in source.streams.values())} records into {escape(args.out)}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace, console: Console) -> int:
+    secret = secret_from(args.log_key)
+    source = open_source(args.source, secret, args.checkpoints)
+    total = len(source.streams.get(topics.PLAN, []))
+    with _progress(console, args.quiet) as progress:
+        task = progress.add_task("verify", total=total)
+        result = verify(source, secret, progress=lambda n: progress.advance(task, n))
+    for check in result.checks:
+        mark = "[green]ok[/green]" if check["ok"] else "[red]FAILED[/red]"
+        console.print(f"{mark} {check['name']}: {escape(check['detail'])}")
+    if args.json:
+        Path(args.json).write_bytes(orjson.dumps(result.as_dict(), option=orjson.OPT_INDENT_2))
+    if result.ok:
+        console.print(f"[green]verified[/green]: {result.events} records of {escape(str(source.path))}")
+        return 0
+    console.print(f"[red]verification failed[/red]: {escape(str(result.first_failure))}")
+    return 1
+
+
+def cmd_reexecute(args: argparse.Namespace, console: Console) -> int:
+    source = open_source(args.source, secret_from(args.log_key), args.checkpoints)
+    state = fold(source.streams.get(topics.PLAN, []))
+    with _progress(console, args.quiet) as progress:
+        task = progress.add_task("re-execute", total=None)
+        result = reexecute(source, study_file=args.study, workers=args.workers, sample=args.sample, seed=args.seed,
+                           progress=lambda n: progress.advance(task, n),
+                           trials_at=lambda p, n, s: trials_through(state, p, n, s))
+    for d in result.divergences:
+        console.print(f"[red]diverged[/red]: {escape(str(d))}")
+    if result.ok:
+        console.print(f"[green]reproduced[/green]: {result.stages} stages bit for bit on {args.workers} workers")
+        return 0
+    console.print(f"[red]{len(result.divergences)} divergences[/red] in {result.stages} stages")
+    return 1
+
+
+def register(sub: argparse._SubParsersAction, positive: type | object) -> None:  # type: ignore[type-arg]
+    """Add the ``log`` and ``replay`` command groups to the ``stagetree`` parser."""
+    key_help = "HMAC secret of the log's hash chain (default: $STAGETREE_LOG_KEY)"
+    log = sub.add_parser("log", help="export or import a portable, tamper-evident log").add_subparsers(
+        dest="log_command", required=True)
+    exp = log.add_parser("export", help="write a run's log as JSONL with its hash chain")
+    exp.add_argument("source", help="run directory")
+    exp.add_argument("--out", required=True, help="the JSONL file to write")
+    exp.add_argument("--log-key", help=key_help)
+    exp.set_defaults(func=cmd_export)
+    imp = log.add_parser("import", help="create a run directory from a JSONL export")
+    imp.add_argument("file", help="the JSONL export")
+    imp.add_argument("--out", required=True, help="run directory to create")
+    imp.add_argument("--log-key", help=key_help)
+    imp.set_defaults(func=cmd_import)
+
+    replay = sub.add_parser("replay", help="audit a finished study").add_subparsers(dest="replay_command", required=True)
+    ver = replay.add_parser("verify", help="check hash chain, decisions, projections and checkpoints")
+    ver.add_argument("source", help="run directory or JSONL export")
+    ver.add_argument("--checkpoints", help="checkpoint directory (default: the run directory's)")
+    ver.add_argument("--log-key", help=key_help)
+    ver.add_argument("--json", help="also write the audit result as JSON to this file")
+    ver.add_argument("--quiet", action="store_true", help="no progress bar")
+    ver.set_defaults(func=cmd_verify)
+    rex = replay.add_parser("reexecute", help="re-run recorded stages and compare bit for bit")
+    rex.add_argument("source", help="run directory or JSONL export")
+    rex.add_argument("--workers", type=positive, default=1, help="fresh worker processes (default 1)")
+    rex.add_argument("--sample", type=positive, help="re-run only this many stages, chosen with --seed")
+    rex.add_argument("--seed", type=int, default=0, help="seed of the sample (default 0)")
+    rex.add_argument("--study", help="study file (default: the one the log records)")
+    rex.add_argument("--checkpoints", help="checkpoint directory (default: the run directory's)")
+    rex.add_argument("--log-key", help=key_help)
+    rex.add_argument("--quiet", action="store_true", help="no progress bar")
+    rex.set_defaults(func=cmd_reexecute)
+
+
+HANDLED_ERRORS = (AuditError,)

@@ -1,0 +1,203 @@
+"""Reproducibility audits on a real finished study: hash chains, verify, export/import, re-execution."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from events.codec import decode
+from events.log import chain_next
+from projections.store import ProjectionStore
+from replay.audit import open_source, verify
+from stagetree.cli import main
+
+STUDY = Path(__file__).parent / "studies" / "tiny_sha.py"
+KEY = "audit-secret"
+
+
+def _run(out: Path, *flags: str, env: dict | None = None) -> None:
+    proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "run", str(STUDY), "--workers", "2", "--out", str(out),
+                           "--quiet", *flags], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("audit") / "run"
+    _run(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def keyed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("audit-keyed") / "run"
+    _run(out, "--log-key", KEY)
+    return out
+
+
+@pytest.fixture
+def export(run_dir: Path, tmp_path: Path) -> Path:
+    path = tmp_path / "log.jsonl"
+    assert main(["log", "export", str(run_dir), "--out", str(path)]) == 0
+    return path
+
+
+def lines(path: Path) -> list[dict]:
+    return [orjson.loads(x) for x in path.read_bytes().splitlines()]
+
+
+def write(path: Path, rows: list[dict]) -> None:
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+
+
+def first_failure(path: Path, run_dir: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> str:
+    code = main(["replay", "verify", str(path), "--checkpoints", str(run_dir / "checkpoints"), "--quiet", *extra])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    return out.split("verification failed:")[1]
+
+
+def plan_rows(rows: list[dict]) -> list[tuple[int, dict]]:
+    return [(i, r) for i, r in enumerate(rows) if r.get("stream") == "stagetree.plan"]
+
+
+def test_verify_passes_on_a_clean_run_and_its_export(run_dir: Path, export: Path, capsys) -> None:
+    assert main(["replay", "verify", str(run_dir), "--quiet"]) == 0
+    assert main(["replay", "verify", str(export), "--checkpoints", str(run_dir / "checkpoints"), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("verified") == 2 and "FAILED" not in out
+    result = verify(open_source(run_dir))
+    assert result.ok and {c["name"] for c in result.checks} == {"chain", "decision", "projection", "checkpoint"}
+
+
+def test_an_edited_metric_value_fails_at_its_offset(run_dir: Path, export: Path, capsys) -> None:
+    rows = lines(export)
+    i, row = next((i, r) for i, r in plan_rows(rows) if '"MetricsReported"' in r["value"])
+    event = orjson.loads(row["value"])
+    event["payload"]["metrics"]["val_acc"] = 1.0
+    rows[i]["value"] = orjson.dumps(event, option=orjson.OPT_SORT_KEYS).decode()
+    write(export, rows)
+    msg = first_failure(export, run_dir, capsys)
+    assert f"chain check failed at offset {row['offset']} (MetricsReported)" in msg
+
+
+def test_a_deleted_event_fails_at_its_offset(run_dir: Path, export: Path, capsys) -> None:
+    rows = lines(export)
+    i, row = plan_rows(rows)[5]
+    del rows[i]
+    write(export, rows)
+    msg = first_failure(export, run_dir, capsys)
+    assert f"offset {row['offset']} is missing" in msg
+
+
+def test_two_swapped_events_fail_at_the_first(run_dir: Path, export: Path, capsys) -> None:
+    rows = lines(export)
+    (i, a), (j, b) = plan_rows(rows)[7:9]
+    rows[i] = {**b, "offset": a["offset"], "chain": a["chain"]}
+    rows[j] = {**a, "offset": b["offset"], "chain": b["chain"]}
+    write(export, rows)
+    msg = first_failure(export, run_dir, capsys)
+    assert f"chain check failed at offset {a['offset']}" in msg
+
+
+def test_an_inserted_forged_dispatch_fails(run_dir: Path, export: Path, capsys) -> None:
+    rows = lines(export)
+    plan = plan_rows(rows)
+    i, dispatch = next((i, r) for i, r in plan if '"StageDispatched"' in r["value"])
+    forged = orjson.loads(dispatch["value"])
+    forged["payload"]["stages"][0]["to_step"] += 5
+    at = dispatch["offset"]
+    # the forger re-seals the plain sha256 chain from the insertion point on, as anyone can
+    head = bytes.fromhex(rows[i - 1]["chain"]) if i > 0 and rows[i - 1]["stream"] == "stagetree.plan" else bytes(32)
+    new = {**dispatch, "value": orjson.dumps(forged, option=orjson.OPT_SORT_KEYS).decode()}
+    stream = [r for _, r in plan]
+    k = stream.index(dispatch)
+    resealed = stream[:k] + [new] + stream[k:]
+    for offset, r in enumerate(resealed[k:], start=k):
+        r["offset"] = offset
+        head = chain_next(head, r["stream"], offset, r["key"], r["value"].encode())
+        r["chain"] = head.hex()
+    others = [r for r in rows if r.get("stream") not in (None, "stagetree.plan")]
+    write(export, [rows[0], *resealed, *others])
+    msg = first_failure(export, run_dir, capsys)
+    # the chain is intact, but the scheduler would not have decided this
+    assert f"decision check failed at offset {at} (StageDispatched)" in msg
+
+
+def test_a_replaced_checkpoint_object_fails_at_its_checkpoint_event(run_dir: Path, tmp_path: Path, capsys) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    source = open_source(copy)
+    record = next(r for r in source.streams["stagetree.plan"] if decode(r.value).type == "CheckpointSaved")
+    ref = decode(record.value).ref
+    obj = copy / "checkpoints" / ref[:2] / ref
+    data = obj.read_bytes()
+    obj.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    assert main(["replay", "verify", str(copy), "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert f"checkpoint check failed at offset {record.offset} (CheckpointSaved)" in out
+    assert ref in out
+
+
+def test_a_keyed_chain_cannot_be_resealed_without_the_key(keyed_run: Path, tmp_path: Path, capsys) -> None:
+    path = tmp_path / "keyed.jsonl"
+    assert main(["log", "export", str(keyed_run), "--out", str(path), "--log-key", KEY]) == 0
+    assert main(["replay", "verify", str(path), "--log-key", KEY, "--quiet"]) == 0
+    rows = lines(path)
+    i, row = next((i, r) for i, r in plan_rows(rows) if '"MetricsReported"' in r["value"])
+    event = orjson.loads(row["value"])
+    event["payload"]["metrics"]["val_acc"] = 1.0
+    rows[i]["value"] = orjson.dumps(event, option=orjson.OPT_SORT_KEYS).decode()
+    head = bytes.fromhex(rows[i - 1]["chain"])
+    for r in rows[i:]:  # re-seal with a guessed key
+        if r["stream"] == "stagetree.plan":
+            head = chain_next(head, r["stream"], r["offset"], r["key"], r["value"].encode(), b"guess")
+            r["chain"] = head.hex()
+    write(path, rows)
+    capsys.readouterr()
+    assert main(["replay", "verify", str(path), "--log-key", KEY, "--quiet"]) == 1
+    assert f"chain check failed at offset {row['offset']} (MetricsReported)" in capsys.readouterr().out
+    # and without the key, the keyed log does not verify at all
+    assert main(["replay", "verify", str(keyed_run), "--quiet"]) == 2
+
+
+def test_export_then_import_verifies_and_replays_to_identical_projections(run_dir: Path, export: Path,
+                                                                         tmp_path: Path) -> None:
+    out = tmp_path / "imported"
+    assert main(["log", "import", str(export), "--out", str(out)]) == 0
+    assert main(["replay", "verify", str(out), "--checkpoints", str(run_dir / "checkpoints"), "--quiet"]) == 0
+    original, imported = ProjectionStore(run_dir / "state"), ProjectionStore(out / "state")
+    try:
+        assert imported.records() == original.records()
+    finally:
+        original.close()
+        imported.close()
+
+
+def test_reexecute_reproduces_the_study_with_another_worker_count(run_dir: Path, capsys) -> None:
+    summary = orjson.loads((run_dir / "summary.json").read_bytes())
+    assert summary["workers"] == 2
+    assert main(["replay", "reexecute", str(run_dir), "--workers", "1", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "reproduced" in out and "bit for bit on 1 workers" in out
+
+
+def test_reexecute_reports_a_divergence_by_trial_node_and_step(run_dir: Path, tmp_path: Path, capsys) -> None:
+    """A trainer that computes something else (here: another dropout) is caught stage by stage."""
+    study = tmp_path / "changed.py"
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    study.write_text(
+        STUDY.read_text()
+        .replace('Path(__file__).resolve().parents[2] / "examples"', repr(str(examples)))
+        .replace("trainer = DigitsTrainer()", "import digits\ndigits.DROPOUT = 0.5\ntrainer = DigitsTrainer()")
+    )
+    code = main(["replay", "reexecute", str(run_dir), "--workers", "2", "--sample", "3", "--seed", "1",
+                 "--study", str(study), "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "diverged: checkpoint of node n" in out and "at step" in out and "trials " in out
