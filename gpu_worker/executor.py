@@ -15,7 +15,9 @@ import traceback
 from collections.abc import Callable
 
 import torch
+from opentelemetry.trace import SpanKind
 
+from events import topics, tracing
 from events.models import (
     CheckpointSaved,
     Event,
@@ -79,7 +81,9 @@ class PathExecutor:
         self._holding: tuple[int, str] | None = None  # (seed, ref) of the weights in memory
 
     def stamp(self, event: Event) -> Event:
-        return event.model_copy(update={"producer": f"worker:{self.worker_id}", "ts": self.wall()})
+        """Set producer, timestamp and (when tracing) the current span's context on ``event``."""
+        return event.model_copy(update={"producer": f"worker:{self.worker_id}", "ts": self.wall(),
+                                        "trace": tracing.carrier()})
 
     def _session_for(self, d: StageDispatched) -> TrainingSession:
         """A session positioned at the path's source. Raises CheckpointError when it cannot load."""
@@ -99,42 +103,56 @@ class PathExecutor:
         """Execute every stage of ``d`` in order, emitting events through ``emit``.
 
         Never raises for a failing stage: a corrupt or missing source checkpoint, or an
-        exception from the trainer, becomes a StageFailed event and ends the path.
+        exception from the trainer, becomes a StageFailed event and ends the path. With tracing
+        on, the work is recorded as spans in the trace the dispatch carries.
         """
+        with tracing.span("dispatch.process", parent=d.trace, kind=SpanKind.CONSUMER,
+                          attributes=tracing.messaging("process", topics.DISPATCH, d.event_id,
+                                                       dispatch_id=d.dispatch_id, worker_id=self.worker_id)):
+            self._run(d, emit)
+
+    def _run(self, d: StageDispatched, emit: Emit) -> None:
         started = self.clock()
         first = d.stages[0]
         base = {"dispatch_id": d.dispatch_id, "plan_key": d.plan_key}
         try:
-            session = self._session_for(d)
+            with tracing.span("checkpoint.load", attributes={"stagetree.ref": d.source.ref if d.source else "fresh"}):
+                session = self._session_for(d)
         except (CheckpointCorrupt, CheckpointMissing) as exc:
             kind = "checkpoint_corrupt" if isinstance(exc, CheckpointCorrupt) else "checkpoint_missing"
             emit(self.stamp(StageFailed(**base, worker_id=self.worker_id, node_id=first.node_id,
-                                         from_step=first.from_step, to_step=first.to_step, kind=kind,
-                                         error=str(exc), ref=d.source.ref if d.source else None)))
+                                        from_step=first.from_step, to_step=first.to_step, kind=kind,
+                                        error=str(exc), ref=d.source.ref if d.source else None)))
             return
         for spec in d.stages:
             stage = {"node_id": spec.node_id, "from_step": spec.from_step, "to_step": spec.to_step}
-            emit(self.stamp(StageStarted(dispatch_id=d.dispatch_id, worker_id=self.worker_id, **stage)))
-            try:
-                if session.step != spec.from_step:
-                    raise RuntimeError(f"stage starts at step {spec.from_step}, but the weights are at {session.step}")
-                t0 = self.clock()
-                session.train(spec.hp, spec.to_step)
-                train_seconds = self.clock() - t0
-                if spec.evaluate:
-                    metrics = session.evaluate()
-                    emit(self.stamp(MetricsReported(**base, node_id=spec.node_id, step=spec.to_step, metrics=metrics)))
-                if spec.to_step > spec.from_step or self._holding is None:  # eval-only: source kept
-                    ref = self.store.put(session.save())
-                    self._holding = (d.seed, ref.ref)
-                    emit(self.stamp(CheckpointSaved(**base, node_id=spec.node_id, step=spec.to_step,
-                                                     ref=ref.ref, size=ref.size)))
-            except Exception as exc:  # the trainer's own code failed: report, never crash the worker
-                self._session, self._holding = None, None
-                error = "".join(traceback.format_exception_only(exc)).strip()
-                emit(self.stamp(StageFailed(**base, worker_id=self.worker_id, **stage, kind="error", error=error)))
-                return
-            now = self.clock()
-            emit(self.stamp(StageFinished(**base, worker_id=self.worker_id, **stage,
-                                           seconds=now - started, train_seconds=train_seconds)))
-            started = now
+            attrs = {f"stagetree.{k}": v for k, v in stage.items()}
+            with tracing.span("stage", attributes=attrs):
+                emit(self.stamp(StageStarted(dispatch_id=d.dispatch_id, worker_id=self.worker_id, **stage)))
+                try:
+                    if session.step != spec.from_step:
+                        raise RuntimeError(f"stage starts at step {spec.from_step}, but the weights are at {session.step}")
+                    t0 = self.clock()
+                    with tracing.span("train", attributes=attrs):
+                        session.train(spec.hp, spec.to_step)
+                    train_seconds = self.clock() - t0
+                    if spec.evaluate:
+                        with tracing.span("evaluate", attributes=attrs):
+                            metrics = session.evaluate()
+                        emit(self.stamp(MetricsReported(**base, node_id=spec.node_id, step=spec.to_step,
+                                                        metrics=metrics)))
+                    if spec.to_step > spec.from_step or self._holding is None:  # eval-only: source kept
+                        with tracing.span("checkpoint.save", attributes=attrs):
+                            ref = self.store.put(session.save())
+                        self._holding = (d.seed, ref.ref)
+                        emit(self.stamp(CheckpointSaved(**base, node_id=spec.node_id, step=spec.to_step,
+                                                        ref=ref.ref, size=ref.size)))
+                except Exception as exc:  # the trainer's own code failed: report, never crash the worker
+                    self._session, self._holding = None, None
+                    error = "".join(traceback.format_exception_only(exc)).strip()
+                    emit(self.stamp(StageFailed(**base, worker_id=self.worker_id, **stage, kind="error", error=error)))
+                    return
+                now = self.clock()
+                emit(self.stamp(StageFinished(**base, worker_id=self.worker_id, **stage,
+                                              seconds=now - started, train_seconds=train_seconds)))
+                started = now

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from events import tracing
 from events.codec import decode, encode
 from events.models import Event, StageDispatched, WorkerJoined
 from gpu_worker.checkpoint import LocalCheckpointStore
@@ -33,7 +34,7 @@ def warm_up(trainer: Trainer, device: torch.device) -> None:
 
 
 def embedded_worker_main(conn: Connection, worker_id: str, index: int, study_file: str, checkpoint_dir: str,
-                         device: str = "auto", threads: int = 1) -> None:
+                         device: str = "auto", threads: int = 1, otel_exporter: str = "none") -> None:
     """Entry point of a worker subprocess (multiprocessing, spawn start method).
 
     Args:
@@ -41,7 +42,17 @@ def embedded_worker_main(conn: Connection, worker_id: str, index: int, study_fil
         index: the worker's position, used to pick ``cuda:<index>`` with ``device="auto"``.
         threads: torch intra-op threads (1 keeps N workers on N cores from oversubscribing, and
             keeps float reductions identical whatever the worker count).
+        otel_exporter: the coordinator's ``--otel-exporter`` (see events.tracing).
     """
+    tracing.configure(otel_exporter, f"stagetree-worker-{worker_id}")
+    try:
+        _serve(conn, worker_id, index, study_file, checkpoint_dir, device, threads)
+    finally:
+        tracing.shutdown()
+
+
+def _serve(conn: Connection, worker_id: str, index: int, study_file: str, checkpoint_dir: str, device: str,
+           threads: int) -> None:
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     dev = resolve_device(device, index)

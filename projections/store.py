@@ -15,7 +15,9 @@ from typing import Any
 import orjson
 from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 
-from events import topics
+from opentelemetry.trace import SpanKind
+
+from events import topics, tracing
 from events.codec import InvalidEvent, decode, encode
 from events.log import EventLog
 from events.models import DeadLettered, Event
@@ -192,7 +194,13 @@ class Projector:
         for record in self.log.read(topics.PLAN, self.state.offset + 1, stop):
             try:
                 event = decode(record.value)
-                touched |= apply(self.state, event, record.offset)
+                if tracing.enabled() and event.trace:
+                    with tracing.span(f"projection.apply {event.type}", parent=event.trace, kind=SpanKind.CONSUMER,
+                                      attributes=tracing.messaging("process", topics.PLAN, event.event_id,
+                                                                   offset=record.offset)):
+                        touched |= apply(self.state, event, record.offset)
+                else:
+                    touched |= apply(self.state, event, record.offset)
             except (InvalidEvent, Rejected) as exc:
                 reason = str(exc)
                 self.state.offset = record.offset

@@ -23,6 +23,7 @@ from rich.markup import escape
 
 from events.models import StudyFinished, StudyStarted
 from gpu_worker.loader import StudyFileError, load_module, trainer_of
+from events import tracing
 from events.log import LogError
 from replay.audit import AuditError, secret_from
 from replay.commands import register
@@ -121,8 +122,20 @@ def _positive(value: str) -> int:
     return n
 
 
+class _Sub(argparse._SubParsersAction):  # type: ignore[type-arg]
+    """Subcommand parsers that all take ``--otel-exporter`` (at any depth)."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        parser = super().add_parser(name, **kwargs)
+        parser.register("action", "parsers", _Sub)
+        parser.add_argument("--otel-exporter", default=None,
+                            help="none (default), console, otlp or jsonl:PATH (default: $STAGETREE_OTEL_EXPORTER)")
+        return parser
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stagetree", description="Hyper-parameter optimization over stage trees.")
+    p.register("action", "parsers", _Sub)
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a study file")
     run.add_argument("file", help="Python study file defining `trainer` and `tuner` (optional `seed`, `name`)")
@@ -149,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(soft_wrap=True)
     err = Console(stderr=True, soft_wrap=True)
     try:
+        tracing.configure(args.otel_exporter, "stagetree")
         return int(args.func(args, console))
     except (UsageError, StudyFileError, AuditError, LogError, ValueError) as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}")
@@ -156,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     except (TrialFailed, CoordinatorError) as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}")
         return 1
+    finally:
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from opentelemetry.trace import SpanKind
+
+from events import topics, tracing
 from events.hp import HPConfig, as_hp, canonical_json
 from events.models import Event, TrialCancelled, TrialSubmitted
 from gpu_worker.trainer import Trainer
@@ -103,6 +106,7 @@ class Study:
         self.plan_key = plan_key_of(trainer, seed)
         self._pending: list[Event] = []
         self._flush_scheduled = False
+        self._trial_traces: dict[str, dict[str, str]] = {}  # trial id -> context of its trace root
 
     # ------------------------------------------------------------------ validation
 
@@ -140,8 +144,17 @@ class Study:
         future = self.runtime.watch(trial_id, steps)
         trial = self.runtime.state.trials.get(trial_id)
         if trial is None or steps not in trial.results:
-            self._enqueue(TrialSubmitted(producer=f"sdk:{self.name}", study_id=self.name, trial_id=trial_id,
-                                         plan_key=self._plan_for(trial_id), seed=self.seed, hp=config, steps=steps))
+            event = TrialSubmitted(producer=f"sdk:{self.name}", study_id=self.name, trial_id=trial_id,
+                                   plan_key=self._plan_for(trial_id), seed=self.seed, hp=config, steps=steps)
+            previous = self._trial_traces.get(trial_id)
+            with tracing.span("trial.submit", parent=previous, new_trace=previous is None, kind=SpanKind.PRODUCER,
+                              attributes=tracing.messaging("publish", topics.PLAN, event.event_id,
+                                                           trial_id=trial_id, study_id=self.name, steps=steps)):
+                header = tracing.carrier()
+            if header is not None:
+                self._trial_traces.setdefault(trial_id, header)
+                event = event.model_copy(update={"trace": header})
+            self._enqueue(event)
         return future
 
     def cancel(self, hp: Mapping[str, Any]) -> None:

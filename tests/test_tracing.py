@@ -1,0 +1,84 @@
+"""OpenTelemetry: one trace per trial across the coordinator (SDK, projector, scheduler) and the
+worker processes, with correct parent links, collected with the JSONL exporter."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import orjson
+import pytest
+
+from events import tracing
+
+STUDY = Path(__file__).parent / "studies" / "tiny_sha.py"
+
+
+@pytest.fixture(scope="module")
+def spans(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("traced")
+    path = tmp / "spans.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "run", str(STUDY), "--workers", "2",
+                           "--out", str(tmp / "run"), "--quiet", "--otel-exporter", f"jsonl:{path}"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def test_each_trial_is_one_trace_across_processes_with_parent_links(spans: list[dict]) -> None:
+    by_id = {s["span_id"]: s for s in spans}
+    roots = [s for s in spans if s["name"] == "trial.submit" and s["parent_id"] is None]
+    assert len(roots) == 16  # one trace per trial of the study
+    assert len({s["trace_id"] for s in roots}) == 16
+    traces: dict[str, list[dict]] = defaultdict(list)
+    for s in spans:
+        traces[s["trace_id"]].append(s)
+
+    def parent(s: dict) -> dict:
+        return by_id[s["parent_id"]]
+
+    full = 0
+    for root in roots:
+        trace = traces[root["trace_id"]]
+        names = {s["name"] for s in trace}
+        if not {"dispatch", "dispatch.process", "train", "checkpoint.save"} <= names:
+            continue  # trials whose stages were dispatched in another trial's trace (linked there)
+        full += 1
+        pids = {s["resource"]["process.pid"] for s in trace}
+        assert len(pids) >= 2  # coordinator and worker processes
+        for s in trace:
+            if s["name"] == "trial.submit" and s["parent_id"] is not None:
+                assert parent(s)["name"] == "trial.submit"  # a promotion continues the trial's trace
+            if s["name"].startswith("projection.apply"):
+                assert s["kind"] == "CONSUMER"
+                assert s["attributes"]["messaging.operation.type"] == "process"
+            if s["name"] == "projection.apply TrialSubmitted":
+                assert parent(s)["name"] == "trial.submit"
+            if s["name"] == "schedule":
+                assert parent(s)["name"] == "trial.submit"
+            if s["name"] == "dispatch":
+                assert parent(s)["name"] == "schedule" and s["kind"] == "PRODUCER"
+                assert s["attributes"]["messaging.destination.name"] == "stagetree.dispatch"
+            if s["name"] == "dispatch.process":
+                assert parent(s)["name"] == "dispatch" and s["kind"] == "CONSUMER"
+                assert s["resource"]["process.pid"] != parent(s)["resource"]["process.pid"]
+                assert s["resource"]["service.name"].startswith("stagetree-worker-")
+            if s["name"] in ("train", "evaluate", "checkpoint.save"):
+                assert parent(s)["name"] == "stage" and parent(parent(s))["name"] == "dispatch.process"
+    assert full >= 4
+    # a dispatch serving several trials links to the other trials' traces
+    assert any(s["links"] for s in spans if s["name"] == "schedule")
+
+
+def test_tracing_off_installs_nothing_and_events_carry_no_context() -> None:
+    tracing.configure("none", "test")
+    assert not tracing.enabled() and tracing.carrier() is None
+    with tracing.span("x") as s:
+        assert s is None
+
+
+def test_an_unknown_exporter_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="zipkin"):
+        tracing.configure("zipkin", "test")
