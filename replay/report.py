@@ -39,7 +39,7 @@ from matplotlib.patches import Patch
 
 from events import topics
 from events.codec import InvalidEvent, decode
-from events.log import EmbeddedLog, LogError, Record
+from events.log import EmbeddedLog, LogError, LogLocked, Record
 from events.models import (
     Event,
     StageDispatched,
@@ -165,8 +165,8 @@ def _elapsed(events: Sequence[tuple[int, Event]], study_id: str) -> float:
 def _read_run_dir(path: Path, secret: bytes | None) -> tuple[list[Record], State | None, dict[str, Any] | None]:
     try:
         log = EmbeddedLog(path / "log", secret=secret)
-    except LogError as exc:
-        hint = "" if secret else f" (a keyed log needs --log-key or ${KEY_ENV})"
+    except LogError as exc:  # LogLocked: a coordinator still runs; else a secret mismatch
+        hint = "" if secret or isinstance(exc, LogLocked) else f" (a keyed log needs --log-key or ${KEY_ENV})"
         raise ReportError(f"cannot open the log of {str(path)!r}: {exc}{hint}") from None
     try:
         records = list(log.read(topics.PLAN))
@@ -752,7 +752,8 @@ def audit_html(audit: dict[str, Any] | None) -> str:
     checks = audit.get("checks") or []
     parts = [f'<section class="audit {"ok" if ok else "fail"}" id="audit">']
     if ok:
-        parts.append("<h2>&#10004; Audit passed</h2><p>Every check of <code>stagetree replay verify</code> matched.</p>")
+        parts.append("<h2>&#10004; Audit passed</h2>"
+                     "<p>Every check of <code>stagetree replay verify</code> matched.</p>")
     else:
         first = audit.get("first_failure") or next(
             (f"{c.get('name')}: {c.get('detail')}" for c in checks if isinstance(c, dict) and not c.get("ok")),
