@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from rocksdict import Options, Rdict, WriteBatch, WriteOptions
+from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
 from events.codec import encode
 from events.models import Event
@@ -115,6 +115,8 @@ class EmbeddedLog:
         path: directory of the database (created if absent).
         sync: fsync the write-ahead log on every append (default True).
         secret: HMAC key of the hash chain (None: plain sha256).
+        read_only: open for reading only: no lock is taken (a running study may hold the log),
+            nothing is written, and no secret is needed (``chain`` says how it was written).
 
     Raises:
         LogLocked: the database is open in another process.
@@ -123,17 +125,24 @@ class EmbeddedLog:
     Thread safety: appends are serialized by a lock; reads may run concurrently with appends.
     """
 
-    def __init__(self, path: str | Path, *, sync: bool = True, secret: bytes | None = None) -> None:
+    def __init__(self, path: str | Path, *, sync: bool = True, secret: bytes | None = None,
+                 read_only: bool = False) -> None:
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.read_only = read_only
         opts = Options(raw_mode=True)
-        opts.create_if_missing(True)
-        try:
-            self._db = Rdict(str(self.path), opts)
-        except Exception as exc:  # rocksdict raises a bare Exception on a held LOCK
-            if "lock" in str(exc).lower():
-                raise LogLocked(f"the log at {self.path} is open in another process") from exc
-            raise
+        if read_only:
+            if not (self.path / "CURRENT").is_file():
+                raise LogError(f"no log at {self.path}")
+            self._db = Rdict(str(self.path), opts, access_type=AccessType.read_only())
+        else:
+            self.path.mkdir(parents=True, exist_ok=True)
+            opts.create_if_missing(True)
+            try:
+                self._db = Rdict(str(self.path), opts)
+            except Exception as exc:  # rocksdict raises a bare Exception on a held LOCK
+                if "lock" in str(exc).lower():
+                    raise LogLocked(f"the log at {self.path} is open in another process") from exc
+                raise
         self._wopts = WriteOptions()
         self._wopts.sync = sync
         self._lock = threading.Lock()
@@ -142,6 +151,10 @@ class EmbeddedLog:
         self.secret = secret or None
         algo = chain_algorithm(self.secret).encode()
         stored = self._db.get(_CHAIN_META)
+        if read_only:
+            self._chain = bytes(stored).decode() if stored is not None else chain_algorithm(None)
+            return
+        self._chain = algo.decode()
         if stored is None:
             self._db.put(_CHAIN_META, algo, self._wopts)
         elif bytes(stored) != algo:
@@ -151,8 +164,8 @@ class EmbeddedLog:
 
     @property
     def chain(self) -> str:
-        """The chain algorithm: ``sha256`` or ``hmac-sha256``."""
-        return chain_algorithm(self.secret)
+        """The chain algorithm the log was written with: ``sha256`` or ``hmac-sha256``."""
+        return self._chain
 
     def head(self, stream: str) -> bytes:
         """The chain value after the last record of ``stream`` (CHAIN_START when empty)."""
@@ -185,6 +198,8 @@ class EmbeddedLog:
 
     def append_many(self, stream: str, items: Sequence[tuple[str, bytes]]) -> list[int]:
         """Append records atomically (all or none) in order; returns their offsets."""
+        if self.read_only:
+            raise LogError(f"the log at {self.path} was opened read-only")
         with self._lock:
             start = self.end_offset(stream)
             head = self.head(stream)
@@ -197,6 +212,8 @@ class EmbeddedLog:
     def import_records(self, stream: str, records: Sequence[tuple[str, bytes, bytes]]) -> list[int]:
         """Append ``(key, value, chain)`` records keeping the given chain values (log import):
         whether they are right is for ``replay verify`` to say, not for the importer."""
+        if self.read_only:
+            raise LogError(f"the log at {self.path} was opened read-only")
         with self._lock:
             return self._write(stream, self.end_offset(stream), list(records))
 

@@ -80,7 +80,7 @@ def open_run(path: Path, secret: bytes | None) -> Source:
     """Read a run directory (its log is opened, read and closed)."""
     if not (path / "log").is_dir():
         raise AuditError(f"{str(path)!r} is not a run directory (no log/)")
-    log = EmbeddedLog(path / "log", secret=secret)
+    log = EmbeddedLog(path / "log", read_only=True)
     try:
         streams = {name: list(log.read(name)) for name in log.streams()}
         chain = log.chain
@@ -172,7 +172,10 @@ def import_log(source: Source, out: Path, secret: bytes | None) -> None:
     """
     if (out / "log").exists():
         raise AuditError(f"{str(out)!r} already holds a log")
-    log = EmbeddedLog(out / "log", secret=secret if source.chain == chain_algorithm(secret) else None)
+    if source.chain != chain_algorithm(secret):
+        raise AuditError(f"the export is chained with {source.chain}: pass the matching --log-key "
+                         f"(or none for sha256) so the imported log can be appended to")
+    log = EmbeddedLog(out / "log", secret=secret)
     try:
         for name in sorted(source.streams):
             log.import_records(name, [(r.key, r.value, r.chain) for r in source.streams[name]])

@@ -1,4 +1,5 @@
-"""The audit commands of the ``stagetree`` CLI: ``log export|import``, ``replay verify|reexecute``.
+"""The audit commands of the ``stagetree`` CLI: ``log export|import``, ``replay verify|reexecute``,
+``report``.
 
 Each handler takes the parsed arguments and a console and returns an exit code: 0 when
 everything matched, 1 when a check failed or a stage diverged (the message names the first
@@ -18,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from events import topics
 from projections.state import State
 from replay.audit import AuditError, export_log, fold, import_log, open_source, secret_from, verify
+from replay import report
 from replay.reexecute import reexecute
 
 
@@ -130,6 +132,7 @@ def register(sub: argparse._SubParsersAction, positive: type | object) -> None: 
     rex.add_argument("--log-key", help=key_help)
     rex.add_argument("--quiet", action="store_true", help="no progress bar")
     rex.set_defaults(func=cmd_reexecute)
+    report.register(sub)
 
 
 HANDLED_ERRORS = (AuditError,)

@@ -22,7 +22,6 @@ import argparse
 import html
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -39,7 +38,7 @@ from matplotlib.patches import Patch
 
 from events import topics
 from events.codec import InvalidEvent, decode
-from events.log import EmbeddedLog, LogError, LogLocked, Record
+from events.log import Record
 from events.models import (
     Event,
     StageDispatched,
@@ -50,12 +49,10 @@ from events.models import (
     StudyStarted,
     WorkerLost,
 )
-from projections.reducer import Rejected, apply
 from projections.state import State, Trial
-from projections.store import ProjectionStore
+from replay.audit import AuditError, fold, open_source, secret_from, verify
+from stagetree.summary import elapsed
 
-KEY_ENV = "STAGETREE_LOG_KEY"
-"""Environment variable holding the HMAC secret of the log's hash chain (same as ``replay``)."""
 
 SHARED_COLOR = "#e8743b"
 UNIQUE_COLOR = "#4c78a8"
@@ -121,12 +118,6 @@ class RunData:
         return next((e.ts for _, e in self.events if e.ts), None)
 
 
-def secret_from(flag: str | None) -> bytes | None:
-    """The chain's HMAC secret: the flag's value, else ``$STAGETREE_LOG_KEY``, else None."""
-    value = flag if flag is not None else os.environ.get(KEY_ENV)
-    return value.encode() if value else None
-
-
 def _decode_all(records: Sequence[Record]) -> tuple[list[tuple[int, Event]], int]:
     events, bad = [], 0
     for r in records:
@@ -137,49 +128,24 @@ def _decode_all(records: Sequence[Record]) -> tuple[list[tuple[int, Event]], int
     return events, bad
 
 
-def _fold(events: Sequence[tuple[int, Event]]) -> State:
-    state = State()
-    for offset, event in events:
-        try:
-            apply(state, event, offset)
-        except Rejected as exc:
-            state.rejected[offset] = str(exc)
-    return state
+def load_run(source: str | Path) -> RunData:
+    """Read a run directory or a JSONL export into :class:`RunData`.
 
+    The projection is the fold of the plan stream (``replay verify`` says whether it equals the
+    stored one). Undecodable records are counted and skipped (they are the audit's business).
+    A run directory's log is opened read-only, so a running study can be reported on.
 
-def _elapsed(events: Sequence[tuple[int, Event]], study_id: str) -> float:
-    """Wall seconds of ``study_id``'s incarnations, as :func:`stagetree.summary.elapsed_before`."""
-    total, start, last = 0.0, None, None
-    for _, event in events:
-        if isinstance(event, StudyStarted) and event.study_id == study_id:
-            if start is not None and last is not None:
-                total += max(0.0, last - start)
-            start = event.ts
-        if event.ts:
-            last = event.ts
-    if start is not None and last is not None:
-        total += max(0.0, last - start)
-    return total
-
-
-def _read_run_dir(path: Path, secret: bytes | None) -> tuple[list[Record], State | None, dict[str, Any] | None]:
+    Raises:
+        ReportError: the source does not exist, is not a run directory or export, or
+            summary.json is invalid.
+    """
+    path = Path(source)
     try:
-        log = EmbeddedLog(path / "log", secret=secret)
-    except LogError as exc:  # LogLocked: a coordinator still runs; else a secret mismatch
-        hint = "" if secret or isinstance(exc, LogLocked) else f" (a keyed log needs --log-key or ${KEY_ENV})"
-        raise ReportError(f"cannot open the log of {str(path)!r}: {exc}{hint}") from None
-    try:
-        records = list(log.read(topics.PLAN))
-    finally:
-        log.close()
-    state = None
-    if (path / "state").is_dir():
-        store = ProjectionStore(path / "state")
-        try:
-            state = store.load()
-        finally:
-            store.close()
-    summary = None
+        opened = open_source(path)
+    except AuditError as exc:
+        raise ReportError(str(exc)) from None
+    records = opened.streams.get(topics.PLAN, [])
+    summary: dict[str, Any] | None = None
     if (path / "summary.json").is_file():
         try:
             summary = orjson.loads((path / "summary.json").read_bytes())
@@ -187,46 +153,8 @@ def _read_run_dir(path: Path, secret: bytes | None) -> tuple[list[Record], State
             raise ReportError(f"{str(path / 'summary.json')!r} is not JSON: {exc}") from None
         if not isinstance(summary, dict):
             raise ReportError(f"{str(path / 'summary.json')!r} must hold a JSON object, got {type(summary).__name__}")
-    return records, state, summary
-
-
-def _read_export(path: Path) -> list[Record]:
-    try:
-        from replay.audit import AuditError, open_export
-    except ImportError as exc:  # pragma: no cover - replay.audit ships with this package
-        raise ReportError(f"{str(path)!r}: reading a JSONL export needs replay.audit ({exc})") from None
-    try:
-        return list(open_export(path).streams.get(topics.PLAN, []))
-    except AuditError as exc:
-        raise ReportError(str(exc)) from None
-
-
-def load_run(source: str | Path, secret: bytes | None = None) -> RunData:
-    """Read a run directory or a JSONL export into :class:`RunData`.
-
-    The projection is the stored ``state/`` of a run directory, else the fold of the plan
-    stream. Undecodable records are counted and skipped (they are the audit's business).
-
-    Raises:
-        ReportError: the source does not exist, is not a run directory or export, its log is
-            locked by a running process or keyed with another secret, or summary.json is invalid.
-    """
-    path = Path(source)
-    if str(source).startswith("kafka://"):
-        raise ReportError("kafka:// sources need the Kafka transport; export the topic with `stagetree log export`")
-    summary: dict[str, Any] | None = None
-    state: State | None = None
-    if path.is_dir():
-        if not (path / "log").is_dir():
-            raise ReportError(f"{str(path)!r} is not a run directory (no log/)")
-        records, state, summary = _read_run_dir(path, secret)
-    elif path.is_file():
-        records = _read_export(path)
-    else:
-        raise ReportError(f"source {str(path)!r} does not exist")
+    state = fold(records)
     events, bad = _decode_all(records)
-    if state is None:
-        state = _fold(events)
 
     starts = [e for _, e in events if isinstance(e, StudyStarted)]
     study_id = summary.get("name") if summary and isinstance(summary.get("name"), str) else None
@@ -238,7 +166,7 @@ def load_run(source: str | Path, secret: bytes | None = None) -> RunData:
     finished = next((e for _, e in reversed(events) if isinstance(e, StudyFinished) and e.study_id == study_id), None)
     data = RunData(path, events, state, summary, study_id, started, finished, stage_runs(events), bad)
     if study_id is not None:
-        data.elapsed_seconds = _elapsed(events, study_id)
+        data.elapsed_seconds = elapsed([e for _, e in events], study_id)
     if summary is None:
         data.summary, data.summary_source = computed_summary(data), "computed from the log (no summary.json)"
     return data
@@ -852,8 +780,7 @@ def _swatch(color: str) -> str:
 # ----------------------------------------------------------------------------- entry points
 
 
-def build_report(source: Path, out: Path, audit: dict[str, Any] | None = None, *,
-                 secret: bytes | None = None) -> Path:
+def build_report(source: Path, out: Path, audit: dict[str, Any] | None = None) -> Path:
     """Write the HTML report of ``source`` (run directory or JSONL export) to ``out``.
 
     Args:
@@ -862,7 +789,6 @@ def build_report(source: Path, out: Path, audit: dict[str, Any] | None = None, *
             ``curves.png`` into (created; existing files of those names are replaced).
         audit: ``stagetree replay verify --json``'s result ({"ok", "checks", "first_failure"}),
             shown at the top; None shows "not audited".
-        secret: HMAC secret of a keyed log (default: ``$STAGETREE_LOG_KEY``).
 
     Returns:
         the path of ``out/index.html``.
@@ -870,7 +796,7 @@ def build_report(source: Path, out: Path, audit: dict[str, Any] | None = None, *
     Raises:
         ReportError: the source cannot be read (see :func:`load_run`).
     """
-    data = load_run(source, secret if secret is not None else secret_from(None))
+    data = load_run(source)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     trials = study_trials(data)
@@ -930,7 +856,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--audit", help="JSON audit result to show at the top (stagetree replay verify --json FILE)")
     group.add_argument("--verify", action="store_true", help="run stagetree replay verify now and show its result")
-    p.add_argument("--log-key", help=f"HMAC secret of the log's hash chain (default: ${KEY_ENV})")
+    p.add_argument("--log-key", help="HMAC secret of the log's hash chain, for --verify (default: $STAGETREE_LOG_KEY)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -952,8 +878,6 @@ def _load_audit(path: str) -> dict[str, Any]:
 
 
 def _verify(source: str, secret: bytes | None) -> dict[str, Any]:
-    from replay.audit import AuditError, open_source, verify
-
     try:
         return verify(open_source(source, secret), secret).as_dict()
     except AuditError as exc:
@@ -966,7 +890,7 @@ def cmd_report(args: argparse.Namespace, console: Any = None) -> int:
     secret = secret_from(args.log_key)
     try:
         audit = _load_audit(args.audit) if args.audit else _verify(args.source, secret) if args.verify else None
-        index = build_report(Path(args.source), Path(args.out), audit, secret=secret)
+        index = build_report(Path(args.source), Path(args.out), audit)
     except ReportError as exc:
         _say(console, f"error: {exc}", err=True)
         return 2

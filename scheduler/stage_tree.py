@@ -21,6 +21,7 @@ stage waits for it to finish (the split-during-execution case of §10.1).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Literal
@@ -91,13 +92,20 @@ class _Anchor:
     ckpt: tuple[str, int, str] | None = None
 
 
-def _anchor(plan: Plan, node: Node, step: int) -> _Anchor | None:
-    """The nearest checkpoint or in-flight stage end of ``node`` in ``[start_step, step]``."""
+def _anchor(plan: Plan, node: Node, step: int, ckpt_steps: dict[str, list[int]]) -> _Anchor | None:
+    """The nearest checkpoint or in-flight stage end of ``node`` in ``[start_step, step]``.
+
+    ``ckpt_steps`` caches each node's sorted checkpoint steps for one tree build (bisect).
+    """
     best: _Anchor | None = None
-    for s, c in node.ckpt.items():
-        if node.start_step <= s <= step and (best is None or s > best.step):
-            best = _Anchor(s, "ckpt", (node.node_id, s, c.ref))
-    if node.parent_id is not None and (best is None or best.step < node.start_step):
+    steps = ckpt_steps.get(node.node_id)
+    if steps is None:
+        steps = ckpt_steps[node.node_id] = sorted(node.ckpt)
+    i = bisect_right(steps, step) - 1
+    if i >= 0 and steps[i] >= node.start_step:
+        s = steps[i]
+        best = _Anchor(s, "ckpt", (node.node_id, s, node.ckpt[s].ref))
+    if node.parent_id is not None and best is None:
         parent = plan.nodes[node.parent_id]
         pc = parent.ckpt.get(node.start_step)
         if pc is not None:
@@ -127,6 +135,7 @@ def build_stage_tree(plan: Plan) -> StageTree:
     """
     endpoints: dict[str, set[int]] = defaultdict(set)
     requested: dict[str, set[int]] = defaultdict(set)
+    ckpt_steps: dict[str, list[int]] = {}
     for node in plan.nodes.values():
         for step, waiters in node.requests.items():
             if waiters and step not in node.metrics and not covers(node, step):
@@ -139,7 +148,7 @@ def build_stage_tree(plan: Plan) -> StageTree:
         ends = endpoints.get(node.node_id)
         if not ends or node.parent_id is None:
             continue
-        if _anchor(plan, node, min(ends)) is None:
+        if _anchor(plan, node, min(ends), ckpt_steps) is None:
             parent = plan.nodes[node.parent_id]
             if not covers(parent, node.start_step):
                 endpoints[parent.node_id].add(node.start_step)
@@ -151,7 +160,7 @@ def build_stage_tree(plan: Plan) -> StageTree:
         previous: int | None = None
         for end in sorted(endpoints[node_id]):
             evaluate = end in requested[node_id]
-            anchor = _anchor(plan, node, end)
+            anchor = _anchor(plan, node, end, ckpt_steps)
             stage: Stage | None
             if anchor is not None and (previous is None or anchor.step >= previous):
                 if anchor.kind == "ckpt":

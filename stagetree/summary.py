@@ -2,26 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from events import topics
 from events.codec import InvalidEvent, decode
 from events.hp import config_to_json
 from events.log import EventLog
-from events.models import StudyStarted
+from events.models import Event, StudyStarted
 from projections.search_plan import merged_unique_steps
 from projections.state import State
 
 
-def elapsed_before(log: EventLog, study_id: str) -> float:
-    """Wall seconds of earlier incarnations of ``study_id``: for each StudyStarted, the time up
-    to the last event before the next StudyStarted (a killed run ends at its last event)."""
+def elapsed(events: Iterable[Event], study_id: str) -> float:
+    """Wall seconds of the incarnations of ``study_id`` in ``events``: for each StudyStarted, the
+    time up to the last event before the next StudyStarted (a killed run ends at its last event)."""
     total, start, last = 0.0, None, None
-    for record in log.read(topics.PLAN):
-        try:
-            event = decode(record.value)
-        except InvalidEvent:
-            continue
+    for event in events:
         if isinstance(event, StudyStarted) and event.study_id == study_id:
             if start is not None and last is not None:
                 total += max(0.0, last - start)
@@ -31,6 +28,19 @@ def elapsed_before(log: EventLog, study_id: str) -> float:
     if start is not None and last is not None:
         total += max(0.0, last - start)
     return total
+
+
+def elapsed_before(log: EventLog, study_id: str) -> float:
+    """:func:`elapsed` over the plan stream of ``log`` (undecodable records skipped)."""
+
+    def events() -> Iterator[Event]:
+        for record in log.read(topics.PLAN):
+            try:
+                yield decode(record.value)
+            except InvalidEvent:
+                continue
+
+    return elapsed(events(), study_id)
 
 
 def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_trial: str | None,
