@@ -26,3 +26,12 @@ bench: $(STAMP)
 
 clean:
 	rm -rf runs .pytest_cache
+
+# Local Kafka (KRaft, 127.0.0.1:9092) and MinIO (127.0.0.1:9000) for Kafka mode and its tests;
+# writes .infra/env (source it). First run builds MinIO from source: several minutes.
+.PHONY: infra-up infra-down
+infra-up: $(STAMP)
+	bash infra/up.sh
+
+infra-down:
+	bash infra/down.sh
