@@ -18,16 +18,15 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from opentelemetry.trace import SpanKind
 
 from events import topics, tracing
 from events.codec import InvalidEvent, decode, encode
 from events.log import EmbeddedLog, append_events
-from events.models import DeadLettered, Event, StageDispatched, TrialSubmitted, WorkerLost
+from events.models import DeadLettered, Event, StageDispatched, WorkerLost
 from gpu_worker.process import STOP, embedded_worker_main
 from projections.state import State
 from projections.store import ProjectionStore, Projector
-from scheduler.decide import decide
+from scheduler.service import SchedulerService
 from stagetree.study import TrialFailed
 
 
@@ -78,9 +77,9 @@ class EmbeddedCoordinator:
         self._stopping = False
         self._inbox: asyncio.Queue[tuple[str, bytes | None]] | None = None
         self._pump_task: asyncio.Task[None] | None = None
-        self.on_fold: list[Callable[[list[tuple[int, Event]]], None]] = []
+        self.on_fold: list[Callable[[], None]] = []
         self._idle: asyncio.Event | None = None
-        self._trial_traces: dict[str, dict[str, str]] = {}
+        self.scheduler = SchedulerService(self.log, self.projector, deliver=self._send)
         self.failure: BaseException | None = None
 
     @property
@@ -200,7 +199,6 @@ class EmbeddedCoordinator:
         try:
             append_events(self.log, topics.PLAN, [(event_key(e), e) for e in stamped])
             self._fold()
-            self._schedule()
             self._resolve()
             if not self._stopping and self._procs and not any(w.alive for w in self.state.workers.values()) \
                     and not any(p.is_alive() for p in self._procs.values()):
@@ -222,12 +220,11 @@ class EmbeddedCoordinator:
     # ------------------------------------------------------------------ internals
 
     def _fold(self) -> None:
-        applied = self.projector.catch_up()
-        for _, event in applied:
-            if isinstance(event, TrialSubmitted) and event.trace:
-                self._trial_traces[event.trial_id] = event.trace
+        """Fold new records, run the scheduler service, and tell listeners."""
+        self.projector.catch_up()
+        self.scheduler.run_pass()
         for listener in self.on_fold:
-            listener(applied)
+            listener()
         if self._idle is not None and not self.busy():
             self._idle.set()
 
@@ -254,43 +251,6 @@ class EmbeddedCoordinator:
             self._idle = asyncio.Event()
             await self._idle.wait()
         self._idle = None
-
-    def _served_traces(self, decision: StageDispatched) -> list[dict[str, str]]:
-        """Trace headers of the trials waiting at the ends of a dispatched path's stages."""
-        plan = self.state.plans[decision.plan_key]
-        trials = sorted({t for s in decision.stages for t in plan.nodes[s.node_id].requests.get(s.to_step, [])})
-        return [self._trial_traces[t] for t in trials if t in self._trial_traces]
-
-    def _schedule(self) -> None:
-        while True:
-            started_ns = time.time_ns()
-            decision = decide(self.state)
-            if decision is None:
-                return
-            decision = decision.model_copy(update={"ts": time.time()})
-            if tracing.enabled():
-                decision = self._traced(decision, started_ns)
-            (offset,) = append_events(self.log, topics.PLAN, [(decision.plan_key, decision)])
-            append_events(self.log, topics.DISPATCH, [(decision.worker_id, decision)])
-            self._fold()
-            if offset in self.state.rejected:
-                raise CoordinatorError(f"the scheduler's decision at offset {offset} was rejected: "
-                                       f"{self.state.rejected[offset]}")
-            self._send(decision)
-
-    def _traced(self, decision: StageDispatched, started_ns: int) -> StageDispatched:
-        """Record the scheduling pass and the dispatch in the trace of the first trial the path
-        serves (linked to the other trials' traces), and carry the context in the event."""
-        served = self._served_traces(decision)
-        parent, links = (served[0], served[1:]) if served else (None, [])
-        with tracing.span("schedule", parent=parent, links=links, start_time=started_ns,
-                          attributes={"stagetree.dispatch_id": decision.dispatch_id,
-                                      "stagetree.trials_served": len(served)}):
-            with tracing.span("dispatch", kind=SpanKind.PRODUCER,
-                              attributes=tracing.messaging("publish", topics.DISPATCH, decision.event_id,
-                                                           dispatch_id=decision.dispatch_id,
-                                                           worker_id=decision.worker_id, stages=len(decision.stages))):
-                return decision.model_copy(update={"trace": tracing.carrier()})
 
     def _send(self, decision: StageDispatched) -> None:
         try:

@@ -9,7 +9,6 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from events.models import Event
 from projections.state import State
 
 
@@ -63,6 +62,6 @@ class Progress:
             self.live.update(render(self._state_of(), self.title))
             self.live.__exit__(*exc)
 
-    def on_fold(self, applied: list[tuple[int, Event]]) -> None:
-        if self.live is not None and applied:
+    def on_fold(self) -> None:
+        if self.live is not None:
             self.live.update(render(self._state_of(), self.title))

@@ -1,11 +1,34 @@
-"""LocalCheckpointStore and the checkpoint byte encoding (DESIGN.md invariant 4)."""
+"""Checkpoint stores (local directory and MinIO) and the checkpoint byte encoding.
+
+DESIGN.md invariant 4 ("nothing is lost"): a checkpoint object is written and
+verified (sha256) before ``put`` returns, so CheckpointSaved is only published
+for verified objects; a corrupt object is detected on ``get`` and repaired by
+the next ``put``. One contract suite runs over both backends ("local",
+"minio"); the MinIO backend is the real server started by ``infra/up.sh``
+(issue 3: tests against real MinIO, not mocks), each test under its own
+prefix, removed afterwards.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import io
+import logging
 import os
+import pickle
+import shlex
+import socket
+import subprocess
+import sys
+import traceback
+import uuid
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +43,11 @@ from gpu_worker.checkpoint import (
     decode_state,
     encode_state,
 )
+from gpu_worker.object_store import CheckpointStoreError, S3CheckpointStore, open_checkpoint_store
+
+ROOT = Path(__file__).resolve().parent.parent
+INFRA_ENV = ROOT / ".infra" / "env"
+EXAMPLE = ROOT / "examples" / "digits.py"
 
 
 class Opaque:
@@ -30,23 +58,332 @@ def all_files(root: Path) -> list[Path]:
     return sorted(path for path in root.rglob("*") if path.is_file())
 
 
-def test_put_get_round_trip(tmp_path: Path) -> None:
-    store = LocalCheckpointStore(tmp_path)
+def flip_middle_byte(data: bytes) -> bytes:
+    flipped = bytearray(data)
+    flipped[len(flipped) // 2] ^= 0x01
+    return bytes(flipped)
+
+
+# ---------------------------------------------------------------------- MinIO fixtures
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """Parse the ``export KEY=VALUE`` lines of ``.infra/env`` (shell quoting) into a dict."""
+    env: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        words = shlex.split(line)
+        if words and words[0] == "export":
+            words = words[1:]
+        for word in words:
+            key, sep, value = word.partition("=")
+            assert sep, f"not an assignment in {path.name}: {key}"
+            env[key] = value
+    return env
+
+
+@pytest.fixture(scope="session")
+def minio_env() -> dict[str, str]:
+    """Start (or reuse) the local MinIO with ``infra/up.sh``; the variables of ``.infra/env``.
+
+    Services are left running afterwards (``infra/down.sh`` stops them): the
+    script is idempotent, and other test sessions may share them.
+    """
+    proc = subprocess.run(
+        ["bash", "infra/up.sh"], cwd=ROOT, capture_output=True, text=True, timeout=3600
+    )
+    if proc.returncode != 0:
+        pytest.fail(
+            f"infra/up.sh failed (exit {proc.returncode}):\n"
+            f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}",
+            pytrace=False,
+        )
+    env = read_env_file(INFRA_ENV)
+    for name in ("STAGETREE_S3_ENDPOINT", "STAGETREE_S3_ACCESS_KEY", "STAGETREE_S3_SECRET_KEY"):
+        assert env.get(name), f"{name} missing from .infra/env"
+    host = env["STAGETREE_S3_ENDPOINT"].rpartition(":")[0]
+    assert host == "127.0.0.1", "tests only ever talk to a MinIO on 127.0.0.1"
+    assert env["STAGETREE_CHECKPOINT_STORE"].startswith("s3://")
+    return env
+
+
+@pytest.fixture(scope="session")
+def minio_client(minio_env: dict[str, str]) -> Any:
+    """A plain minio client, to look at and tamper with objects behind the store's back."""
+    from minio import Minio
+
+    return Minio(
+        minio_env["STAGETREE_S3_ENDPOINT"],
+        access_key=minio_env["STAGETREE_S3_ACCESS_KEY"],
+        secret_key=minio_env["STAGETREE_S3_SECRET_KEY"],
+        secure=False,
+    )
+
+
+def infra_bucket(env: dict[str, str]) -> str:
+    return env["STAGETREE_CHECKPOINT_STORE"].removeprefix("s3://").partition("/")[0]
+
+
+def remove_prefix(client: Any, bucket: str, prefix: str) -> None:
+    for item in client.list_objects(bucket, prefix=prefix + "/", recursive=True):
+        client.remove_object(bucket, item.object_name)
+
+
+def remove_bucket(client: Any, bucket: str) -> None:
+    if client.bucket_exists(bucket):
+        for item in client.list_objects(bucket, recursive=True):
+            client.remove_object(bucket, item.object_name)
+        client.remove_bucket(bucket)
+
+
+@pytest.fixture
+def minio_store_factory(
+    minio_env: dict[str, str], minio_client: Any
+) -> Iterator[Callable[[], S3CheckpointStore]]:
+    """Opens S3 stores on the infra bucket, each under a fresh prefix that is removed afterwards."""
+    bucket = infra_bucket(minio_env)
+    prefixes: list[str] = []
+
+    def make() -> S3CheckpointStore:
+        prefix = f"test-checkpoint-store/{uuid.uuid4().hex}"
+        prefixes.append(prefix)
+        store = open_checkpoint_store(f"s3://{bucket}/{prefix}", minio_env)
+        assert isinstance(store, S3CheckpointStore)
+        return store
+
+    yield make
+    for prefix in prefixes:
+        remove_prefix(minio_client, bucket, prefix)
+
+
+# ---------------------------------------------------------------------- the contract suite
+
+
+@dataclass
+class Backend:
+    """A store under test plus raw access to its objects, bypassing the store."""
+
+    name: str
+    store: Any
+    read_raw: Callable[[str], bytes]
+    write_raw: Callable[[str, bytes], None]
+    location: Callable[[str], str]
+    absent_store: Callable[[], Any]
+    writes: list[str] = field(default_factory=list)
+    sabotage: list[bool] = field(default_factory=lambda: [False])
+
+
+def local_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Backend:
+    store = LocalCheckpointStore(tmp_path / "store")
+    backend = Backend(
+        name="local",
+        store=store,
+        read_raw=lambda ref: store.path(ref).read_bytes(),
+        write_raw=lambda ref, data: store.path(ref).write_bytes(data),
+        location=lambda ref: str(store.path(ref).relative_to(tmp_path / "store")),
+        absent_store=lambda: LocalCheckpointStore(tmp_path / "absent"),
+    )
+    real_replace = os.replace
+
+    def counting_replace(src: str, dst: str) -> None:
+        real_replace(src, dst)
+        backend.writes.append(str(dst))
+        if backend.sabotage[0]:
+            Path(dst).write_bytes(flip_middle_byte(Path(dst).read_bytes()))
+
+    monkeypatch.setattr(os, "replace", counting_replace)
+    return backend
+
+
+def minio_backend(
+    factory: Callable[[], S3CheckpointStore],
+    client: Any,
+    env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    cleanup: list[str],
+) -> Backend:
+    store = factory()
+
+    def read_raw(ref: str) -> bytes:
+        response = client.get_object(store.bucket, store.key(ref))
+        try:
+            return response.read()
+        finally:
+            response.close()
+            response.release_conn()
+
+    def write_raw(ref: str, data: bytes) -> None:
+        client.put_object(store.bucket, store.key(ref), io.BytesIO(data), len(data))
+
+    def absent_store() -> S3CheckpointStore:
+        bucket = f"stagetree-absent-{uuid.uuid4().hex[:12]}"
+        cleanup.append(bucket)
+        absent = open_checkpoint_store(f"s3://{bucket}/x", env)
+        assert isinstance(absent, S3CheckpointStore)
+        return absent
+
+    backend = Backend(
+        name="minio",
+        store=store,
+        read_raw=read_raw,
+        write_raw=write_raw,
+        location=store.key,
+        absent_store=absent_store,
+    )
+    real_put = store._client.put_object
+
+    def counting_put(bucket: str, key: str, data: Any, length: int, **kwargs: Any) -> Any:
+        backend.writes.append(key)
+        if backend.sabotage[0]:
+            body = flip_middle_byte(data.read())
+            return real_put(bucket, key, io.BytesIO(body), len(body), **kwargs)
+        return real_put(bucket, key, data, length, **kwargs)
+
+    monkeypatch.setattr(store._client, "put_object", counting_put)
+    return backend
+
+
+@pytest.fixture(params=["local", "minio"])
+def backend(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Backend]:
+    if request.param == "local":
+        yield local_backend(tmp_path, monkeypatch)
+        return
+    factory = request.getfixturevalue("minio_store_factory")
+    client = request.getfixturevalue("minio_client")
+    env = request.getfixturevalue("minio_env")
+    buckets: list[str] = []
+    yield minio_backend(factory, client, env, monkeypatch, buckets)
+    for bucket in buckets:
+        assert not client.bucket_exists(bucket), "reading an absent bucket must not create it"
+        remove_bucket(client, bucket)
+
+
+def test_put_get_round_trip(backend: Backend) -> None:
+    store = backend.store
     assert isinstance(store, CheckpointStore)
     data = os.urandom(100_000)
     ref = store.put(data)
-    assert ref == CheckpointRef(ref=hashlib.sha256(data).hexdigest(), size=100_000)
+    digest = hashlib.sha256(data).hexdigest()
+    assert ref == CheckpointRef(ref=digest, size=100_000)
     assert store.exists(ref.ref)
     assert store.get(ref.ref) == data
-    assert store.path(ref.ref) == tmp_path / ref.ref[:2] / ref.ref
+    assert backend.location(ref.ref).endswith(f"{digest[:2]}/{digest}")
+    assert backend.read_raw(ref.ref) == data
     empty = store.put(b"")
-    assert empty.size == 0 and store.get(empty.ref) == b""
+    assert empty == CheckpointRef(ref=hashlib.sha256(b"").hexdigest(), size=0)
+    assert store.get(empty.ref) == b""
+
+
+def test_large_object_round_trip(backend: Backend) -> None:
+    """12 MiB: above MinIO's 5 MiB part size, so the S3 upload is multipart."""
+    data = os.urandom(12 * 2**20)
+    ref = backend.store.put(data)
+    assert ref.size == len(data)
+    assert backend.store.get(ref.ref) == data
+
+
+def test_same_bytes_same_ref_and_a_second_put_is_a_no_op(backend: Backend) -> None:
+    store = backend.store
+    first = store.put(b"same bytes")
+    assert len(backend.writes) == 1
+    second = store.put(b"same bytes")
+    assert second == first
+    assert len(backend.writes) == 1, "a second put of intact bytes must not write again"
+    other = store.put(b"other bytes")
+    assert other.ref != first.ref
+    assert len(backend.writes) == 2
+
+
+def test_missing_object_raises_and_delete_is_idempotent(backend: Backend) -> None:
+    store = backend.store
+    ref = store.put(b"to be deleted").ref
+    store.delete(ref)
+    assert not store.exists(ref)
+    with pytest.raises(CheckpointMissing) as caught:
+        store.get(ref)
+    assert caught.value.ref == ref
+    assert isinstance(caught.value, CheckpointError)
+    store.delete(ref)
+    never = hashlib.sha256(b"never stored").hexdigest()
+    assert not store.exists(never)
+    with pytest.raises(CheckpointMissing):
+        store.get(never)
+
+
+def test_absent_location_reads_as_missing_and_is_not_created(backend: Backend) -> None:
+    """A store whose directory (or bucket) does not exist: missing, not an error."""
+    absent = backend.absent_store()
+    ref = hashlib.sha256(b"x").hexdigest()
+    assert not absent.exists(ref)
+    with pytest.raises(CheckpointMissing):
+        absent.get(ref)
+    absent.delete(ref)
+    assert not absent.exists(ref)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "replace"])
+def test_corrupted_object_raises_on_get_and_put_repairs_it(backend: Backend, damage: str) -> None:
+    store = backend.store
+    data = encode_state({"weights": torch.arange(1000, dtype=torch.float32)})
+    ref = store.put(data).ref
+    bad = {
+        "flip": flip_middle_byte(data),  # same size: only the hash can tell
+        "truncate": data[: len(data) // 2],
+        "replace": b"other bytes entirely",
+    }[damage]
+    backend.write_raw(ref, bad)
+    assert store.exists(ref)
+    with pytest.raises(CheckpointCorrupt) as caught:
+        store.get(ref)
+    assert caught.value.ref == ref
+    assert caught.value.actual == hashlib.sha256(bad).hexdigest()
+    assert isinstance(caught.value, CheckpointError)
+    writes = len(backend.writes)
+    assert store.put(data).ref == ref
+    assert len(backend.writes) == writes + 1, "put must rewrite a corrupt object"
+    assert backend.read_raw(ref) == data
+    assert store.get(ref) == data
+
+
+def test_put_verifies_the_stored_object_before_returning(backend: Backend) -> None:
+    """A write that stores other bytes than were sent makes put raise instead of returning a ref."""
+    store = backend.store
+    data = b"sent bytes " * 1000
+    backend.sabotage[0] = True
+    with pytest.raises(CheckpointCorrupt) as caught:
+        store.put(data)
+    assert caught.value.ref == hashlib.sha256(data).hexdigest()
+    assert caught.value.actual == hashlib.sha256(flip_middle_byte(data)).hexdigest()
+    backend.sabotage[0] = False
+    assert store.put(data).ref == caught.value.ref  # and the next put repairs it
+    assert store.get(caught.value.ref) == data
+
+
+@pytest.mark.parametrize("bad", ["", "abc", "A" * 64, "g" * 64, "../" + "a" * 61])
+def test_malformed_ref_is_rejected(backend: Backend, bad: str) -> None:
+    store = backend.store
+    for call in (store.get, store.exists, store.delete):
+        with pytest.raises(ValueError, match="ref must be a sha256 hex digest"):
+            call(bad)
+
+
+# ---------------------------------------------------------------------- local store specifics
 
 
 def test_writes_leave_no_temporary_files(tmp_path: Path) -> None:
     store = LocalCheckpointStore(tmp_path)
     refs = [store.put(f"checkpoint {i}".encode()) for i in range(20)]
     assert all_files(tmp_path) == sorted(store.path(ref.ref) for ref in refs)
+
+
+def test_local_object_path(tmp_path: Path) -> None:
+    store = LocalCheckpointStore(tmp_path)
+    ref = store.put(b"where").ref
+    assert store.path(ref) == tmp_path / ref[:2] / ref
 
 
 def test_failed_write_leaves_no_object_and_no_temporary_file(
@@ -66,53 +403,408 @@ def test_failed_write_leaves_no_object_and_no_temporary_file(
     assert not store.exists(hashlib.sha256(data).hexdigest())
 
 
-def test_same_bytes_same_ref_and_a_second_put_is_a_no_op(tmp_path: Path) -> None:
+def test_local_second_put_keeps_the_file(tmp_path: Path) -> None:
     store = LocalCheckpointStore(tmp_path)
     first = store.put(b"same bytes")
     before = store.path(first.ref).stat()
-    second = store.put(b"same bytes")
-    assert second == first
+    store.put(b"same bytes")
     after = store.path(first.ref).stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
-    assert store.put(b"other bytes").ref != first.ref
 
 
-def test_corrupted_object_raises_on_get_and_put_repairs_it(tmp_path: Path) -> None:
-    store = LocalCheckpointStore(tmp_path)
-    data = encode_state({"weights": torch.arange(1000, dtype=torch.float32)})
-    ref = store.put(data).ref
-    path = store.path(ref)
-    flipped = bytearray(path.read_bytes())
-    flipped[len(flipped) // 2] ^= 0x01
-    path.write_bytes(bytes(flipped))
-    with pytest.raises(CheckpointCorrupt) as caught:
-        store.get(ref)
-    assert caught.value.ref == ref
-    assert caught.value.actual == hashlib.sha256(flipped).hexdigest()
-    assert isinstance(caught.value, CheckpointError)
-    assert store.put(data).ref == ref
-    assert store.get(ref) == data
+# ---------------------------------------------------------------------- MinIO store specifics
 
 
-def test_missing_object_raises_and_delete_is_idempotent(tmp_path: Path) -> None:
-    store = LocalCheckpointStore(tmp_path)
-    ref = store.put(b"to be deleted").ref
-    store.delete(ref)
-    assert not store.exists(ref)
-    with pytest.raises(CheckpointMissing) as caught:
-        store.get(ref)
-    assert caught.value.ref == ref
-    store.delete(ref)
-    with pytest.raises(CheckpointMissing):
-        LocalCheckpointStore(tmp_path / "absent").get(ref)
+def test_s3_object_names_and_metadata(
+    minio_store_factory: Callable[[], S3CheckpointStore], minio_client: Any
+) -> None:
+    store = minio_store_factory()
+    ref = store.put(b"named").ref
+    assert store.key(ref) == f"{store.prefix}/{ref[:2]}/{ref}"
+    stat = minio_client.stat_object(store.bucket, store.key(ref))
+    assert stat.size == len(b"named")
+    assert stat.content_type == "application/octet-stream"
+    assert {k.lower(): v for k, v in stat.metadata.items()}["x-amz-meta-stagetree-sha256"] == ref
+    bare = S3CheckpointStore(store.endpoint, store.bucket, access_key="a", secret_key="b")
+    assert bare.key(ref) == f"{ref[:2]}/{ref}"
+    assert bare.url == f"s3://{store.bucket}"
+    assert store.url == f"s3://{store.bucket}/{store.prefix}"
 
 
-@pytest.mark.parametrize("bad", ["", "abc", "A" * 64, "g" * 64, "../" + "a" * 61])
-def test_malformed_ref_is_rejected(tmp_path: Path, bad: str) -> None:
-    store = LocalCheckpointStore(tmp_path)
+def test_s3_put_creates_a_missing_bucket(minio_env: dict[str, str], minio_client: Any) -> None:
+    bucket = f"stagetree-test-{uuid.uuid4().hex[:12]}"
+    try:
+        store = open_checkpoint_store(f"s3://{bucket}/ckpt", minio_env)
+        assert not minio_client.bucket_exists(bucket)
+        ref = store.put(b"first object").ref
+        assert minio_client.bucket_exists(bucket)
+        assert store.get(ref) == b"first object"
+        # A second store on the same (now existing) bucket works too.
+        assert open_checkpoint_store(f"s3://{bucket}/ckpt", minio_env).get(ref) == b"first object"
+    finally:
+        remove_bucket(minio_client, bucket)
+
+
+def test_s3_wrong_credentials_raise_a_store_error_naming_bucket_and_key(
+    minio_env: dict[str, str],
+) -> None:
+    wrong_secret = "wrong-secret-" + uuid.uuid4().hex
+    env = dict(minio_env, STAGETREE_S3_SECRET_KEY=wrong_secret)
+    bucket = infra_bucket(minio_env)
+    store = open_checkpoint_store(f"s3://{bucket}/test-wrong-credentials", env)
+    ref = hashlib.sha256(b"anything").hexdigest()
+    errors = []
     for call in (store.get, store.exists, store.delete):
-        with pytest.raises(ValueError, match="ref must be a sha256 hex digest"):
-            call(bad)
+        with pytest.raises(CheckpointStoreError) as caught:
+            call(ref)
+        errors.append(caught.value)
+    with pytest.raises(CheckpointStoreError) as caught:
+        store.put(b"anything")
+    errors.append(caught.value)
+    for error in errors:
+        assert isinstance(error, CheckpointError)
+        assert error.code in {"SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied"}, error
+        assert error.bucket == bucket and error.endpoint == minio_env["STAGETREE_S3_ENDPOINT"]
+        assert f"s3://{bucket}" in str(error)
+        assert "STAGETREE_S3_SECRET_KEY" in str(error)
+        secrets = [wrong_secret, minio_env["STAGETREE_S3_SECRET_KEY"]]
+        assert_no_secret(describe_exception(error), secrets)
+    assert errors[0].key == store.key(ref) and f"s3://{bucket}/{store.key(ref)}" in str(errors[0])
+
+
+def test_s3_unreachable_endpoint_raises_a_store_error() -> None:
+    import urllib3
+
+    with socket.socket() as probe:  # a free port on 127.0.0.1 that nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    secret = "unreachable-secret-" + uuid.uuid4().hex
+    store = S3CheckpointStore(
+        f"127.0.0.1:{port}",
+        "stagetree",
+        "p",
+        access_key="unreachable-access",
+        secret_key=secret,
+        region="us-east-1",
+        http_client=urllib3.PoolManager(
+            retries=urllib3.Retry(total=0), timeout=urllib3.Timeout(connect=2, read=2)
+        ),
+    )
+    ref = hashlib.sha256(b"x").hexdigest()
+    with pytest.raises(CheckpointStoreError) as caught:
+        store.get(ref)
+    error = caught.value
+    assert error.endpoint == f"127.0.0.1:{port}" and error.key == store.key(ref)
+    assert f"127.0.0.1:{port}" in str(error) and f"s3://stagetree/{store.key(ref)}" in str(error)
+    assert error.code == "MaxRetryError"
+    assert error.__cause__ is None and error.__suppress_context__
+    assert_no_secret(describe_exception(error), [secret, "unreachable-access"])
+    with pytest.raises(CheckpointStoreError):
+        store.put(b"x")
+
+
+def test_s3_store_refuses_to_be_pickled() -> None:
+    store = S3CheckpointStore("127.0.0.1:9000", "stagetree", access_key="a", secret_key="b")
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(store)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"endpoint": "http://127.0.0.1:9000"}, "endpoint must be HOST or HOST:PORT"),
+        ({"endpoint": "127.0.0.1:9000/path"}, "endpoint must be HOST or HOST:PORT"),
+        ({"bucket": "Bad_Bucket"}, "bucket must be an S3 bucket name"),
+        ({"bucket": "ab"}, "bucket must be an S3 bucket name"),
+        ({"bucket": "10.0.0.1"}, "bucket must be an S3 bucket name"),
+        ({"prefix": "a/../b"}, "prefix must be"),
+        ({"prefix": "a//b"}, "prefix must be"),
+        ({"access_key": ""}, "access_key must be"),
+        ({"secret_key": ""}, "secret_key must be"),
+    ],
+)
+def test_s3_store_rejects_bad_arguments(kwargs: dict[str, str], match: str) -> None:
+    arguments = {
+        "endpoint": "127.0.0.1:9000",
+        "bucket": "stagetree",
+        "prefix": "p",
+        "access_key": "a",
+        "secret_key": "b",
+    } | kwargs
+    endpoint = arguments.pop("endpoint")
+    bucket = arguments.pop("bucket")
+    prefix = arguments.pop("prefix")
+    with pytest.raises(ValueError, match=match):
+        S3CheckpointStore(endpoint, bucket, prefix, **arguments)
+
+
+# ---------------------------------------------------------------------- open_checkpoint_store
+
+S3_ENV = {
+    "STAGETREE_S3_ENDPOINT": "127.0.0.1:9000",
+    "STAGETREE_S3_ACCESS_KEY": "test-access-key",
+    "STAGETREE_S3_SECRET_KEY": "test-secret-key-0123456789",
+}
+
+
+@pytest.mark.parametrize(
+    ("url", "bucket", "prefix"),
+    [
+        ("s3://stagetree/checkpoints", "stagetree", "checkpoints"),
+        ("s3://stagetree", "stagetree", ""),
+        ("s3://stagetree/", "stagetree", ""),
+        ("s3://my.bucket-1/a/b/c/", "my.bucket-1", "a/b/c"),
+        ("S3://stagetree/x", "stagetree", "x"),
+    ],
+)
+def test_open_s3_store(url: str, bucket: str, prefix: str) -> None:
+    store = open_checkpoint_store(url, S3_ENV)
+    assert isinstance(store, S3CheckpointStore) and isinstance(store, CheckpointStore)
+    assert (store.endpoint, store.bucket, store.prefix) == ("127.0.0.1:9000", bucket, prefix)
+    assert store.secure is False and store.region is None
+    assert open_checkpoint_store(store.url, S3_ENV).url == store.url
+
+
+@pytest.mark.parametrize(
+    ("extra", "endpoint", "secure"),
+    [
+        ({"STAGETREE_S3_SECURE": "true"}, "127.0.0.1:9000", True),
+        ({"STAGETREE_S3_SECURE": "FALSE"}, "127.0.0.1:9000", False),
+        ({"STAGETREE_S3_SECURE": "1"}, "127.0.0.1:9000", True),
+        ({"STAGETREE_S3_SECURE": ""}, "127.0.0.1:9000", False),
+        ({"STAGETREE_S3_ENDPOINT": "http://127.0.0.1:9000"}, "127.0.0.1:9000", False),
+        ({"STAGETREE_S3_ENDPOINT": "https://127.0.0.1:9443/"}, "127.0.0.1:9443", True),
+        (
+            {"STAGETREE_S3_ENDPOINT": "https://127.0.0.1:9443", "STAGETREE_S3_SECURE": "yes"},
+            "127.0.0.1:9443",
+            True,
+        ),
+        ({"STAGETREE_S3_ENDPOINT": "localhost"}, "localhost", False),
+    ],
+)
+def test_open_s3_store_endpoint_and_tls(extra: dict[str, str], endpoint: str, secure: bool) -> None:
+    store = open_checkpoint_store("s3://stagetree/p", S3_ENV | extra)
+    assert isinstance(store, S3CheckpointStore)
+    assert (store.endpoint, store.secure) == (endpoint, secure)
+
+
+def test_open_s3_store_region() -> None:
+    store = open_checkpoint_store("s3://stagetree/p", S3_ENV | {"STAGETREE_S3_REGION": "eu-west-1"})
+    assert isinstance(store, S3CheckpointStore) and store.region == "eu-west-1"
+
+
+def test_open_local_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for url in (f"file://{tmp_path}", str(tmp_path), tmp_path):
+        store = open_checkpoint_store(url, {})
+        assert isinstance(store, LocalCheckpointStore) and store.root == tmp_path
+    monkeypatch.chdir(tmp_path)
+    relative = open_checkpoint_store("runs/checkpoints", {})
+    assert isinstance(relative, LocalCheckpointStore) and relative.root == Path("runs/checkpoints")
+    ref = relative.put(b"relative").ref
+    assert (tmp_path / "runs" / "checkpoints" / ref[:2] / ref).read_bytes() == b"relative"
+    assert open_checkpoint_store("file://rel/dir", {}).root == Path("rel/dir")
+
+
+@pytest.mark.parametrize(
+    "name", ["STAGETREE_S3_ENDPOINT", "STAGETREE_S3_ACCESS_KEY", "STAGETREE_S3_SECRET_KEY"]
+)
+@pytest.mark.parametrize("absent", ["unset", "empty"])
+def test_open_s3_store_names_the_missing_variable(name: str, absent: str) -> None:
+    env = dict(S3_ENV)
+    if absent == "unset":
+        del env[name]
+    else:
+        env[name] = ""
+    with pytest.raises(ValueError, match=f"{name} is not set") as caught:
+        open_checkpoint_store("s3://stagetree/p", env)
+    assert "s3://stagetree/p" in str(caught.value)
+    assert_no_secret(describe_exception(caught.value), [S3_ENV["STAGETREE_S3_SECRET_KEY"]])
+
+
+@pytest.mark.parametrize(
+    ("url", "extra", "match"),
+    [
+        ("", {}, "must be a non-empty path or URL"),
+        ("   ", {}, "must be a non-empty path or URL"),
+        ("gs://bucket/x", {}, "unsupported scheme 'gs'"),
+        ("http://127.0.0.1:9000/bucket", {}, "unsupported scheme 'http'"),
+        ("file://", {}, "has no path"),
+        ("s3://", {}, "has no bucket"),
+        ("s3:///prefix", {}, "has no bucket"),
+        ("s3://Bad_Bucket/x", {}, "bucket must be an S3 bucket name"),
+        ("s3://stagetree:9000/x", {}, "bucket must be an S3 bucket name"),
+        ("s3://stagetree/a/../b", {}, "prefix must be"),
+        ("s3://stagetree/x?versionId=1", {}, "must not have a query or fragment"),
+        ("s3://stagetree/x#frag", {}, "must not have a query or fragment"),
+        ("s3://stagetree/x", {"STAGETREE_S3_SECURE": "maybe"}, "SECURE must be true or false"),
+        ("s3://stagetree/x", {"STAGETREE_S3_ENDPOINT": "127.0.0.1:9000/x"}, "ENDPOINT must be HOST"),
+        ("s3://stagetree/x", {"STAGETREE_S3_ENDPOINT": "ftp://127.0.0.1:9000"}, "ENDPOINT must be HOST"),
+        (
+            "s3://stagetree/x",
+            {"STAGETREE_S3_ENDPOINT": "https://127.0.0.1:9000", "STAGETREE_S3_SECURE": "false"},
+            "says https",
+        ),
+    ],
+)
+def test_open_checkpoint_store_rejects_bad_urls(
+    url: str, extra: dict[str, str], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match) as caught:
+        open_checkpoint_store(url, S3_ENV | extra)
+    assert_no_secret(describe_exception(caught.value), [S3_ENV["STAGETREE_S3_SECRET_KEY"]])
+
+
+def test_credentials_in_the_url_are_refused_without_echoing_them() -> None:
+    with pytest.raises(ValueError, match="must not contain credentials") as caught:
+        open_checkpoint_store("s3://AKIDEXAMPLE:url-secret-99@stagetree/x", S3_ENV)
+    assert_no_secret(describe_exception(caught.value), ["url-secret-99", "AKIDEXAMPLE"])
+
+
+# ---------------------------------------------------------------------- secrets stay secret
+
+
+def describe_exception(error: BaseException) -> str:
+    """Everything an exception carries: str, repr, args, attributes, and the same for its chain.
+
+    (The traceback's source lines are left out: they quote the test's own literals.)
+    """
+    parts: list[str] = []
+    seen: BaseException | None = error
+    while seen is not None:
+        parts += [str(seen), repr(seen), repr(seen.args), repr(vars(seen))]
+        parts += traceback.format_exception_only(type(seen), seen)
+        seen = seen.__cause__ or seen.__context__
+    return "\n".join(parts)
+
+
+def assert_no_secret(text: str, secrets: list[str]) -> None:
+    """Fail, without showing ``text`` or the secret, when any of ``secrets`` occurs in ``text``."""
+    leaked = [index for index, secret in enumerate(secrets) if secret in text]
+    if leaked:
+        pytest.fail(f"secret(s) number {leaked} of {len(secrets)} leaked", pytrace=False)
+
+
+def test_repr_str_and_errors_never_show_the_secret_key(
+    minio_env: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    secret = minio_env["STAGETREE_S3_SECRET_KEY"]
+    access = minio_env["STAGETREE_S3_ACCESS_KEY"]
+    bucket = infra_bucket(minio_env)
+    caplog.set_level(logging.DEBUG)
+    store = open_checkpoint_store(f"s3://{bucket}/test-secrets-{uuid.uuid4().hex}", minio_env)
+    assert isinstance(store, S3CheckpointStore)
+    shown = [repr(store), str(store), f"{store}", store.url]
+    shown += [f"{key}={value!r}" for key, value in vars(store).items() if not key.startswith("_")]
+    assert_no_secret("\n".join(shown), [secret, access])
+    assert "S3CheckpointStore(" in repr(store) and bucket in repr(store)
+
+    # Real traffic (put, get, corrupt, missing) with DEBUG logging of every library on.
+    try:
+        ref = store.put(b"secret test").ref
+        assert store.get(ref) == b"secret test"
+        errors: list[BaseException] = []
+        store.delete(ref)
+        with pytest.raises(CheckpointMissing) as missing:
+            store.get(ref)
+        errors.append(missing.value)
+        wrong_env = dict(minio_env, STAGETREE_S3_SECRET_KEY="x" + secret)
+        wrong = open_checkpoint_store(store.url, wrong_env)
+        with pytest.raises(CheckpointStoreError) as denied:
+            wrong.get(ref)
+        errors.append(denied.value)
+        for error in errors:
+            assert_no_secret(describe_exception(error), [secret, "x" + secret])
+        assert_no_secret(caplog.text, [secret, "x" + secret])
+        assert_no_secret("\n".join(r.getMessage() for r in caplog.records), [secret])
+    finally:
+        store.delete(hashlib.sha256(b"secret test").hexdigest())
+
+
+# ---------------------------------------------------------------------- a real torch checkpoint
+
+
+def load_digits_example() -> ModuleType:
+    name = "stagetree_example_digits"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_torch_checkpoint_through_minio_trains_bit_identically(
+    minio_store_factory: Callable[[], S3CheckpointStore], tmp_path: Path
+) -> None:
+    """DigitsTrainer trained 20 steps, checkpointed, resumed to 45 steps from MinIO and from a
+    local directory: identical parameters, checkpoint bytes and metrics, also identical to
+    training straight through (DESIGN.md invariants 1 and 4)."""
+    from events.hp import Constant, MultiStep
+    from gpu_worker.session import TrainingSession
+
+    digits = load_digits_example()
+    config = {
+        "lr": MultiStep(0.1, [30], 0.5),
+        "batch_size": Constant(32),
+        "momentum": Constant(0.9),
+    }
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        def session() -> TrainingSession:
+            return TrainingSession(digits.DigitsTrainer(), 11, "cpu")
+
+        first = session()
+        first.start_fresh()
+        first.train(config, 20)
+        data = first.save()
+
+        s3 = minio_store_factory()
+        local = LocalCheckpointStore(tmp_path / "local")
+        saved = {"minio": s3.put(data), "local": local.put(data)}
+        expected_ref = CheckpointRef(hashlib.sha256(data).hexdigest(), len(data))
+        assert saved["minio"] == saved["local"] == expected_ref
+
+        resumed = {}
+        for name, store in (("minio", s3), ("local", local)):
+            loaded = store.get(saved[name].ref)
+            assert loaded == data
+            run = session()
+            run.load(loaded)
+            assert run.step == 20
+            run.train(config, 45)
+            resumed[name] = run
+
+        straight = session()
+        straight.start_fresh()
+        straight.train(config, 45)
+
+        reference = resumed["local"]
+        for run in (resumed["minio"], straight):
+            assert run.step == 45
+            expected = reference.trainer.model.state_dict()
+            actual = run.trainer.model.state_dict()
+            assert expected.keys() == actual.keys()
+            for name in expected:
+                assert torch.equal(expected[name], actual[name]), name
+            assert run.save() == reference.save()
+            assert run.evaluate() == reference.evaluate()
+        assert not torch.equal(  # the 25 resumed steps did train
+            first.trainer.model.state_dict()["fc.weight"],
+            reference.trainer.model.state_dict()["fc.weight"],
+        )
+
+        # The final checkpoint goes through MinIO too and comes back as the same ref.
+        final = reference.save()
+        assert s3.put(final) == local.put(final)
+        assert decode_state(s3.get(s3.put(final).ref))["step"] == 45
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------- the byte encoding
 
 
 def test_encode_decode_round_trip() -> None:

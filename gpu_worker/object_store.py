@@ -1,0 +1,467 @@
+"""Checkpoint storage in an S3 object store (MinIO), and opening a store from a URL.
+
+``S3CheckpointStore`` implements the ``CheckpointStore`` protocol of
+``gpu_worker.checkpoint`` on an S3 bucket with the ``minio`` client. Objects
+are content-addressed exactly as in ``LocalCheckpointStore``: the checkpoint
+whose bytes hash to ``ref`` (sha256, 64 lowercase hex digits) is the object
+``PREFIX/ref[:2]/ref`` of the bucket. ``put`` returns only after the object
+has been downloaded again and its sha256 checked, so a worker publishes
+CheckpointSaved only for an object that is stored and verified (DESIGN.md
+invariant 4; issue 3 item 4).
+
+``open_checkpoint_store(url)`` turns the ``--checkpoint-store`` value
+(``s3://BUCKET/PREFIX``, ``file://PATH`` or a plain path) into a store; for
+S3 it takes the endpoint and the credentials from ``STAGETREE_S3_*``
+environment variables, never from the URL.
+
+Credentials are handed to the minio client and kept nowhere else: they are
+not attributes of the store, not in its ``repr``, and not in any exception
+message or log record this module produces.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import NoReturn
+
+import urllib3
+from minio import Minio
+from minio.error import MinioException, S3Error
+
+from gpu_worker.checkpoint import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointMissing,
+    CheckpointRef,
+    CheckpointStore,
+    LocalCheckpointStore,
+    _check_ref,
+    sha256_hex,
+)
+
+__all__ = [
+    "CheckpointStoreError",
+    "ENV_S3_ACCESS_KEY",
+    "ENV_S3_ENDPOINT",
+    "ENV_S3_REGION",
+    "ENV_S3_SECRET_KEY",
+    "ENV_S3_SECURE",
+    "S3CheckpointStore",
+    "open_checkpoint_store",
+]
+
+ENV_S3_ENDPOINT = "STAGETREE_S3_ENDPOINT"
+"""``HOST:PORT`` of the S3 server (an ``http://`` or ``https://`` prefix also sets TLS)."""
+ENV_S3_ACCESS_KEY = "STAGETREE_S3_ACCESS_KEY"
+ENV_S3_SECRET_KEY = "STAGETREE_S3_SECRET_KEY"
+ENV_S3_SECURE = "STAGETREE_S3_SECURE"
+"""Optional: ``true``/``false`` (or ``1``/``0``, ``yes``/``no``, ``on``/``off``); default false."""
+ENV_S3_REGION = "STAGETREE_S3_REGION"
+"""Optional: the bucket's region; when unset the client asks the server."""
+
+# S3 "not there" error codes: the object or its whole bucket is absent.
+_ABSENT_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchObject"})
+_BUCKET_EXISTS_CODES = frozenset({"BucketAlreadyOwnedByYou", "BucketAlreadyExists"})
+_CREDENTIAL_CODES = frozenset(
+    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken"}
+)
+_BUCKET_PATTERN = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_IPV4_PATTERN = re.compile(r"\d+\.\d+\.\d+\.\d+")
+_ENDPOINT_PATTERN = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:\d{1,5})?")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+
+
+class CheckpointStoreError(CheckpointError):
+    """An object-store request failed for a reason other than a missing or corrupt object.
+
+    Attributes: ``operation`` (``"put"``, ``"get"``, ``"stat"``, ``"delete"``,
+    ``"create bucket"``, ...), ``bucket``, ``key`` (object name, or None for a
+    bucket-level request), ``endpoint`` and ``code`` (the S3 error code such as
+    ``"AccessDenied"``, or the name of the transport error such as
+    ``"MaxRetryError"``). The message names the bucket and key, never the
+    credentials; the original minio/urllib3 exception is not chained, so no
+    unscrubbed text travels with it.
+    """
+
+    def __init__(
+        self, operation: str, bucket: str, key: str | None, endpoint: str, code: str, detail: str
+    ) -> None:
+        target = f"s3://{bucket}/{key}" if key is not None else f"s3://{bucket}"
+        super().__init__(f"{operation} {target} at {endpoint} failed: {code}: {detail}")
+        self.operation = operation
+        self.bucket = bucket
+        self.key = key
+        self.endpoint = endpoint
+        self.code = code
+
+
+def _validate_bucket(bucket: str) -> str:
+    if (
+        not isinstance(bucket, str)
+        or _BUCKET_PATTERN.fullmatch(bucket) is None
+        or _IPV4_PATTERN.fullmatch(bucket) is not None
+        or any(pair in bucket for pair in ("..", ".-", "-."))
+    ):
+        raise ValueError(
+            "bucket must be an S3 bucket name (3-63 lowercase letters, digits, '.' and '-', "
+            f"starting and ending with a letter or digit), got {bucket!r}"
+        )
+    return bucket
+
+
+def _normalize_prefix(prefix: str) -> str:
+    """``"/a/b/"`` -> ``"a/b"``; ValueError for empty, ``.`` or ``..`` segments or a backslash."""
+    if not isinstance(prefix, str):
+        raise ValueError(f"prefix must be a str, got {prefix!r}")
+    stripped = prefix.strip("/")
+    if not stripped:
+        return ""
+    segments = stripped.split("/")
+    if any(segment in ("", ".", "..") for segment in segments) or "\\" in stripped:
+        raise ValueError(
+            f"prefix must be '/'-separated names without empty, '.' or '..' parts, got {prefix!r}"
+        )
+    return stripped
+
+
+def _validate_endpoint(endpoint: str) -> str:
+    if not isinstance(endpoint, str) or _ENDPOINT_PATTERN.fullmatch(endpoint) is None:
+        raise ValueError(
+            f"endpoint must be HOST or HOST:PORT without scheme or path, got {endpoint!r}"
+        )
+    return endpoint
+
+
+class S3CheckpointStore:
+    """CheckpointStore in an S3 bucket (MinIO): object ``ref`` is ``prefix/ref[:2]/ref``.
+
+    ``endpoint`` is ``HOST:PORT`` (no scheme); ``secure`` selects HTTPS;
+    ``region`` is the bucket's region (None: asked from the server).
+    ``access_key`` / ``secret_key`` go to the minio client only. The bucket
+    is created on the first ``put`` when it does not exist. ``http_client``
+    (optional) replaces the minio client's default urllib3 pool (5 retries
+    with backoff, 5 minute timeouts), e.g. to fail fast.
+
+    Uploads are single S3 PUTs (multipart above 5 MiB); S3 makes an object
+    visible only when complete, so a crash mid-upload leaves no object. Over
+    plain HTTP the client signs the payload's sha256, so the server rejects a
+    body altered in transit; over HTTPS TLS does. In both cases ``put``
+    verifies by downloading.
+
+    Errors: ValueError for a malformed ref, bucket, prefix or endpoint;
+    CheckpointMissing / CheckpointCorrupt as in the protocol; every other
+    failure of the server or the connection raises CheckpointStoreError
+    naming the operation, bucket, key and endpoint.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        bucket: str,
+        prefix: str = "",
+        *,
+        access_key: str,
+        secret_key: str,
+        secure: bool = False,
+        region: str | None = None,
+        http_client: urllib3.PoolManager | None = None,
+    ) -> None:
+        self.endpoint = _validate_endpoint(endpoint)
+        self.bucket = _validate_bucket(bucket)
+        self.prefix = _normalize_prefix(prefix)
+        self.secure = bool(secure)
+        self.region = region
+        if not isinstance(access_key, str) or not access_key:
+            raise ValueError("access_key must be a non-empty str")
+        if not isinstance(secret_key, str) or not secret_key:
+            raise ValueError("secret_key must be a non-empty str")
+        self._secrets = (access_key, secret_key)
+        self._client = Minio(
+            endpoint,
+            access_key=access_key,
+            secret_key=secret_key,
+            secure=self.secure,
+            region=region,
+            http_client=http_client,
+        )
+        self._bucket_ready = False
+
+    def __repr__(self) -> str:
+        return (
+            f"S3CheckpointStore(endpoint={self.endpoint!r}, bucket={self.bucket!r}, "
+            f"prefix={self.prefix!r}, secure={self.secure!r}, region={self.region!r})"
+        )
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> NoReturn:
+        # Pickling would copy the credentials into whatever receives the bytes.
+        raise TypeError(
+            "S3CheckpointStore cannot be pickled (it holds credentials); "
+            "pass the store URL and open_checkpoint_store() it on the other side"
+        )
+
+    @property
+    def url(self) -> str:
+        """``s3://BUCKET/PREFIX``, the URL ``open_checkpoint_store`` opens (no credentials)."""
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    def key(self, ref: str) -> str:
+        """Return the object name ``prefix/ref[:2]/ref`` (ValueError on a malformed ref)."""
+        _check_ref(ref)
+        name = f"{ref[:2]}/{ref}"
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def put(self, data: bytes) -> CheckpointRef:
+        """Store ``data`` and return its ref once the stored object is verified.
+
+        A no-op (no upload) when an object with the right bytes is already
+        stored; an object stored under the same ref with other bytes (corrupt)
+        is overwritten. After an upload the object is downloaded and hashed.
+        Creates the bucket if missing. Raises CheckpointCorrupt when the
+        stored object does not read back with the right hash,
+        CheckpointMissing when it vanished before it could be read back (a
+        concurrent ``delete``), CheckpointStoreError on any other failure.
+        """
+        data = bytes(data)
+        ref = sha256_hex(data)
+        key = self.key(ref)
+        self._ensure_bucket()
+        if self._intact(ref, key, len(data)):
+            return CheckpointRef(ref=ref, size=len(data))
+        with self._translate("put", key):
+            self._client.put_object(
+                self.bucket,
+                key,
+                io.BytesIO(data),
+                len(data),
+                content_type="application/octet-stream",
+                metadata={"stagetree-sha256": ref},
+            )
+        stored = self.get(ref)  # raises CheckpointCorrupt / CheckpointMissing
+        return CheckpointRef(ref=ref, size=len(stored))
+
+    def get(self, ref: str) -> bytes:
+        """Download object ``ref`` and return its bytes after checking their sha256.
+
+        Raises CheckpointMissing when the object (or the bucket) is absent,
+        CheckpointCorrupt(ref, actual) when the bytes hash to ``actual``,
+        CheckpointStoreError on any other failure (a short read included).
+        """
+        key = self.key(ref)
+        data = self._download(ref, key)
+        actual = sha256_hex(data)
+        if actual != ref:
+            raise CheckpointCorrupt(ref, actual)
+        return data
+
+    def exists(self, ref: str) -> bool:
+        """Return whether an object is stored under ``ref`` (its bytes are not checked)."""
+        return self._stat_size(self.key(ref)) is not None
+
+    def delete(self, ref: str) -> None:
+        """Remove object ``ref``; a no-op when it (or the bucket) is absent."""
+        key = self.key(ref)
+        try:
+            with self._translate("delete", key):
+                self._client.remove_object(self.bucket, key)
+        except CheckpointStoreError as exc:
+            if exc.code not in _ABSENT_CODES:
+                raise
+
+    # ------------------------------------------------------------------ internals
+
+    def _intact(self, ref: str, key: str, size: int) -> bool:
+        """Whether ``key`` holds exactly the bytes of ``ref`` (a size check first, then a hash)."""
+        stored_size = self._stat_size(key)
+        if stored_size is None or stored_size != size:
+            return False
+        try:
+            return sha256_hex(self._download(ref, key)) == ref
+        except CheckpointMissing:
+            return False
+
+    def _stat_size(self, key: str) -> int | None:
+        """Size in bytes of object ``key``, or None when it (or the bucket) is absent."""
+        try:
+            with self._translate("stat", key):
+                stat = self._client.stat_object(self.bucket, key)
+        except CheckpointStoreError as exc:
+            if exc.code in _ABSENT_CODES:
+                return None
+            raise
+        return stat.size
+
+    def _download(self, ref: str, key: str) -> bytes:
+        response = None
+        try:
+            with self._translate("get", key):
+                response = self._client.get_object(self.bucket, key)
+                return response.read()
+        except CheckpointStoreError as exc:
+            if exc.code in _ABSENT_CODES:
+                raise CheckpointMissing(ref) from None
+            raise
+        finally:
+            if response is not None:
+                response.close()
+                response.release_conn()
+
+    def _ensure_bucket(self) -> None:
+        if self._bucket_ready:
+            return
+        try:
+            with self._translate("check bucket", None):
+                present = self._client.bucket_exists(self.bucket)
+        except CheckpointStoreError as exc:
+            if exc.code != "AccessDenied":
+                raise
+            # Credentials limited to objects under a prefix may not look at the bucket
+            # itself; the object requests that follow tell whether it is usable.
+            present = True
+        if not present:
+            try:
+                with self._translate("create bucket", None):
+                    if self.region is None:
+                        self._client.make_bucket(self.bucket)
+                    else:
+                        self._client.make_bucket(self.bucket, location=self.region)
+            except CheckpointStoreError as exc:
+                if exc.code not in _BUCKET_EXISTS_CODES:  # lost a race with another creator
+                    raise
+        self._bucket_ready = True
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "<redacted>")
+        return text
+
+    @contextmanager
+    def _translate(self, operation: str, key: str | None) -> Iterator[None]:
+        """Turn minio/urllib3/socket errors into CheckpointStoreError (scrubbed, not chained)."""
+        try:
+            yield
+        except S3Error as exc:
+            code = exc.code or "S3Error"
+            detail = exc.message or "no message"
+            if code in _CREDENTIAL_CODES:
+                detail += f" (check {ENV_S3_ACCESS_KEY} / {ENV_S3_SECRET_KEY})"
+            error = CheckpointStoreError(
+                operation, self.bucket, key, self.endpoint, code, self._scrub(detail)
+            )
+        except (MinioException, urllib3.exceptions.HTTPError, OSError) as exc:
+            error = CheckpointStoreError(
+                operation,
+                self.bucket,
+                key,
+                self.endpoint,
+                type(exc).__name__,
+                self._scrub(str(exc)),
+            )
+        else:
+            return
+        raise error from None
+
+
+def _env_flag(env: Mapping[str, str], name: str) -> bool | None:
+    raw = env.get(name)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name} must be true or false (or 1/0, yes/no, on/off), got {raw!r}")
+
+
+def _required(env: Mapping[str, str], name: str, what: str, url: str) -> str:
+    value = env.get(name)
+    if not value:
+        raise ValueError(f"{name} is not set: {what} is needed to open checkpoint store {url}")
+    return value
+
+
+def open_checkpoint_store(
+    url: str | os.PathLike[str], env: Mapping[str, str] = os.environ
+) -> CheckpointStore:
+    """Open the checkpoint store named by ``url`` (the ``--checkpoint-store`` value).
+
+    * ``s3://BUCKET`` or ``s3://BUCKET/PREFIX`` -> ``S3CheckpointStore`` with
+      the endpoint from ``STAGETREE_S3_ENDPOINT`` (``HOST:PORT``; a leading
+      ``http://`` / ``https://`` also sets TLS off / on), credentials from
+      ``STAGETREE_S3_ACCESS_KEY`` and ``STAGETREE_S3_SECRET_KEY``, TLS from the
+      optional ``STAGETREE_S3_SECURE`` (default false) and the region from the
+      optional ``STAGETREE_S3_REGION``. Nothing is contacted until the first
+      request.
+    * ``file://PATH`` or a plain path -> ``LocalCheckpointStore(PATH)``.
+
+    Raises ValueError naming the problem: an empty URL, an unsupported
+    scheme, a malformed bucket or prefix, credentials, a query or a fragment
+    in an ``s3://`` URL (the URL is then not echoed), an unset or empty
+    required variable (named), or a malformed ``STAGETREE_S3_SECURE``.
+    """
+    text = os.fspath(url)
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"checkpoint store URL must be a non-empty path or URL, got {url!r}")
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        return LocalCheckpointStore(Path(text))
+    scheme = scheme.lower()
+    if scheme == "file":
+        if not rest:
+            raise ValueError(f"checkpoint store URL {text!r} has no path")
+        return LocalCheckpointStore(Path(rest))
+    if scheme != "s3":
+        raise ValueError(
+            f"checkpoint store URL {text!r} has unsupported scheme {scheme!r}; "
+            "use s3://BUCKET/PREFIX, file://PATH or a plain path"
+        )
+    if "@" in rest:
+        raise ValueError(
+            "checkpoint store URL must not contain credentials (user:password@); "
+            f"set {ENV_S3_ACCESS_KEY} and {ENV_S3_SECRET_KEY} instead"
+        )
+    if "?" in rest or "#" in rest:
+        raise ValueError(f"checkpoint store URL {text!r} must not have a query or fragment")
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise ValueError(f"checkpoint store URL {text!r} has no bucket: use s3://BUCKET/PREFIX")
+    _validate_bucket(bucket)
+    prefix = _normalize_prefix(prefix)
+
+    endpoint = _required(env, ENV_S3_ENDPOINT, "the S3 endpoint HOST:PORT", text).strip()
+    secure = _env_flag(env, ENV_S3_SECURE)
+    for url_scheme, scheme_secure in (("http://", False), ("https://", True)):
+        if endpoint.lower().startswith(url_scheme):
+            if secure is not None and secure != scheme_secure:
+                raise ValueError(
+                    f"{ENV_S3_ENDPOINT}={endpoint!r} says {url_scheme[:-3]} but "
+                    f"{ENV_S3_SECURE}={env[ENV_S3_SECURE]!r} says otherwise"
+                )
+            endpoint, secure = endpoint[len(url_scheme) :].rstrip("/"), scheme_secure
+            break
+    try:
+        _validate_endpoint(endpoint)
+    except ValueError:
+        raise ValueError(
+            f"{ENV_S3_ENDPOINT} must be HOST:PORT (optionally with http:// or https://), "
+            f"got {env[ENV_S3_ENDPOINT]!r}"
+        ) from None
+    access_key = _required(env, ENV_S3_ACCESS_KEY, "the S3 access key", text)
+    secret_key = _required(env, ENV_S3_SECRET_KEY, "the S3 secret key", text)
+    return S3CheckpointStore(
+        endpoint,
+        bucket,
+        prefix,
+        access_key=access_key,
+        secret_key=secret_key,
+        secure=bool(secure),
+        region=env.get(ENV_S3_REGION) or None,
+    )

@@ -1,0 +1,92 @@
+"""The scheduler service: after every fold, append the scheduler's decisions to the log.
+
+Used by the embedded coordinator and by ``stagetree serve`` on Kafka alike. Each decision
+(``decide``, a pure function of the projection) is appended as a StageDispatched to
+``stagetree.plan`` and copied to ``stagetree.dispatch`` keyed by worker id, then folded, so the
+next decision sees that path as running. On Kafka other producers may append between a
+decision and its record; the event's ``decided_at`` names the prefix it was decided from, and a
+decision the reducer rejects on the newer state (its worker was lost meanwhile, say) is
+dead-lettered and simply decided again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from opentelemetry.trace import SpanKind
+
+from events import topics, tracing
+from events.log import EventLog, append_events
+from events.models import StageDispatched, TrialSubmitted
+from projections.store import Projector
+from scheduler.decide import decide
+
+Deliver = Callable[[StageDispatched], None]
+
+
+class SchedulerService:
+    """Runs scheduling passes for ``projector``'s state, appending to ``log``.
+
+    Args:
+        log: where decisions are appended (the projector's log).
+        projector: folds the plan stream; its listeners also see the decisions.
+        deliver: optional callback per appended decision (the embedded coordinator's pipes).
+        max_rejections: consecutive rejected decisions tolerated in one pass before giving up
+            until the next trigger (a rejection means the state moved on under the decision).
+    """
+
+    def __init__(self, log: EventLog, projector: Projector, deliver: Deliver | None = None,
+                 max_rejections: int = 3) -> None:
+        self.log = log
+        self.projector = projector
+        self.deliver = deliver
+        self.max_rejections = max_rejections
+        self.trial_traces: dict[str, dict[str, str]] = {}  # trial id -> trace header of its latest submission
+        projector.listeners.append(self._remember_trace)
+
+    def _remember_trace(self, offset: int, event: object) -> None:
+        if isinstance(event, TrialSubmitted) and event.trace:
+            self.trial_traces[event.trial_id] = event.trace
+
+    def run_pass(self) -> list[StageDispatched]:
+        """Decide and append until no worker is idle or nothing is ready; returns the decisions."""
+        state = self.projector.state
+        out: list[StageDispatched] = []
+        rejections = 0
+        while True:
+            started_ns = time.time_ns()
+            decision = decide(state)
+            if decision is None:
+                return out
+            decision = decision.model_copy(update={"ts": time.time()})
+            if tracing.enabled():
+                decision = self._traced(decision, started_ns)
+            (offset,) = append_events(self.log, topics.PLAN, [(decision.plan_key, decision)])
+            append_events(self.log, topics.DISPATCH, [(decision.worker_id, decision)])
+            self.projector.catch_up()
+            if offset in state.rejected:
+                rejections += 1
+                if rejections >= self.max_rejections:
+                    return out
+                continue
+            rejections = 0
+            out.append(decision)
+            if self.deliver is not None:
+                self.deliver(decision)
+
+    def _traced(self, decision: StageDispatched, started_ns: int) -> StageDispatched:
+        """Record the pass and the dispatch in the trace of the first trial the path serves
+        (linked to the other trials' traces), and carry the context in the event."""
+        plan = self.projector.state.plans[decision.plan_key]
+        trials = sorted({t for s in decision.stages for t in plan.nodes[s.node_id].requests.get(s.to_step, [])})
+        served = [self.trial_traces[t] for t in trials if t in self.trial_traces]
+        parent, links = (served[0], served[1:]) if served else (None, [])
+        with tracing.span("schedule", parent=parent, links=links, start_time=started_ns,
+                          attributes={"stagetree.dispatch_id": decision.dispatch_id,
+                                      "stagetree.trials_served": len(served)}):
+            with tracing.span("dispatch", kind=SpanKind.PRODUCER,
+                              attributes=tracing.messaging("publish", topics.DISPATCH, decision.event_id,
+                                                           dispatch_id=decision.dispatch_id,
+                                                           worker_id=decision.worker_id, stages=len(decision.stages))):
+                return decision.model_copy(update={"trace": tracing.carrier()})
