@@ -14,7 +14,6 @@ import asyncio
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -24,13 +23,12 @@ from events.codec import InvalidEvent, decode, encode
 from events.log import EmbeddedLog, append_events
 from events.models import DeadLettered, Event, StageDispatched, WorkerLost
 from gpu_worker.process import STOP, embedded_worker_main
-from projections.state import State
 from projections.store import ProjectionStore, Projector
 from scheduler.service import SchedulerService
-from stagetree.study import TrialFailed
+from stagetree.runtime import RuntimeBase, RuntimeError_
 
 
-class CoordinatorError(RuntimeError):
+class CoordinatorError(RuntimeError_):
     """The coordinator cannot continue (e.g. its own decision was rejected by the reducer)."""
 
 
@@ -43,7 +41,7 @@ def event_key(event: Event) -> str:
     return ""
 
 
-class EmbeddedCoordinator:
+class EmbeddedCoordinator(RuntimeBase):
     """Owns ``run_dir`` (``log/``, ``state/``, ``checkpoints/``) and the worker processes.
 
     Args:
@@ -57,6 +55,8 @@ class EmbeddedCoordinator:
     Use as an async context manager inside a running loop.
     """
 
+    failure_type = CoordinatorError
+
     def __init__(self, run_dir: str | Path, study_file: str | Path, workers: int, *, device: str = "auto",
                  threads: int = 1, secret: bytes | None = None) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -68,23 +68,15 @@ class EmbeddedCoordinator:
         self.threads = threads
         self.log = EmbeddedLog(self.run_dir / "log", secret=secret)
         self.store = ProjectionStore(self.run_dir / "state")
-        self.projector = Projector(self.log, store=self.store)
+        super().__init__(Projector(self.log, store=self.store))
         self.projector.catch_up()
         self.checkpoint_dir = self.run_dir / "checkpoints"
-        self._waiters: dict[tuple[str, int], list[asyncio.Future[dict[str, float]]]] = {}
         self._conns: dict[str, Connection] = {}
         self._procs: dict[str, mp.process.BaseProcess] = {}
         self._stopping = False
         self._inbox: asyncio.Queue[tuple[str, bytes | None]] | None = None
         self._pump_task: asyncio.Task[None] | None = None
-        self.on_fold: list[Callable[[], None]] = []
-        self._idle: asyncio.Event | None = None
         self.scheduler = SchedulerService(self.log, self.projector, deliver=self._send)
-        self.failure: BaseException | None = None
-
-    @property
-    def state(self) -> State:
-        return self.projector.state
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -178,28 +170,15 @@ class EmbeddedCoordinator:
                 except Exception:  # append() handed the failure to every waiting future
                     return
 
-    def _fail(self, exc: BaseException) -> None:
-        self.failure = exc
-        if self._idle is not None:
-            self._idle.set()
-        for futures in self._waiters.values():
-            for f in futures:
-                if not f.done():
-                    f.set_exception(exc)
-        self._waiters.clear()
-
     # ------------------------------------------------------------------ the Runtime protocol
 
     def append(self, events: list[Event]) -> None:
         """Stamp and append events to the plan stream, fold, schedule, and resolve futures."""
         if self.failure is not None:
             raise CoordinatorError(f"the coordinator failed: {self.failure}")
-        now = time.time()
-        stamped = [e if e.ts else e.model_copy(update={"ts": now}) for e in events]
         try:
-            append_events(self.log, topics.PLAN, [(event_key(e), e) for e in stamped])
+            append_events(self.log, topics.PLAN, [(event_key(e), e) for e in self.stamp(events)])
             self._fold()
-            self._resolve()
             if not self._stopping and self._procs and not any(w.alive for w in self.state.workers.values()) \
                     and not any(p.is_alive() for p in self._procs.values()):
                 raise CoordinatorError("every worker process has exited; see the WorkerLost events")
@@ -207,30 +186,13 @@ class EmbeddedCoordinator:
             self._fail(exc)
             raise
 
-    def watch(self, trial_id: str, steps: int) -> asyncio.Future[dict[str, float]]:
-        """A future resolved with the trial's metrics at ``steps`` (at once if already known)."""
-        future: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
-        if self.failure is not None:
-            future.set_exception(CoordinatorError(f"the coordinator failed: {self.failure}"))
-            return future
-        self._waiters.setdefault((trial_id, steps), []).append(future)
-        self._resolve()
-        return future
-
     # ------------------------------------------------------------------ internals
 
     def _fold(self) -> None:
-        """Fold new records, run the scheduler service, and tell listeners."""
+        """Fold new records, run the scheduler service, resolve futures, tell listeners."""
         self.projector.catch_up()
         self.scheduler.run_pass()
-        for listener in self.on_fold:
-            listener()
-        if self._idle is not None and not self.busy():
-            self._idle.set()
-
-    def busy(self) -> bool:
-        """True while a dispatched path has not finished, failed or been lost."""
-        return any(d.status == "running" for d in self.state.dispatches.values())
+        self._notify()
 
     async def ready(self, timeout: float = 300.0) -> None:
         """Wait until every worker of this run has joined (start-up is not study time).
@@ -245,37 +207,8 @@ class EmbeddedCoordinator:
                 raise CoordinatorError(f"workers did not start within {timeout} s: see their output above")
             await asyncio.sleep(0.02)
 
-    async def drain(self) -> None:
-        """Wait until every dispatched path has reported its end (so totals are complete)."""
-        while self.busy() and self.failure is None:
-            self._idle = asyncio.Event()
-            await self._idle.wait()
-        self._idle = None
-
     def _send(self, decision: StageDispatched) -> None:
         try:
             self._conns[decision.worker_id].send_bytes(encode(decision))
         except (OSError, KeyError):
             self.append([WorkerLost(producer="coordinator", worker_id=decision.worker_id, reason="pipe closed")])
-
-    def _resolve(self) -> None:
-        for key in list(self._waiters):
-            trial_id, steps = key
-            trial = self.state.trials.get(trial_id)
-            if trial is None:
-                continue
-            futures = self._waiters[key]
-            if steps in trial.results:
-                for f in futures:
-                    if not f.done():
-                        f.set_result(dict(trial.results[steps]))
-            elif trial.status == "failed":
-                for f in futures:
-                    if not f.done():
-                        f.set_exception(TrialFailed(trial_id, trial.error))
-            elif trial.status == "cancelled":
-                for f in futures:
-                    f.cancel()
-            else:
-                continue
-            del self._waiters[key]

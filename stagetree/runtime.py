@@ -1,0 +1,105 @@
+"""What every deployment gives the SDK: a folded projection, futures for trial results, drain.
+
+:class:`RuntimeBase` holds the part shared by the embedded coordinator and the Kafka runtime:
+futures per ``(trial, steps)`` resolved from the projection after every fold, failure
+propagation to every waiting future, and waiting for in-flight dispatches to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from events.models import Event
+from projections.state import State
+from projections.store import Projector
+from stagetree.study import TrialFailed
+
+
+class RuntimeError_(RuntimeError):
+    """The runtime cannot continue; every waiting trial gets this error."""
+
+
+class RuntimeBase:
+    """Futures and draining over ``projector``'s state (subclasses append and fold)."""
+
+    failure_type: type[Exception] = RuntimeError_
+
+    def __init__(self, projector: Projector) -> None:
+        self.projector = projector
+        self.failure: BaseException | None = None
+        self.on_fold: list[Callable[[], None]] = []
+        self._waiters: dict[tuple[str, int], list[asyncio.Future[dict[str, float]]]] = {}
+        self._idle: asyncio.Event | None = None
+
+    @property
+    def state(self) -> State:
+        return self.projector.state
+
+    @staticmethod
+    def stamp(events: list[Event]) -> list[Event]:
+        """Give events without a timestamp the current wall-clock time (at the edge)."""
+        now = time.time()
+        return [e if e.ts else e.model_copy(update={"ts": now}) for e in events]
+
+    def watch(self, trial_id: str, steps: int) -> asyncio.Future[dict[str, float]]:
+        """A future resolved with the trial's metrics at ``steps`` (at once if already known)."""
+        future: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
+        if self.failure is not None:
+            future.set_exception(self.failure_type(f"the runtime failed: {self.failure}"))
+            return future
+        self._waiters.setdefault((trial_id, steps), []).append(future)
+        self._resolve()
+        return future
+
+    def busy(self) -> bool:
+        """True while a dispatched path has not finished, failed or been lost."""
+        return any(d.status == "running" for d in self.state.dispatches.values())
+
+    async def drain(self) -> None:
+        """Wait until every dispatched path has reported its end (so totals are complete)."""
+        while self.busy() and self.failure is None:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
+        self._idle = None
+
+    def _notify(self) -> None:
+        """After a fold: resolve futures, tell listeners, wake drain()."""
+        self._resolve()
+        for listener in self.on_fold:
+            listener()
+        if self._idle is not None and not self.busy():
+            self._idle.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failure = exc
+        if self._idle is not None:
+            self._idle.set()
+        for futures in self._waiters.values():
+            for f in futures:
+                if not f.done():
+                    f.set_exception(exc)
+        self._waiters.clear()
+
+    def _resolve(self) -> None:
+        for key in list(self._waiters):
+            trial_id, steps = key
+            trial = self.state.trials.get(trial_id)
+            if trial is None:
+                continue
+            futures = self._waiters[key]
+            if steps in trial.results:
+                for f in futures:
+                    if not f.done():
+                        f.set_result(dict(trial.results[steps]))
+            elif trial.status == "failed":
+                for f in futures:
+                    if not f.done():
+                        f.set_exception(TrialFailed(trial_id, trial.error))
+            elif trial.status == "cancelled":
+                for f in futures:
+                    f.cancel()
+            else:
+                continue
+            del self._waiters[key]
