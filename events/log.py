@@ -64,6 +64,15 @@ class EventLog(Protocol):
     def close(self) -> None: ...
 
 
+def event_key(event: Event) -> str:
+    """The record key of an event on the plan stream: plan key, else worker id, else study id."""
+    for attr in ("plan_key", "worker_id", "study_id"):
+        value = getattr(event, attr, None)
+        if value:
+            return str(value)
+    return ""
+
+
 def append_events(log: EventLog, stream: str, items: Sequence[tuple[str, Event]]) -> list[int]:
     """Encode and append ``(key, event)`` pairs atomically; returns their offsets."""
     return log.append_many(stream, [(key, encode(ev)) for key, ev in items])

@@ -9,4 +9,8 @@ DISPATCH = "stagetree.dispatch"
 DEADLETTER = "stagetree.deadletter"
 """DeadLettered events: what could not be decoded or applied, with the reason."""
 
-ALL = (PLAN, DISPATCH, DEADLETTER)
+HEARTBEAT = "stagetree.heartbeat"
+"""Worker liveness beats (Kafka mode), keyed by worker id; not part of the plan's history: the
+serve process turns a missed beat into a WorkerLost event on the plan stream."""
+
+ALL = (PLAN, DISPATCH, DEADLETTER, HEARTBEAT)

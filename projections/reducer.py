@@ -253,12 +253,15 @@ def _dispatched_stage(state: State, ev: StageFinished | StageFailed) -> Dispatch
 
 def _stage_finished(state: State, ev: StageFinished, touched: set[Key]) -> None:
     dispatch = _dispatched_stage(state, ev)
-    node = state.plans[dispatch.plan_key].nodes[ev.node_id]
+    plan = state.plans[dispatch.plan_key]
+    node = plan.nodes[ev.node_id]
     steps = ev.to_step - ev.from_step
     state.stats.executed_steps += steps
     state.stats.worker_seconds += ev.seconds
     state.stats.stages_finished += 1
-    touched.add(("stats",))
+    plan.executed_steps += steps
+    plan.worker_seconds += ev.seconds
+    touched |= {("stats",), ("plan", plan.plan_key)}
     if steps:
         node.profile_steps += steps
         node.profile_seconds += ev.train_seconds

@@ -89,15 +89,19 @@ class Node:
 
 @dataclass
 class Plan:
-    """A search plan: the nodes of one plan key, with the model-initialisation seed."""
+    """A search plan: the nodes of one plan key, with the model-initialisation seed, and the
+    steps trained and worker-seconds spent on it (finished stages)."""
 
     plan_key: str
     seed: int
     roots: list[str] = field(default_factory=list)
     nodes: dict[str, Node] = field(default_factory=dict)
+    executed_steps: int = 0
+    worker_seconds: float = 0.0
 
     def meta_json(self) -> dict[str, Any]:
-        return {"plan_key": self.plan_key, "seed": self.seed, "roots": list(self.roots)}
+        return {"plan_key": self.plan_key, "seed": self.seed, "roots": list(self.roots),
+                "executed_steps": self.executed_steps, "worker_seconds": self.worker_seconds}
 
     def new_node_id(self) -> str:
         return f"n{len(self.nodes)}"

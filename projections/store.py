@@ -144,7 +144,9 @@ class ProjectionStore:
             elif kind == "rejected":
                 state.rejected[int(parts[1])] = value
             elif kind == "plan":
-                state.plans[value["plan_key"]] = Plan(value["plan_key"], value["seed"], list(value["roots"]))
+                state.plans[value["plan_key"]] = Plan(value["plan_key"], value["seed"], list(value["roots"]),
+                                                      executed_steps=value["executed_steps"],
+                                                      worker_seconds=value["worker_seconds"])
             elif kind == "node":
                 nodes.append(Node.from_json(value))
             elif kind == "trial":

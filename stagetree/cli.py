@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import signal
+import socket
+import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +29,17 @@ from rich.markup import escape
 from events.models import StudyFinished, StudyStarted
 from gpu_worker.loader import StudyFileError, load_module, trainer_of
 from events import tracing
+from events.kafka_log import KafkaLog, security_from_env
 from events.log import LogError
+from gpu_worker.kafka_worker import KafkaWorker
+from gpu_worker.object_store import open_checkpoint_store
 from replay.audit import AuditError, secret_from
 from replay.commands import register
-from stagetree.embedded import CoordinatorError, EmbeddedCoordinator
+from stagetree.embedded import EmbeddedCoordinator
+from stagetree.kafka_runtime import KafkaRuntime
+from stagetree.serve import serve
 from stagetree.progress import Progress
+from stagetree.runtime import RuntimeError_
 from stagetree.study import Study, TrialFailed, validate_config
 from stagetree.summary import build_summary, elapsed_before
 from stagetree.tuners import Tuner, TunerResult
@@ -58,9 +69,47 @@ def _study_file(path: str) -> tuple[Any, Any, Tuner, int, str]:
     return module, trainer, tuner, seed, name
 
 
+async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tuple[Any, Any, Tuner, int, str],
+                   mode: str) -> dict[str, Any]:
+    """Run the tuner of a loaded study file on a ready runtime; returns the summary.
+
+    End-to-end time runs from the ready cluster to the answer, plus earlier incarnations'.
+    """
+    _, trainer, tuner, seed, name = loaded
+    started = time.monotonic()
+    prior = runtime.state.studies.get(name)
+    if prior is not None and prior["mode"] != mode:
+        raise UsageError(f"the log holds a {prior['mode']!r} run of {name!r}; it cannot continue as {mode!r}")
+    before = elapsed_before(log, name) if prior is not None else 0.0
+    study = Study(runtime, name, trainer, seed, merge=mode == "merged")
+    runtime.append([StudyStarted(producer="cli", study_id=name, name=name, plan_key=study.plan_key, mode=mode,
+                                 workers=args.workers, seed=seed, trainer=f"{trainer.name}@{trainer.version}",
+                                 metric=tuner.metric, metric_mode=tuner.mode,
+                                 study_file=str(Path(args.file).resolve()))])
+    progress = Progress(lambda: runtime.state, f"{name} ({mode}, {args.workers} workers)", enabled=not args.quiet)
+    runtime.on_fold.append(progress.on_fold)
+    with progress:
+        result: TunerResult = await tuner.run(study)
+        await runtime.drain()
+    e2e = before + (time.monotonic() - started)
+    best = result.best
+    value = best.metrics.get(result.metric) if best else None
+    best_metric = float(value) if value is not None else None
+    runtime.append([StudyFinished(producer="cli", study_id=name, best_trial=best.trial_id if best else None,
+                                  best_metric=best_metric, end_to_end_seconds=e2e)])
+    return build_summary(runtime.state, name, mode=mode, workers=args.workers,
+                         best_trial=best.trial_id if best else None, best_metric=best_metric, end_to_end_seconds=e2e)
+
+
+def _write_summary(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
+    return summary | {"out": str(out)}
+
+
 async def _run_embedded(args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    _, trainer, tuner, seed, name = _study_file(args.file)
-    out = Path(args.out) if args.out else Path("runs") / name
+    loaded = _study_file(args.file)
+    out = Path(args.out) if args.out else Path("runs") / loaded[4]
     has_log = (out / "log").exists()
     if has_log and not args.resume:
         raise UsageError(f"--out {str(out)!r} already holds a run; pass --resume to continue it or choose another --out")
@@ -70,33 +119,49 @@ async def _run_embedded(args: argparse.Namespace, console: Console) -> dict[str,
     async with EmbeddedCoordinator(out, args.file, args.workers, device=args.device,
                                    secret=secret_from(args.log_key)) as coord:
         await coord.ready()
-        started = time.monotonic()  # end-to-end time runs from a ready cluster to the answer
-        prior = coord.state.studies.get(name)
-        if prior is not None and prior["mode"] != mode:
-            raise UsageError(f"{str(out)!r} holds a {prior['mode']!r} run of {name!r}; it cannot resume as {mode!r}")
-        before = elapsed_before(coord.log, name) if prior is not None else 0.0
-        study = Study(coord, name, trainer, seed, merge=not args.no_merge)
-        coord.append([StudyStarted(producer="cli", study_id=name, name=name, plan_key=study.plan_key, mode=mode,
-                                   workers=args.workers, seed=seed, trainer=f"{trainer.name}@{trainer.version}",
-                                   metric=tuner.metric, metric_mode=tuner.mode,
-                                   study_file=str(Path(args.file).resolve()))])
-        progress = Progress(lambda: coord.state, f"{name} ({mode}, {args.workers} workers)",
-                            enabled=not args.quiet)
-        coord.on_fold.append(progress.on_fold)
-        with progress:
-            result: TunerResult = await tuner.run(study)
-            await coord.drain()
-        e2e = before + (time.monotonic() - started)
-        best = result.best
-        value = best.metrics.get(result.metric) if best else None
-        best_metric = float(value) if value is not None else None
-        coord.append([StudyFinished(producer="cli", study_id=name, best_trial=best.trial_id if best else None,
-                                    best_metric=best_metric, end_to_end_seconds=e2e)])
-        summary = build_summary(coord.state, name, mode=mode, workers=args.workers,
-                                best_trial=best.trial_id if best else None, best_metric=best_metric,
-                                end_to_end_seconds=e2e)
-    (out / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
-    return summary | {"out": str(out)}
+        summary = await _conduct(coord, coord.log, args, loaded, mode)
+    return _write_summary(out, summary)
+
+
+def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "stagetree.cli", *args], start_new_session=False)
+
+
+async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    """Kafka mode: submit through the SDK; with --workers N > 0 also run `stagetree serve` and N
+    workers for the duration (a one-machine deployment on real Kafka)."""
+    loaded = _study_file(args.file)
+    out = Path(args.out) if args.out else Path("runs") / loaded[4]
+    if args.workers and not args.checkpoint_store:
+        raise UsageError("--checkpoint-store (or $STAGETREE_CHECKPOINT_STORE) is required to start workers")
+    mode = "trial" if args.no_merge else "merged"
+    log = KafkaLog(args.bootstrap_servers, topic_prefix=args.topic_prefix, security=security_from_env())
+    procs: list[subprocess.Popen[bytes]] = []
+    runtime = KafkaRuntime(log)
+    poller = asyncio.create_task(runtime.run())
+    try:
+        common = ["--bootstrap-servers", args.bootstrap_servers, "--topic-prefix", args.topic_prefix,
+                  "--otel-exporter", tracing.spec()]
+        workers = [f"w{i}" for i in range(args.workers)]
+        if workers:
+            out.mkdir(parents=True, exist_ok=True)
+            procs.append(_spawn(["serve", *common, "--state-dir", str(out / "serve-state"),
+                                 "--app-id", f"stagetree-{loaded[4]}-{uuid.uuid4().hex[:8]}"]))
+            procs += [_spawn(["worker", *common, "--checkpoint-store", args.checkpoint_store, "--worker-id", w,
+                              "--study", str(args.file), "--device", args.device]) for w in workers]
+            await runtime.ready(workers)
+        summary = await _conduct(runtime, log, args, loaded, mode)
+    finally:
+        poller.cancel()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        log.close()
+    return _write_summary(out, summary)
 
 
 def _print_summary(summary: dict[str, Any], console: Console) -> None:
@@ -146,13 +211,74 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="auto", help="auto (cuda:i when present, else cpu), cpu, or cuda:N")
     run.add_argument("--quiet", action="store_true", help="no live progress display")
     run.add_argument("--log-key", help="HMAC secret of the log's hash chain (default: $STAGETREE_LOG_KEY)")
+    _kafka_flags(run)
+    run.add_argument("--checkpoint-store", default=os.environ.get("STAGETREE_CHECKPOINT_STORE"),
+                     help="s3://BUCKET/PREFIX or a directory, for Kafka-mode workers (default: $STAGETREE_CHECKPOINT_STORE)")
     run.set_defaults(func=cmd_run)
+
+    srv = sub.add_parser("serve", help="Kafka mode: the projector and scheduler (a faust app)")
+    _kafka_flags(srv, required=True)
+    srv.add_argument("--state-dir", default=os.environ.get("STAGETREE_STATE_DIR", "serve-state"),
+                     help="RocksDB projection store (default: $STAGETREE_STATE_DIR or ./serve-state)")
+    srv.add_argument("--app-id", default=os.environ.get("STAGETREE_APP_ID", "stagetree"), help="faust app id")
+    srv.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                     help="seconds of worker silence before it is declared lost (default 10)")
+    srv.set_defaults(func=cmd_serve)
+
+    wrk = sub.add_parser("worker", help="Kafka mode: one worker per device")
+    _kafka_flags(wrk, required=True)
+    wrk.add_argument("--checkpoint-store", default=os.environ.get("STAGETREE_CHECKPOINT_STORE"),
+                     help="s3://BUCKET/PREFIX or a directory (default: $STAGETREE_CHECKPOINT_STORE)")
+    wrk.add_argument("--device", default=os.environ.get("STAGETREE_DEVICE", "auto"), help="auto, cpu or cuda:N")
+    wrk.add_argument("--worker-id", default=os.environ.get("STAGETREE_WORKER_ID"),
+                     help="worker id (default: $STAGETREE_WORKER_ID, else host name and device)")
+    wrk.add_argument("--study", help="study file (default: the one its StudyStarted event records)")
+    wrk.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats (default 1)")
+    wrk.set_defaults(func=cmd_worker)
     register(sub, _positive)
     return p
 
 
+def _kafka_flags(p: argparse.ArgumentParser, required: bool = False) -> None:
+    servers = os.environ.get("STAGETREE_BOOTSTRAP_SERVERS")
+    p.add_argument("--bootstrap-servers", default=servers, required=required and not servers,
+                   help="Kafka HOST:PORT (default: $STAGETREE_BOOTSTRAP_SERVERS); embedded mode when unset")
+    p.add_argument("--topic-prefix", default=os.environ.get("STAGETREE_TOPIC_PREFIX", ""),
+                   help="prefix of every topic name (default: $STAGETREE_TOPIC_PREFIX)")
+
+
+def cmd_serve(args: argparse.Namespace, console: Console) -> int:
+    log = KafkaLog(args.bootstrap_servers, topic_prefix=args.topic_prefix, security=security_from_env())
+    try:
+        serve(log, Path(args.state_dir), app_id=args.app_id, heartbeat_timeout_s=args.heartbeat_timeout)
+    finally:
+        log.close()
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace, console: Console) -> int:
+    if not args.checkpoint_store:
+        raise UsageError("--checkpoint-store (or $STAGETREE_CHECKPOINT_STORE) is required")
+    worker_id = args.worker_id or f"{socket.gethostname()}-{args.device.replace(':', '')}"
+
+    def make_log() -> KafkaLog:
+        return KafkaLog(args.bootstrap_servers, topic_prefix=args.topic_prefix, security=security_from_env())
+
+    tracing.configure(args.otel_exporter, f"stagetree-worker-{worker_id}")
+    worker = KafkaWorker(make_log, worker_id, open_checkpoint_store(args.checkpoint_store), args.device,
+                         study_file=args.study, heartbeat_s=args.heartbeat)
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
+    worker.run()
+    return 0
+
+
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
-    summary = asyncio.run(_run_embedded(args, console))
+    if args.bootstrap_servers:
+        if args.resume or args.log_key:
+            raise UsageError("--resume and --log-key are for embedded mode; on Kafka the log is the topics")
+        summary = asyncio.run(_run_kafka(args, console))
+    else:
+        summary = asyncio.run(_run_embedded(args, console))
     _print_summary(summary, console)
     return 0
 
@@ -167,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, StudyFileError, AuditError, LogError, ValueError) as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
-    except (TrialFailed, CoordinatorError) as exc:
+    except (TrialFailed, RuntimeError_) as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}")
         return 1
     finally:

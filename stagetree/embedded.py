@@ -20,7 +20,7 @@ from pathlib import Path
 
 from events import topics, tracing
 from events.codec import InvalidEvent, decode, encode
-from events.log import EmbeddedLog, append_events
+from events.log import EmbeddedLog, append_events, event_key
 from events.models import DeadLettered, Event, StageDispatched, WorkerLost
 from gpu_worker.process import STOP, embedded_worker_main
 from projections.store import ProjectionStore, Projector
@@ -30,15 +30,6 @@ from stagetree.runtime import RuntimeBase, RuntimeError_
 
 class CoordinatorError(RuntimeError_):
     """The coordinator cannot continue (e.g. its own decision was rejected by the reducer)."""
-
-
-def event_key(event: Event) -> str:
-    """The record key of an event on the plan stream: plan key, else worker id, else study id."""
-    for attr in ("plan_key", "worker_id", "study_id"):
-        value = getattr(event, attr, None)
-        if value:
-            return str(value)
-    return ""
 
 
 class EmbeddedCoordinator(RuntimeBase):

@@ -51,11 +51,14 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
     the union of the trials' prefixes as if merged (so p is the same in both modes);
     ``executed_steps`` counts the steps workers actually trained in finished stages;
     ``merge_rate`` = total / unique (Hippo §6.2); ``worker_seconds`` sums the time each worker
-    was held by a stage (the papers' GPU-hours, in seconds).
+    was held by a stage (the papers' GPU-hours, in seconds). Executed steps and worker-seconds
+    count the study's own plans, so other studies on the same log do not mix in.
     """
     study = state.studies.get(study_id, {})
     trials = sorted((t for t in state.trials.values() if t.study_id == study_id), key=lambda t: t.trial_id)
     total = sum(t.steps for t in trials)
+    plan_keys = {t.plan_key for t in trials}
+    plans = [state.plans[k] for k in sorted(plan_keys)]
     unique = merged_unique_steps([(t.hp, t.steps) for t in trials]) if trials else 0
     return {
         "name": study.get("name", study_id),
@@ -75,8 +78,8 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
         "best_metric": best_metric,
         "total_steps": total,
         "unique_steps": unique,
-        "executed_steps": state.stats.executed_steps,
+        "executed_steps": sum(p.executed_steps for p in plans),
         "merge_rate": total / unique if unique else None,
-        "worker_seconds": state.stats.worker_seconds,
+        "worker_seconds": sum(p.worker_seconds for p in plans),
         "end_to_end_seconds": end_to_end_seconds,
     }
