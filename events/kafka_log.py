@@ -373,7 +373,7 @@ class KafkaLog:
             if not self.create_topics:
                 raise KafkaLogError(f"kafka: topic {topic!r} does not exist and create_topics is false",
                                     topic=topic, error=KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART))
-            self.ensure_topic(topic)
+            self.ensure_topic(stream)
         with self._append_lock:
             return self._produce(topic, records)
 
@@ -473,7 +473,8 @@ class KafkaLog:
             return iter(())
         return self._read(stream, start, stop)
 
-    def _read(self, topic: str, start: int, stop: int) -> Iterator[Record]:
+    def _read(self, stream: str, start: int, stop: int) -> Iterator[Record]:
+        topic = self.topic(stream)
         with self._lock:
             shared = not self._consumer_busy
             if shared:
@@ -507,7 +508,7 @@ class KafkaLog:
                     position = offset + 1
                     key = msg.key()
                     value = msg.value()
-                    yield Record(topic, offset, "" if key is None else key.decode("utf-8", "replace"),
+                    yield Record(stream, offset, "" if key is None else key.decode("utf-8", "replace"),
                                  b"" if value is None else value, b"")
                 if msgs:
                     last_progress = time.monotonic()

@@ -657,3 +657,19 @@ class TestKafkaTransport:
                "STAGETREE_KAFKA_SSL_CA_LOCATION": "", "UNRELATED": "x"}
         assert security_from_env(env) == {"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512",
                                           "sasl.username": "u", "sasl.password": "p"}
+
+
+def test_kafka_topic_prefix_maps_streams_to_topics(kafka_bootstrap: str) -> None:
+    """Logical stream names stay the same whatever the prefix; the topics carry it."""
+    import uuid
+
+    from events.kafka_log import KafkaLog
+
+    prefix = f"prefix-{uuid.uuid4().hex[:8]}."
+    with KafkaLog(kafka_bootstrap, topic_prefix=prefix) as log:
+        assert log.topic("stagetree.plan") == prefix + "stagetree.plan"
+        assert log.append_many("stagetree.plan", [("k", b"a"), ("k", b"b")]) == [0, 1]
+        records = list(log.read("stagetree.plan"))
+        assert [(r.stream, r.offset, r.value) for r in records] == [("stagetree.plan", 0, b"a"), ("stagetree.plan", 1, b"b")]
+    with KafkaLog(kafka_bootstrap) as plain:
+        assert plain.end_offset(prefix + "stagetree.plan") == 2
