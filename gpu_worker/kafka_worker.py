@@ -64,6 +64,7 @@ class KafkaWorker:
         self._executors: dict[str, PathExecutor] = {}
         self._studies: dict[str, str] = {}  # plan key -> study file, from StudyStarted
         self._plan_read = 0
+        self._lost_read = 0
 
     def _study_file_for(self, plan_key: str) -> str:
         if self.study_file is not None:
@@ -103,15 +104,36 @@ class KafkaWorker:
         finally:
             log.close()
 
-    def run(self) -> None:
-        """Join, then serve dispatches until :attr:`stop` is set (after the current path)."""
-        start = self.log.end_offset(topics.DISPATCH)  # dispatches before joining are void
+    def _join(self) -> int:
+        """Publish WorkerJoined; returns the dispatch offset to read from (earlier ones are void)."""
+        start = self.log.end_offset(topics.DISPATCH)
         self._emit(WorkerJoined(producer=f"worker:{self.worker_id}", ts=time.time(), worker_id=self.worker_id,
                                 device=str(self.device)))
+        self._lost_read = self.log.end_offset(topics.PLAN)
+        return start
+
+    def _declared_lost(self) -> bool:
+        """Whether the plan stream says this worker was declared lost since it joined (it was
+        silent too long, e.g. paused or cut off): then it joins again."""
+        lost = False
+        for record in self.log.read(topics.PLAN, self._lost_read):
+            self._lost_read = record.offset + 1
+            if record.key == self.worker_id and b'"WorkerLost"' in record.value:
+                lost = True
+        return lost
+
+    def run(self) -> None:
+        """Join, then serve dispatches until :attr:`stop` is set (after the current path)."""
+        start = self._join()
         beat = threading.Thread(target=self._beat, name=f"heartbeat-{self.worker_id}", daemon=True)
         beat.start()
+        checked = time.monotonic()
         try:
             while not self.stop.is_set():
+                if time.monotonic() - checked > 1.0:
+                    checked = time.monotonic()
+                    if self._declared_lost():
+                        start = self._join()
                 got = False
                 for record in self.log.read(topics.DISPATCH, start):
                     start, got = record.offset + 1, True

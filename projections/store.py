@@ -95,6 +95,25 @@ def snapshot(state: State) -> dict[bytes, bytes]:
     return out
 
 
+def search_plan_records(state: State) -> dict[bytes, bytes]:
+    """The search plans alone, canonical bytes per plan and node, without what depends on the
+    run's timing: measured seconds (profile, worker-seconds) and in-flight bookkeeping.
+
+    Two runs of the same study, embedded or on Kafka, with any worker count, give equal
+    records (DESIGN.md invariant 5).
+    """
+    out = {}
+    for plan in state.plans.values():
+        out[_db_key(("plan", plan.plan_key))] = _dumps({"plan_key": plan.plan_key, "seed": plan.seed,
+                                                        "roots": plan.roots, "executed_steps": plan.executed_steps})
+        for node in plan.nodes.values():
+            record = node.to_json()
+            for timing in ("profile_steps", "profile_seconds", "running"):
+                del record[timing]
+            out[_db_key(("node", plan.plan_key, node.node_id))] = _dumps(record)
+    return out
+
+
 class ProjectionStore:
     """The projection's RocksDB database (rocksdict, raw bytes).
 

@@ -177,6 +177,16 @@ def _print_summary(summary: dict[str, Any], console: Console) -> None:
     console.print(f"  summary: {summary['out']}/summary.json")
 
 
+def _non_negative(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value!r}")
+    return n
+
+
 def _positive(value: str) -> int:
     try:
         n = int(value)
@@ -204,7 +214,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a study file")
     run.add_argument("file", help="Python study file defining `trainer` and `tuner` (optional `seed`, `name`)")
-    run.add_argument("--workers", type=_positive, default=1, help="worker processes, one per device (default 1)")
+    run.add_argument("--workers", type=_non_negative, default=1,
+                     help="worker processes, one per device (default 1); on Kafka, 0 uses a running deployment")
     run.add_argument("--out", help="run directory (default runs/<name>)")
     run.add_argument("--no-merge", action="store_true", help="trial-based baseline: no sharing between trials")
     run.add_argument("--resume", action="store_true", help="continue the run in --out from its log")

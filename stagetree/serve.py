@@ -70,13 +70,16 @@ class Service:
     """The projector, scheduler service and heartbeat monitor of one serve process."""
 
     def __init__(self, log: KafkaLog, state_dir: Path, heartbeat_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, startup_grace_s: float = 15.0) -> None:
         self.log = log
         self.store = ProjectionStore(state_dir)
         self.projector = Projector(log, store=self.store)
         self.scheduler = SchedulerService(log, self.projector)
         self.monitor = HeartbeatMonitor(heartbeat_timeout_s)
         self.clock = clock
+        # No worker is judged before the heartbeat consumer had time to join its group and
+        # catch up: a restarted app must not declare every worker lost at once.
+        self.judging_from = clock() + startup_grace_s
 
     def step(self) -> None:
         """Fold what is new, then schedule."""
@@ -84,6 +87,8 @@ class Service:
         self.scheduler.run_pass()
 
     def check_liveness(self) -> None:
+        if self.clock() < self.judging_from:
+            return
         lost = self.monitor.silent(self.projector.state, self.clock())
         if lost:
             self.log.append_many(topics.PLAN, [
