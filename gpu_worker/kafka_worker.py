@@ -26,6 +26,7 @@ from events.models import Event, StageDispatched, StudyStarted, WorkerJoined
 from gpu_worker.checkpoint import CheckpointStore
 from gpu_worker.executor import PathExecutor, resolve_device
 from gpu_worker.loader import load_trainer
+from gpu_worker.process import warm_up
 
 
 def base_plan_key(plan_key: str) -> str:
@@ -124,6 +125,10 @@ class KafkaWorker:
 
     def run(self) -> None:
         """Join, then serve dispatches until :attr:`stop` is set (after the current path)."""
+        if self.study_file is not None:  # start-up costs before joining, not in worker-seconds
+            executor = self._executors[self.study_file] = PathExecutor(
+                load_trainer(Path(self.study_file)), self.worker_id, self.store, self.device)
+            warm_up(executor.trainer, self.device)
         start = self._join()
         beat = threading.Thread(target=self._beat, name=f"heartbeat-{self.worker_id}", daemon=True)
         beat.start()

@@ -289,6 +289,9 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             raise UsageError("--resume and --log-key are for embedded mode; on Kafka the log is the topics")
         summary = asyncio.run(_run_kafka(args, console))
     else:
+        if args.workers < 1:
+            raise UsageError(f"--workers is {args.workers!r}, but must be >= 1 in embedded mode "
+                             "(0 is for Kafka mode with a running deployment)")
         summary = asyncio.run(_run_embedded(args, console))
     _print_summary(summary, console)
     return 0
