@@ -399,7 +399,7 @@ def test_cli_bad_workers(tmp_path: Path, capsys: pytest.CaptureFixture[str], wor
     path = write(tmp_path / "study.py", VALID)
     assert cli(["run", str(path), "--workers", workers, "--out", str(tmp_path / "out")]) == 2
     err = squash(capsys.readouterr().err)
-    assert "--workers" in err and squash(repr(workers)) in err
+    assert "--workers" in err and workers in err
     assert not (tmp_path / "out").exists()
 
 
