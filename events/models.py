@@ -269,6 +269,18 @@ class WorkerLost(Event):
     reason: str
 
 
+class LogSealed(Event):
+    """The hash chain of ``stream`` after the record at ``offset`` (hex; sha256 or HMAC-SHA256 per
+    ``algorithm``), written by the one process that folds the stream (on Kafka: the serve
+    projector). ``replay verify`` recomputes the chain and checks every seal."""
+
+    type: ClassVar[str] = "LogSealed"
+    stream: str
+    offset: int = Field(ge=0)
+    chain: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    algorithm: Literal["sha256", "hmac-sha256"]
+
+
 class DeadLettered(Event):
     """An event that could not be decoded or applied, kept with the reason (stream
     ``stagetree.deadletter``). ``raw`` is the original bytes decoded as UTF-8 (with replacement)."""
@@ -296,5 +308,6 @@ EVENT_TYPES: dict[str, type[Event]] = {
         WorkerJoined,
         WorkerLost,
         DeadLettered,
+        LogSealed,
     )
 }

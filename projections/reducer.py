@@ -16,6 +16,7 @@ from events.models import (
     CheckpointSaved,
     DeadLettered,
     Event,
+    LogSealed,
     MetricsReported,
     StageDispatched,
     StageFailed,
@@ -319,6 +320,10 @@ def _worker_lost(state: State, ev: WorkerLost, touched: set[Key]) -> None:
     touched.add(("worker", worker.worker_id))
 
 
+def _log_sealed(state: State, ev: LogSealed, touched: set[Key]) -> None:
+    """Seals are checked by ``replay verify``; they change no projected state."""
+
+
 def _dead_lettered(state: State, ev: DeadLettered, touched: set[Key]) -> None:
     raise Rejected("DeadLettered events belong on the dead-letter stream")
 
@@ -337,4 +342,5 @@ _HANDLERS = {
     WorkerJoined: _worker_joined,
     WorkerLost: _worker_lost,
     DeadLettered: _dead_lettered,
+    LogSealed: _log_sealed,
 }

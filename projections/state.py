@@ -218,7 +218,8 @@ class Stats:
 
 @dataclass
 class State:
-    """The whole projection of the plan stream. ``offset`` is the last folded offset (-1: none)."""
+    """The whole projection of the plan stream. ``offset`` is the last folded offset (-1: none);
+    ``chain`` the stream's hash chain up to it, kept by the projector (hex)."""
 
     plans: dict[str, Plan] = field(default_factory=dict)
     trials: dict[str, Trial] = field(default_factory=dict)
@@ -229,6 +230,7 @@ class State:
     seen: set[str] = field(default_factory=set)
     rejected: dict[int, str] = field(default_factory=dict)
     offset: int = -1
+    chain: str = "0" * 64  # hash chain of the plan stream after ``offset`` (events.log.chain_next)
 
     def node(self, plan_key: str, node_id: str) -> Node | None:
         plan = self.plans.get(plan_key)

@@ -19,7 +19,7 @@ from opentelemetry.trace import SpanKind
 
 from events import topics, tracing
 from events.codec import InvalidEvent, decode, encode
-from events.log import EventLog
+from events.log import EventLog, chain_next
 from events.models import DeadLettered, Event
 from projections.reducer import Key, Rejected, apply
 from projections.state import Dispatch, Node, Plan, State, Stats, Trial, Worker
@@ -40,7 +40,7 @@ def record_of(state: State, key: Key) -> bytes | None:
     """The canonical bytes of the object named by ``key``, or None when it does not exist."""
     kind = key[0]
     if kind == "meta":
-        return _dumps({"offset": state.offset})
+        return _dumps({"offset": state.offset, "chain": state.chain})
     if kind == "stats":
         return _dumps(state.stats.to_json())
     if kind == "seen":
@@ -156,6 +156,7 @@ class ProjectionStore:
             kind, value = parts[0], orjson.loads(raw)
             if kind == "meta":
                 state.offset = value["offset"]
+                state.chain = value["chain"]
             elif kind == "stats":
                 state.stats = Stats(**value)
             elif kind == "seen":
@@ -197,11 +198,12 @@ class Projector:
     """
 
     def __init__(self, log: EventLog, state: State | None = None, store: ProjectionStore | None = None,
-                 *, dead_letters: bool = True) -> None:
+                 *, dead_letters: bool = True, secret: bytes | None = None) -> None:
         self.log = log
         self.store = store
         self.state = state if state is not None else (store.load() if store is not None else State())
         self.dead_letters = dead_letters
+        self.secret = secret
         self.listeners: list[Listener] = []
 
     def catch_up(self, stop: int | None = None) -> list[tuple[int, Event]]:
@@ -213,6 +215,8 @@ class Projector:
         applied: list[tuple[int, Event]] = []
         dead: list[tuple[str, bytes]] = []
         for record in self.log.read(topics.PLAN, self.state.offset + 1, stop):
+            self.state.chain = chain_next(bytes.fromhex(self.state.chain), topics.PLAN, record.offset, record.key,
+                                          record.value, self.secret).hex()
             try:
                 event = decode(record.value)
                 if tracing.enabled() and event.trace:

@@ -30,8 +30,9 @@ import orjson
 from events import topics
 from events.codec import InvalidEvent, decode
 from events.log import CHAIN_START, EmbeddedLog, Record, chain_algorithm, chain_next
-from events.models import CheckpointSaved, StageDispatched
-from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing, LocalCheckpointStore
+from events.models import CheckpointSaved, LogSealed, StageDispatched
+from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing
+from gpu_worker.object_store import open_checkpoint_store
 from projections.reducer import Rejected, apply
 from projections.state import State
 from projections.store import ProjectionStore, all_keys, snapshot
@@ -70,7 +71,7 @@ class Source:
     kind: str  # "run" | "export"
     streams: dict[str, list[Record]]
     chain: str
-    checkpoints: Path | None
+    checkpoints: str | None  # a directory or s3://BUCKET/PREFIX
     stored_projection: dict[bytes, bytes] | None = None
     projection_sha256: str | None = None
     header: dict[str, Any] = field(default_factory=dict)
@@ -94,10 +95,10 @@ def open_run(path: Path, secret: bytes | None) -> Source:
         finally:
             store.close()
     ckpts = path / "checkpoints"
-    return Source(path, "run", streams, chain, ckpts if ckpts.is_dir() else None, stored)
+    return Source(path, "run", streams, chain, str(ckpts) if ckpts.is_dir() else None, stored)
 
 
-def open_export(path: Path, checkpoints: Path | None = None) -> Source:
+def open_export(path: Path, checkpoints: str | None = None) -> Source:
     """Read a JSONL export. Raises AuditError naming the line of a malformed record."""
     lines = path.read_bytes().splitlines()
     if not lines:
@@ -120,31 +121,49 @@ def open_export(path: Path, checkpoints: Path | None = None) -> Source:
                   projection_sha256=header.get("projection_sha256"), header=header)
 
 
+def open_kafka(url: str, checkpoints: str | Path | None = None) -> Source:
+    """Read ``kafka://HOST:PORT[/TOPIC]``: the streams of a Kafka deployment. TOPIC is its plan
+    topic (``<prefix>stagetree.plan``; default ``stagetree.plan``), which gives the topic prefix.
+    On Kafka the plan stream's chain is carried by LogSealed events (``chain`` = "sealed")."""
+    from events.kafka_log import KafkaLog, security_from_env
+
+    rest = url[len("kafka://"):]
+    servers, _, topic = rest.partition("/")
+    topic = topic or topics.PLAN
+    if not servers or not topic.endswith(topics.PLAN):
+        raise AuditError(f"source {url!r} must be kafka://HOST:PORT[/<prefix>{topics.PLAN}]")
+    with KafkaLog(servers, topic_prefix=topic[: -len(topics.PLAN)], security=security_from_env(),
+                  create_topics=False) as log:
+        streams = {name: list(log.read(name)) for name in (topics.PLAN, topics.DISPATCH, topics.DEADLETTER)}
+    return Source(Path(url), "kafka", {k: v for k, v in streams.items() if v}, "sealed",
+                  str(checkpoints) if checkpoints else None)
+
+
 def open_source(path: str | Path, secret: bytes | None = None, checkpoints: str | Path | None = None) -> Source:
-    """A run directory or a JSONL export (``kafka://`` sources arrive with the Kafka transport)."""
+    """A run directory, a JSONL export or a Kafka deployment (``kafka://HOST:PORT[/TOPIC]``)."""
     p = Path(path)
     if str(path).startswith("kafka://"):
-        raise AuditError("kafka:// sources need the Kafka transport, which this build does not have yet")
+        return open_kafka(str(path), checkpoints)
     if p.is_dir():
         source = open_run(p, secret)
         if checkpoints is not None:
-            source.checkpoints = Path(checkpoints)
+            source.checkpoints = str(checkpoints)
         return source
     if p.is_file():
-        return open_export(p, Path(checkpoints) if checkpoints else None)
+        return open_export(p, str(checkpoints) if checkpoints else None)
     raise AuditError(f"source {str(path)!r} does not exist")
 
 
 # ----------------------------------------------------------------------------- export / import
 
 
-def export_log(source: Source, out: Path) -> int:
+def export_log(source: Source, out: Path, secret: bytes | None = None) -> int:
     """Write ``source`` as JSONL to ``out``; returns the number of records.
 
     The header carries the chain algorithm, the record count per stream and the digest of the
     projection folded from the plan stream.
     """
-    state = fold(source.streams.get(topics.PLAN, []))
+    state = fold(source.streams.get(topics.PLAN, []), secret=secret)
     header = {
         "format": EXPORT_FORMAT,
         "version": EXPORT_VERSION,
@@ -181,7 +200,7 @@ def import_log(source: Source, out: Path, secret: bytes | None) -> None:
             log.import_records(name, [(r.key, r.value, r.chain) for r in source.streams[name]])
     finally:
         log.close()
-    state = fold(source.streams.get(topics.PLAN, []))
+    state = fold(source.streams.get(topics.PLAN, []), secret=secret)
     store = ProjectionStore(out / "state")
     try:
         store.commit(state, set(all_keys(state)))
@@ -193,8 +212,9 @@ def import_log(source: Source, out: Path, secret: bytes | None) -> None:
 
 
 def fold(records: Iterable[Record], on_event: Callable[[Record, Any, State], None] | None = None,
-         after: Callable[[int, State], None] | None = None) -> State:
-    """Fold plan-stream records into a fresh state as the projector does (rejections recorded).
+         after: Callable[[int, State], None] | None = None, secret: bytes | None = None) -> State:
+    """Fold plan-stream records into a fresh state as the projector does (rejections recorded,
+    the hash chain kept with ``secret``).
 
     ``on_event(record, event, state)`` runs before each decoded event is applied;
     ``after(offset, state)`` after each record (applied or rejected).
@@ -203,6 +223,7 @@ def fold(records: Iterable[Record], on_event: Callable[[Record, Any, State], Non
     if after is not None:
         after(-1, state)
     for r in records:
+        state.chain = chain_next(bytes.fromhex(state.chain), topics.PLAN, r.offset, r.key, r.value, secret).hex()
         try:
             event = decode(r.value)
         except InvalidEvent as exc:
@@ -265,8 +286,43 @@ def _event_name(record: Record) -> str:
         return "undecodable"
 
 
+def check_seals(source: Source, secret: bytes | None) -> Failure | None:
+    """A sealed plan stream (Kafka): recompute its chain and check every LogSealed record."""
+    head, sealed, algorithm = CHAIN_START, -1, chain_algorithm(secret)
+    chain_after: dict[int, bytes] = {}
+    records = source.streams.get(topics.PLAN, [])
+    for expected, r in enumerate(records):
+        if r.offset != expected:
+            return Failure("chain", expected, None, f"stream {topics.PLAN}: offset {expected} is missing")
+        if b'"LogSealed"' in r.value:
+            try:
+                seal = decode(r.value)
+            except InvalidEvent:
+                seal = None
+            if isinstance(seal, LogSealed):
+                if seal.algorithm != algorithm:
+                    return Failure("chain", r.offset, seal.type, f"sealed with {seal.algorithm}, but verification "
+                                                                  f"was given {'a' if secret else 'no'} secret")
+                if seal.offset >= r.offset:
+                    return Failure("chain", r.offset, seal.type, f"seals offset {seal.offset}, not before itself")
+                if (chain_after.get(seal.offset) or b"").hex() != seal.chain:
+                    return Failure("chain", r.offset, seal.type,
+                                   f"the chain up to offset {seal.offset} does not match its seal (a record at or "
+                                   f"before it was edited, inserted, deleted or moved)")
+                sealed = max(sealed, seal.offset)
+        head = chain_next(head, topics.PLAN, r.offset, r.key, r.value, secret)
+        chain_after[r.offset] = head
+    unsealed = [r.offset for r in records if r.offset > sealed and b'"LogSealed"' not in r.value]
+    if unsealed:
+        return Failure("chain", unsealed[0], None, f"{len(unsealed)} records from offset {unsealed[0]} on are not "
+                                                   "sealed (a study still running, or a truncated seal)")
+    return None
+
+
 def check_chain(source: Source, secret: bytes | None) -> Failure | None:
     """Recompute every stream's hash chain; the first gap or mismatch."""
+    if source.chain == "sealed":
+        return check_seals(source, secret)
     if source.chain != chain_algorithm(secret):
         return Failure("chain", None, None, f"the log is chained with {source.chain}, "
                        f"but verification was given {'a' if secret else 'no'} secret")
@@ -337,7 +393,7 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
                     f"{[(s.node_id, s.from_step, s.to_step) for s in event.stages]}; the scheduler computes {what} "
                     f"from the prefix up to offset {event.decided_at}"))
 
-    state = fold(plan, on_event, after)
+    state = fold(plan, on_event, after, secret=secret)
     result.add("decision", decision_failure[0] if decision_failure else None,
                f"{checked} dispatch decisions recomputed from their log prefixes")
 
@@ -360,7 +416,7 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
         result.add("checkpoint", None, "not checked: no checkpoint directory given")
     else:
         failure = None
-        store = LocalCheckpointStore(source.checkpoints)
+        store = open_checkpoint_store(source.checkpoints)
         seen: set[str] = set()
         for r, ev in saved:
             if ev.ref in seen:

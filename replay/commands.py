@@ -50,7 +50,7 @@ def trials_through(state: State, plan_key: str, node_id: str, step: int) -> list
 
 def cmd_export(args: argparse.Namespace, console: Console) -> int:
     source = open_source(args.source, secret_from(args.log_key))
-    n = export_log(source, Path(args.out))
+    n = export_log(source, Path(args.out), secret_from(args.log_key))
     console.print(f"exported {n} records ({source.chain} chain) to {escape(args.out)}")
     return 0
 
@@ -104,7 +104,7 @@ def register(sub: argparse._SubParsersAction, positive: type | object) -> None: 
     log = sub.add_parser("log", help="export or import a portable, tamper-evident log").add_subparsers(
         dest="log_command", required=True)
     exp = log.add_parser("export", help="write a run's log as JSONL with its hash chain")
-    exp.add_argument("source", help="run directory")
+    exp.add_argument("source", help="run directory or kafka://HOST:PORT[/TOPIC]")
     exp.add_argument("--out", required=True, help="the JSONL file to write")
     exp.add_argument("--log-key", help=key_help)
     exp.set_defaults(func=cmd_export)
@@ -116,7 +116,7 @@ def register(sub: argparse._SubParsersAction, positive: type | object) -> None: 
 
     replay = sub.add_parser("replay", help="audit a finished study").add_subparsers(dest="replay_command", required=True)
     ver = replay.add_parser("verify", help="check hash chain, decisions, projections and checkpoints")
-    ver.add_argument("source", help="run directory or JSONL export")
+    ver.add_argument("source", help="run directory, JSONL export, or kafka://HOST:PORT[/TOPIC]")
     ver.add_argument("--checkpoints", help="checkpoint directory (default: the run directory's)")
     ver.add_argument("--log-key", help=key_help)
     ver.add_argument("--json", help="also write the audit result as JSON to this file")

@@ -23,7 +23,8 @@ from events import topics
 from events.codec import InvalidEvent, decode
 from events.hp import HPConfig
 from events.models import CheckpointSaved, MetricsReported, StageDispatched, StageFinished, StudyStarted
-from gpu_worker.checkpoint import LocalCheckpointStore, sha256_hex
+from gpu_worker.checkpoint import CheckpointStore, sha256_hex
+from gpu_worker.object_store import open_checkpoint_store
 from gpu_worker.loader import load_trainer
 from gpu_worker.session import TrainingSession
 from gpu_worker.trainer import Trainer
@@ -124,14 +125,14 @@ def study_file_of(source: Source) -> str | None:
 # --------------------------------------------------------------------------- worker side
 
 _trainer: Trainer | None = None
-_store: LocalCheckpointStore | None = None
+_store: CheckpointStore | None = None
 
 
 def _init_worker(study_file: str, checkpoints: str) -> None:
     global _trainer, _store
     torch.set_num_threads(1)
     _trainer = load_trainer(study_file)
-    _store = LocalCheckpointStore(checkpoints)
+    _store = open_checkpoint_store(checkpoints)
 
 
 def _run_stage(stage: RecordedStage) -> tuple[str | None, dict[str, float | None] | None]:

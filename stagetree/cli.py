@@ -234,6 +234,7 @@ def parser() -> argparse.ArgumentParser:
     srv.add_argument("--app-id", default=os.environ.get("STAGETREE_APP_ID", "stagetree"), help="faust app id")
     srv.add_argument("--heartbeat-timeout", type=float, default=10.0,
                      help="seconds of worker silence before it is declared lost (default 10)")
+    srv.add_argument("--log-key", help="HMAC secret of the plan stream's seals (default: $STAGETREE_LOG_KEY)")
     srv.set_defaults(func=cmd_serve)
 
     wrk = sub.add_parser("worker", help="Kafka mode: one worker per device")
@@ -261,7 +262,8 @@ def _kafka_flags(p: argparse.ArgumentParser, required: bool = False) -> None:
 def cmd_serve(args: argparse.Namespace, console: Console) -> int:
     log = KafkaLog(args.bootstrap_servers, topic_prefix=args.topic_prefix, security=security_from_env())
     try:
-        serve(log, Path(args.state_dir), app_id=args.app_id, heartbeat_timeout_s=args.heartbeat_timeout)
+        serve(log, Path(args.state_dir), app_id=args.app_id, heartbeat_timeout_s=args.heartbeat_timeout,
+              secret=secret_from(args.log_key))
     finally:
         log.close()
     return 0

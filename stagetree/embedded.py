@@ -59,7 +59,7 @@ class EmbeddedCoordinator(RuntimeBase):
         self.threads = threads
         self.log = EmbeddedLog(self.run_dir / "log", secret=secret)
         self.store = ProjectionStore(self.run_dir / "state")
-        super().__init__(Projector(self.log, store=self.store))
+        super().__init__(Projector(self.log, store=self.store, secret=secret))
         self.projector.catch_up()
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self._conns: dict[str, Connection] = {}

@@ -13,6 +13,10 @@ Agents:
   event, decided by this process's clock and recorded, so a replay never reads a clock) when
   it has been silent for ``heartbeat_timeout_s``.
 
+Sealing: this process is the one folder of the plan stream, so it keeps the stream's hash chain
+and appends LogSealed events (the chain after an offset, sha256 or HMAC with ``--log-key``),
+which ``replay verify kafka://...`` checks.
+
 Restart: the store in ``state_dir`` is loaded and the projector folds the log from its offset
 (DESIGN.md: state is a fold over the log), so the search plan is byte-identical after a
 restart.
@@ -31,7 +35,8 @@ import orjson
 from events import topics
 from events.codec import encode
 from events.kafka_log import KafkaLog
-from events.models import WorkerLost
+from events.log import chain_algorithm
+from events.models import LogSealed, WorkerLost
 from projections.state import State
 from projections.store import ProjectionStore, Projector
 from scheduler.service import SchedulerService
@@ -70,10 +75,13 @@ class Service:
     """The projector, scheduler service and heartbeat monitor of one serve process."""
 
     def __init__(self, log: KafkaLog, state_dir: Path, heartbeat_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic, startup_grace_s: float = 15.0) -> None:
+                 clock: Callable[[], float] = time.monotonic, startup_grace_s: float = 15.0,
+                 secret: bytes | None = None) -> None:
         self.log = log
         self.store = ProjectionStore(state_dir)
-        self.projector = Projector(log, store=self.store)
+        self.secret = secret
+        self.projector = Projector(log, store=self.store, secret=secret)
+        self.sealed_through = -1
         self.scheduler = SchedulerService(log, self.projector)
         self.monitor = HeartbeatMonitor(heartbeat_timeout_s)
         self.clock = clock
@@ -82,11 +90,24 @@ class Service:
         self.judging_from = clock() + startup_grace_s
 
     def step(self) -> None:
-        """Fold what is new, then schedule."""
+        """Fold what is new, schedule, and seal."""
         self.projector.catch_up()
         self.scheduler.run_pass()
+        self.seal()
+
+    def seal(self) -> None:
+        """Append a LogSealed with the plan stream's hash chain after the last folded record, if
+        anything was folded since the last seal (this process is the stream's one folder)."""
+        state = self.projector.state
+        if state.offset <= self.sealed_through:
+            return
+        seal = LogSealed(producer="serve", ts=time.time(), stream=topics.PLAN, offset=state.offset, chain=state.chain,
+                         algorithm=chain_algorithm(self.secret))
+        self.sealed_through = self.log.append(topics.PLAN, "seal", encode(seal))
+        self.projector.catch_up()
 
     def check_liveness(self) -> None:
+        self.seal()  # records folded by a pass that nobody triggered since
         if self.clock() < self.judging_from:
             return
         lost = self.monitor.silent(self.projector.state, self.clock())
@@ -103,12 +124,12 @@ class Service:
 
 
 def build_app(log: KafkaLog, state_dir: Path, *, app_id: str, heartbeat_timeout_s: float = 10.0,
-              liveness_interval_s: float = 0.5) -> tuple[faust.App, Service]:
+              liveness_interval_s: float = 0.5, secret: bytes | None = None) -> tuple[faust.App, Service]:
     """The faust app of ``stagetree serve`` over ``log``'s broker and topics.
 
     Topics must exist before the app starts (the KafkaLog creates them on first append).
     """
-    service = Service(log, state_dir, heartbeat_timeout_s)
+    service = Service(log, state_dir, heartbeat_timeout_s, secret=secret)
     app = faust.App(
         app_id,
         broker=f"kafka://{log.bootstrap_servers.split(',')[0]}",
@@ -154,12 +175,13 @@ def ensure_topics(log: KafkaLog) -> None:
         log.ensure_topic(stream)
 
 
-def serve(log: KafkaLog, state_dir: Path, *, app_id: str, heartbeat_timeout_s: float = 10.0) -> None:
+def serve(log: KafkaLog, state_dir: Path, *, app_id: str, heartbeat_timeout_s: float = 10.0,
+          secret: bytes | None = None) -> None:
     """Run the serve app until it is stopped (SIGTERM / SIGINT)."""
     from faust.worker import Worker
 
     ensure_topics(log)
-    app, service = build_app(log, state_dir, app_id=app_id, heartbeat_timeout_s=heartbeat_timeout_s)
+    app, service = build_app(log, state_dir, app_id=app_id, heartbeat_timeout_s=heartbeat_timeout_s, secret=secret)
     try:
         Worker(app, loglevel="warning", quiet=True).execute_from_commandline()
     finally:

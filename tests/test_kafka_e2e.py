@@ -84,6 +84,25 @@ def test_kafka_study_equals_embedded_bit_for_bit(embedded: Path, deployment: dic
     state, _ = kafka_state(deployment)
     assert search_plan_records(state) == search_plan_records(embedded_state(embedded))
 
+    # the serve projector sealed the plan stream: the deployment verifies as a source...
+    source = f"kafka://{deployment['STAGETREE_BOOTSTRAP_SERVERS']}/{deployment['STAGETREE_TOPIC_PREFIX']}stagetree.plan"
+    audit = [*CLI, "replay", "verify", source, "--checkpoints", deployment["STAGETREE_CHECKPOINT_STORE"], "--quiet"]
+    ok = subprocess.run(audit, capture_output=True, text=True, timeout=300, env=deployment)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "ok chain" in ok.stdout and "ok decision" in ok.stdout and "ok checkpoint" in ok.stdout
+    # ...and an edited export of it fails at the first seal after the edit
+    export = tmp_path / "kafka.jsonl"
+    subprocess.run([*CLI, "log", "export", source, "--out", str(export)], check=True, timeout=300, env=deployment)
+    rows = [orjson.loads(x) for x in export.read_bytes().splitlines()]
+    i = next(i for i, r in enumerate(rows) if '"MetricsReported"' in r.get("value", ""))
+    event = orjson.loads(rows[i]["value"])
+    event["payload"]["metrics"]["val_acc"] = 1.0
+    rows[i]["value"] = orjson.dumps(event, option=orjson.OPT_SORT_KEYS).decode()
+    export.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    bad = subprocess.run([*CLI, "replay", "verify", str(export), "--quiet"], capture_output=True, text=True,
+                         timeout=300, env=deployment)
+    assert bad.returncode == 1 and "does not match its seal" in bad.stdout, bad.stdout
+
 
 def _spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
