@@ -17,9 +17,7 @@ import io
 import logging
 import os
 import pickle
-import shlex
 import socket
-import subprocess
 import sys
 import traceback
 import uuid
@@ -46,7 +44,6 @@ from gpu_worker.checkpoint import (
 from gpu_worker.object_store import CheckpointStoreError, S3CheckpointStore, open_checkpoint_store
 
 ROOT = Path(__file__).resolve().parent.parent
-INFRA_ENV = ROOT / ".infra" / "env"
 EXAMPLE = ROOT / "examples" / "digits.py"
 
 
@@ -67,40 +64,10 @@ def flip_middle_byte(data: bytes) -> bytes:
 # ---------------------------------------------------------------------- MinIO fixtures
 
 
-def read_env_file(path: Path) -> dict[str, str]:
-    """Parse the ``export KEY=VALUE`` lines of ``.infra/env`` (shell quoting) into a dict."""
-    env: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        words = shlex.split(line)
-        if words and words[0] == "export":
-            words = words[1:]
-        for word in words:
-            key, sep, value = word.partition("=")
-            assert sep, f"not an assignment in {path.name}: {key}"
-            env[key] = value
-    return env
-
-
 @pytest.fixture(scope="session")
-def minio_env() -> dict[str, str]:
-    """Start (or reuse) the local MinIO with ``infra/up.sh``; the variables of ``.infra/env``.
-
-    Services are left running afterwards (``infra/down.sh`` stops them): the
-    script is idempotent, and other test sessions may share them.
-    """
-    proc = subprocess.run(
-        ["bash", "infra/up.sh"], cwd=ROOT, capture_output=True, text=True, timeout=3600
-    )
-    if proc.returncode != 0:
-        pytest.fail(
-            f"infra/up.sh failed (exit {proc.returncode}):\n"
-            f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}",
-            pytrace=False,
-        )
-    env = read_env_file(INFRA_ENV)
+def minio_env(infra_env: dict[str, str]) -> dict[str, str]:
+    """The variables of ``.infra/env`` (the session's ``infra_env``), checked for MinIO use."""
+    env = infra_env
     for name in ("STAGETREE_S3_ENDPOINT", "STAGETREE_S3_ACCESS_KEY", "STAGETREE_S3_SECRET_KEY"):
         assert env.get(name), f"{name} missing from .infra/env"
     host = env["STAGETREE_S3_ENDPOINT"].rpartition(":")[0]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -123,22 +122,9 @@ def _loopback(bootstrap_servers: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def kafka_bootstrap() -> str:
-    """Start (or reuse) the local broker with ``infra/up.sh`` once per session; its bootstrap servers.
-
-    Only ``STAGETREE_BOOTSTRAP_SERVERS`` is taken from ``.infra/env`` (the file also holds
-    the MinIO credentials, which these tests neither need nor print). The services are left
-    running (``make infra-down`` stops them).
-    """
-    try:
-        subprocess.run(["bash", "infra/up.sh"], cwd=REPO, check=True, capture_output=True, text=True, timeout=3600)
-    except subprocess.CalledProcessError as exc:
-        pytest.fail(f"infra/up.sh failed (exit {exc.returncode}):\n{exc.stdout}\n{exc.stderr}", pytrace=False)
-    for line in INFRA_ENV.read_text().splitlines():
-        words = shlex.split(line, comments=True)
-        if len(words) == 2 and words[0] == "export" and words[1].startswith("STAGETREE_BOOTSTRAP_SERVERS="):
-            return _loopback(words[1].split("=", 1)[1])
-    raise AssertionError(f"{INFRA_ENV} has no STAGETREE_BOOTSTRAP_SERVERS")
+def kafka_bootstrap(infra_env: dict[str, str]) -> str:
+    """The local broker's bootstrap servers (the session's ``infra_env`` started it)."""
+    return _loopback(infra_env["STAGETREE_BOOTSTRAP_SERVERS"])
 
 
 # The first infra/up.sh on a machine builds MinIO from source (many minutes), inside the setup of
