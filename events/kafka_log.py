@@ -45,6 +45,7 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -109,6 +110,18 @@ class DeliveryFailed(KafkaLogError):
     def __init__(self, message: str, *, topic: str, error: object, offsets: list[int]) -> None:
         super().__init__(message, topic=topic, error=error)
         self.offsets = offsets
+
+
+def trace_headers(value: bytes) -> list[tuple[str, bytes]] | None:
+    """W3C trace context of an encoded event, as Kafka record headers (``traceparent``,
+    ``tracestate``), so brokers' tools and other consumers see the trace without decoding."""
+    if b'"traceparent"' not in value:
+        return None
+    try:
+        trace = orjson.loads(value).get("trace") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return [(k, str(v).encode()) for k, v in sorted(trace.items()) if k in ("traceparent", "tracestate")] or None
 
 
 def _check_topic(stream: str) -> str:
@@ -392,7 +405,8 @@ class KafkaLog:
         for i, (kb, vb) in enumerate(records):
             while True:
                 try:
-                    producer.produce(topic, value=vb, key=kb, partition=PARTITION, on_delivery=report(i))
+                    producer.produce(topic, value=vb, key=kb, partition=PARTITION, on_delivery=report(i),
+                                     headers=trace_headers(vb))
                     break
                 except BufferError:  # local queue full: serve delivery reports and retry
                     producer.poll(0.05)

@@ -660,3 +660,31 @@ def test_kafka_topic_prefix_maps_streams_to_topics(kafka_bootstrap: str) -> None
         assert [(r.stream, r.offset, r.value) for r in records] == [("stagetree.plan", 0, b"a"), ("stagetree.plan", 1, b"b")]
     with KafkaLog(kafka_bootstrap) as plain:
         assert plain.end_offset(prefix + "stagetree.plan") == 2
+
+
+def test_kafka_records_carry_the_events_trace_context_in_headers(kafka_bootstrap: str) -> None:
+    """W3C trace context travels inside the event and, on Kafka, in the record headers too."""
+    import uuid
+
+    from confluent_kafka import Consumer, TopicPartition
+
+    from events.codec import encode
+    from events.kafka_log import KafkaLog
+    from events.models import WorkerJoined
+
+    prefix = f"headers-{uuid.uuid4().hex[:8]}."
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    traced = WorkerJoined(worker_id="w0", device="cpu", trace={"traceparent": parent})
+    with KafkaLog(kafka_bootstrap, topic_prefix=prefix) as log:
+        log.append_many("stagetree.plan", [("w0", encode(traced)), ("w0", encode(WorkerJoined(worker_id="w1", device="cpu")))])
+        consumer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"headers-{uuid.uuid4().hex}",
+                             "enable.auto.commit": False})
+        try:
+            consumer.assign([TopicPartition(log.topic("stagetree.plan"), 0, 0)])
+            msgs = []
+            while len(msgs) < 2:
+                msgs += [m for m in consumer.consume(2, timeout=5) if m.error() is None]
+        finally:
+            consumer.close()
+    assert msgs[0].headers() == [("traceparent", parent.encode())]
+    assert msgs[1].headers() is None
