@@ -103,8 +103,9 @@ class Service:
             return
         seal = LogSealed(producer="serve", ts=time.time(), stream=topics.PLAN, offset=state.offset, chain=state.chain,
                          algorithm=chain_algorithm(self.secret))
+        # Not folded here: records appended meanwhile must reach a scheduling pass, which the
+        # agent runs when it sees the seal (or anything after it).
         self.sealed_through = self.log.append(topics.PLAN, "seal", encode(seal))
-        self.projector.catch_up()
 
     def check_liveness(self) -> None:
         self.seal()  # records folded by a pass that nobody triggered since
