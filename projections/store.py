@@ -97,7 +97,8 @@ def snapshot(state: State) -> dict[bytes, bytes]:
 
 def search_plan_records(state: State) -> dict[bytes, bytes]:
     """The search plans alone, canonical bytes per plan and node, without what depends on the
-    run's timing: measured seconds (profile, worker-seconds) and in-flight bookkeeping.
+    run's timing and faults: measured seconds (profile, worker-seconds), steps executed (a stage
+    retrained after a lost worker counts twice) and in-flight bookkeeping.
 
     Two runs of the same study, embedded or on Kafka, with any worker count, give equal
     records (DESIGN.md invariant 5).
@@ -105,7 +106,7 @@ def search_plan_records(state: State) -> dict[bytes, bytes]:
     out = {}
     for plan in state.plans.values():
         out[_db_key(("plan", plan.plan_key))] = _dumps({"plan_key": plan.plan_key, "seed": plan.seed,
-                                                        "roots": plan.roots, "executed_steps": plan.executed_steps})
+                                                        "roots": plan.roots})
         for node in plan.nodes.values():
             record = node.to_json()
             for timing in ("profile_steps", "profile_seconds", "running"):

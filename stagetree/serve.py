@@ -75,7 +75,7 @@ class Service:
     """The projector, scheduler service and heartbeat monitor of one serve process."""
 
     def __init__(self, log: KafkaLog, state_dir: Path, heartbeat_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic, startup_grace_s: float = 15.0,
+                 clock: Callable[[], float] = time.monotonic, startup_grace_s: float = 20.0,
                  secret: bytes | None = None) -> None:
         self.log = log
         self.store = ProjectionStore(state_dir)
@@ -140,6 +140,9 @@ def build_app(log: KafkaLog, state_dir: Path, *, app_id: str, heartbeat_timeout_
         topic_partitions=1,
         producer_acks=-1,
         consumer_auto_offset_reset="earliest",
+        # a restarted app takes over its partitions once the dead member's session expires
+        broker_session_timeout=10.0,
+        broker_heartbeat_interval=2.0,
     )
     plan = app.topic(log.topic(topics.PLAN), value_serializer="raw", key_serializer="raw", partitions=1)
     heartbeat = app.topic(log.topic(topics.HEARTBEAT), value_serializer="raw", key_serializer="raw", partitions=1)
