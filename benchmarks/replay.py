@@ -36,7 +36,7 @@ from rich.table import Table  # noqa: E402
 from events import topics  # noqa: E402
 from events.codec import encode  # noqa: E402
 from events.hp import Constant, MultiStep  # noqa: E402
-from events.log import EmbeddedLog  # noqa: E402
+from events.log import EmbeddedLog, event_key  # noqa: E402
 from events.models import StageDispatched  # noqa: E402
 from replay.audit import fold, open_source, verify  # noqa: E402
 from scheduler.simulation import Simulation  # noqa: E402
@@ -67,8 +67,7 @@ def write_log(sim: Simulation, path: Path) -> int:
     try:
         batch: list[tuple[str, bytes]] = []
         for ev in sim.events:
-            key = getattr(ev, "plan_key", None) or getattr(ev, "worker_id", None) or ""
-            batch.append((key, encode(ev)))
+            batch.append((event_key(ev), encode(ev)))
             if len(batch) == 5000:
                 log.append_many(topics.PLAN, batch)
                 batch = []

@@ -177,24 +177,23 @@ def _print_summary(summary: dict[str, Any], console: Console) -> None:
     console.print(f"  summary: {summary['out']}/summary.json")
 
 
-def _non_negative(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value!r}")
-    return n
+def _int_at_least(minimum: int, what: str):  # type: ignore[no-untyped-def]
+    """An argparse type: an int >= ``minimum``, else an error naming the value."""
+
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a {what} integer, got {value!r}") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"must be a {what} integer, got {value!r}")
+        return n
+
+    return parse
 
 
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
-    return n
+_non_negative = _int_at_least(0, "non-negative")
+_positive = _int_at_least(1, "positive")
 
 
 class _Sub(argparse._SubParsersAction):  # type: ignore[type-arg]

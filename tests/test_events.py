@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from events import topics
 from events.codec import InvalidEvent, decode, encode, from_dict, to_dict
 from events.hp import Constant, Cosine, CyclicLR, Exponential, Linear, MultiStep, Piecewise, Warmup
-from events.log import EmbeddedLog, append_events
+from events.log import event_key, EmbeddedLog, append_events
 from events.models import (
     EVENT_TYPES,
     CheckpointSaved,
@@ -265,12 +265,7 @@ def lr(*values_and_bounds: float) -> dict:
     return {"lr": Piecewise(tuple(Constant(v) for v in values), tuple(int(b) for b in bounds))}
 
 
-def record_key(event: Event) -> str:
-    for attr in ("plan_key", "worker_id", "study_id"):
-        value = getattr(event, attr, None)
-        if value:
-            return str(value)
-    return ""
+record_key = event_key
 
 
 def simulate() -> Simulation:

@@ -33,8 +33,8 @@ import pytest
 from events import topics
 from events.codec import encode
 from events.hp import Constant
-from events.log import EmbeddedLog, EventLog, LogLocked, Record
-from events.models import Event, StudyStarted
+from events.log import EmbeddedLog, EventLog, LogLocked, Record, event_key
+from events.models import StudyStarted
 from projections.store import ProjectionStore, Projector, snapshot
 from scheduler.simulation import Simulation
 
@@ -358,12 +358,7 @@ def small_study() -> Simulation:
     return sim
 
 
-def plan_key_of(event: Event) -> str:
-    for attr in ("plan_key", "worker_id", "study_id"):
-        value = getattr(event, attr, None)
-        if value:
-            return str(value)
-    return ""
+plan_key_of = event_key
 
 
 class TestDuplicateDelivery:
