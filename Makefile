@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
+	rm -rf runs/demo
 	$(VENV)/bin/stagetree run examples/digits.py --workers 2 --out runs/demo
 
 test: $(STAMP)
