@@ -93,6 +93,12 @@ def _number(value: Any, info: ValidationInfo) -> int | float:
     return number
 
 
+def _positive(value: int | float, info: ValidationInfo) -> int | float:
+    if value <= 0:
+        raise ValueError(f"`{_name(info)}` is {value!r}, but must be > 0")
+    return value
+
+
 def _at_least_one(value: int, info: ValidationInfo) -> int:
     if value < 1:
         raise ValueError(f"`{_name(info)}` is {value!r}, but must be >= 1")
@@ -108,6 +114,7 @@ def _increasing_positive(steps: tuple[int, ...], info: ValidationInfo) -> tuple[
 
 
 Number = Annotated[int | float, BeforeValidator(_number)]
+PositiveNumber = Annotated[int | float, BeforeValidator(_number), AfterValidator(_positive)]
 """A finite float or a 64-bit int; ints stay ints (batch sizes); bools and strings are rejected."""
 
 Period = Annotated[StrictInt, AfterValidator(_at_least_one)]
@@ -270,17 +277,10 @@ class MultiStep(HPFunction):
     kind: Literal["MultiStep"] = "MultiStep"
     init: Number
     milestones: Steps
-    gamma: Number
+    gamma: PositiveNumber
 
     def __init__(self, init: float, milestones: Sequence[int], gamma: float, **data: Any) -> None:
         super().__init__(init=init, milestones=milestones, gamma=gamma, **data)
-
-    @field_validator("gamma")
-    @classmethod
-    def _positive_gamma(cls, gamma: int | float) -> int | float:
-        if gamma <= 0:
-            raise ValueError(f"`gamma` is {gamma!r}, but must be > 0")
-        return gamma
 
     def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
         k = bisect_right(self.milestones, step)
@@ -300,17 +300,10 @@ class Exponential(HPFunction):
 
     kind: Literal["Exponential"] = "Exponential"
     init: Number
-    gamma: Number
+    gamma: PositiveNumber
 
     def __init__(self, init: float, gamma: float, **data: Any) -> None:
         super().__init__(init=init, gamma=gamma, **data)
-
-    @field_validator("gamma")
-    @classmethod
-    def _positive_gamma(cls, gamma: int | float) -> int | float:
-        if gamma <= 0:
-            raise ValueError(f"`gamma` is {gamma!r}, but must be > 0")
-        return gamma
 
     def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
         return _piece("exp", self.init, self.gamma, 0), None
