@@ -1,0 +1,422 @@
+"""Random search over hyper-parameter sequences (Hippo §5.3: a search space yields configurations).
+
+:class:`RandomSearchSpace` sits beside :class:`~stagetree.tuners.GridSearchSpace` and has the
+same interface: an iterable of configurations (``dict[str, HPFunction]``) in a fixed order,
+with ``len``. A hyper-parameter is either fixed, a list of candidates, or a *sampler*; the
+sampler :class:`Sampled` builds a whole sequence from sampled parameters, so milestones,
+decay factors or warm-up lengths are searched, not only numbers::
+
+    RandomSearchSpace({
+        "lr": Sampled(MultiStep, init=LogUniform(0.01, 0.3),
+                      milestones=Milestones(2, 30, 110), gamma=Choice([0.1, 0.2])),
+        "batch_size": [32, 64],
+        "momentum": 0.9,
+    }, n=16, seed=0)
+
+Units: milestones, periods and every other length are steps (optimizer updates, as in
+:mod:`events.hp`).
+
+Determinism. Configuration ``i`` is a pure function of ``(hp_dict, seed, i)``: it draws from
+``numpy.random.default_rng([seed, i])`` (PCG64 seeded through SeedSequence), visiting the
+hyper-parameters in sorted-name order and the parameters of each :class:`Sampled` in
+sorted-parameter order; fixed values draw nothing. Only ``Generator.random()`` (53-bit
+uniform doubles) is used, with integer and subset draws built on it here, so the space depends
+on no NumPy distribution algorithm that NEP 19 allows to change: it is the same across runs,
+processes and platforms, and configuration ``i`` does not change when ``n`` grows. (Adding or
+renaming a hyper-parameter may shift the draws of the names sorted after it.)
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from numbers import Integral, Real
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+
+from events.hp import HPConfig, HPFunction, as_hp
+
+__all__ = [
+    "Choice",
+    "IntUniform",
+    "LogUniform",
+    "Milestones",
+    "RandomSearchSpace",
+    "Sampled",
+    "Sampler",
+    "Uniform",
+]
+
+
+def _real(owner: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise ValueError(f"`{owner}.{name}` is {value!r}, but must be a finite int or float")
+    return float(value)
+
+
+def _int(owner: str, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ValueError(f"`{owner}.{name}` is {value!r}, but must be an int")
+    return int(value)
+
+
+def _uniform01(rng: np.random.Generator) -> float:
+    """A uniform double in [0, 1): the one primitive every draw is built on (stable, NEP 19)."""
+    return float(rng.random())
+
+
+def _randint(rng: np.random.Generator, low: int, high: int) -> int:
+    """A uniform int in [low, high] (inclusive) from one :func:`_uniform01` draw."""
+    span = high - low + 1
+    return low + min(int(_uniform01(rng) * span), span - 1)
+
+
+class Sampler(ABC):
+    """A distribution over values: ``sample(rng)`` draws one, ``validate()`` checks the fields.
+
+    Samplers are frozen and compare by value. Their fields are checked by ``validate()``, which
+    :class:`RandomSearchSpace` calls at construction (so the error names the hyper-parameter)
+    and ``sample`` calls before drawing.
+    """
+
+    @abstractmethod
+    def validate(self) -> None:
+        """Raises ValueError naming the field and its value if a field is invalid."""
+
+    @abstractmethod
+    def _draw(self, rng: np.random.Generator) -> Any:
+        """One value; the fields are valid."""
+
+    def sample(self, rng: np.random.Generator) -> Any:
+        """One value drawn with ``rng``. Raises ValueError if a field is invalid."""
+        self.validate()
+        return self._draw(rng)
+
+
+def _draw(spec: Any, rng: np.random.Generator) -> Any:
+    """``spec`` drawn if it is a sampler, else ``spec`` itself."""
+    return spec._draw(rng) if isinstance(spec, Sampler) else spec
+
+
+@dataclass(frozen=True)
+class Choice(Sampler):
+    """One of ``values``, uniformly. A value may itself be a sampler; it is then drawn too
+    (``Choice([Sampled(Constant, ...), Sampled(Cosine, ...)])`` searches over families).
+
+    Raises ValueError (from ``validate``) if ``values`` is empty or not a list/tuple.
+    """
+
+    values: Sequence[Any]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.values, Sequence) and not isinstance(self.values, (str, bytes)):
+            object.__setattr__(self, "values", tuple(self.values))
+
+    def validate(self) -> None:
+        if not isinstance(self.values, tuple) or not self.values:
+            raise ValueError(f"`Choice.values` is {self.values!r}, but must be a non-empty list")
+        for j, value in enumerate(self.values):
+            if isinstance(value, Sampler):
+                try:
+                    value.validate()
+                except ValueError as exc:
+                    raise ValueError(f"`Choice.values[{j}]`: {exc}") from None
+
+    def _draw(self, rng: np.random.Generator) -> Any:
+        return _draw(self.values[_randint(rng, 0, len(self.values) - 1)], rng)
+
+
+@dataclass(frozen=True)
+class Uniform(Sampler):
+    """A float uniform in [``low``, ``high``].
+
+    Raises ValueError (from ``validate``) unless ``low`` and ``high`` are finite and ``low < high``.
+    """
+
+    low: float
+    high: float
+
+    def validate(self) -> None:
+        low, high = _real("Uniform", "low", self.low), _real("Uniform", "high", self.high)
+        if not low < high:
+            raise ValueError(f"`Uniform.low` is {self.low!r}, but must be < `Uniform.high` {self.high!r}")
+
+    def _draw(self, rng: np.random.Generator) -> float:
+        low, high, u = float(self.low), float(self.high), _uniform01(rng)
+        return min(max(low * (1.0 - u) + high * u, low), high)
+
+
+@dataclass(frozen=True)
+class LogUniform(Sampler):
+    """A float in [``low``, ``high``] whose logarithm is uniform (learning rates, weight decay).
+
+    Raises ValueError (from ``validate``) unless ``0 < low < high`` and both are finite.
+    """
+
+    low: float
+    high: float
+
+    def validate(self) -> None:
+        low, high = _real("LogUniform", "low", self.low), _real("LogUniform", "high", self.high)
+        if not low > 0:
+            raise ValueError(f"`LogUniform.low` is {self.low!r}, but must be > 0")
+        if not low < high:
+            raise ValueError(
+                f"`LogUniform.low` is {self.low!r}, but must be < `LogUniform.high` {self.high!r}"
+            )
+
+    def _draw(self, rng: np.random.Generator) -> float:
+        low, high = float(self.low), float(self.high)
+        log_low, log_high = math.log(low), math.log(high)
+        value = math.exp(log_low + (log_high - log_low) * _uniform01(rng))
+        return min(max(value, low), high)
+
+
+@dataclass(frozen=True)
+class IntUniform(Sampler):
+    """An int uniform in [``low``, ``high``], both inclusive (batch sizes, periods in steps).
+
+    Raises ValueError (from ``validate``) unless both are ints and ``low <= high``.
+    """
+
+    low: int
+    high: int
+
+    def validate(self) -> None:
+        low, high = _int("IntUniform", "low", self.low), _int("IntUniform", "high", self.high)
+        if not low <= high:
+            raise ValueError(
+                f"`IntUniform.low` is {self.low!r}, but must be <= `IntUniform.high` {self.high!r}"
+            )
+
+    def _draw(self, rng: np.random.Generator) -> int:
+        return _randint(rng, int(self.low), int(self.high))
+
+
+@dataclass(frozen=True)
+class Milestones(Sampler):
+    """A sorted tuple of ``count`` distinct int steps in [``low``, ``high``] (inclusive), every
+    subset equally likely: ``milestones`` of MultiStep, ``boundaries`` of Piecewise.
+
+    Raises ValueError (from ``validate``) unless ``count >= 1``, ``1 <= low <= high`` (a
+    milestone is a step after step 0) and ``count <= high - low + 1``.
+    """
+
+    count: int
+    low: int
+    high: int
+
+    def validate(self) -> None:
+        count = _int("Milestones", "count", self.count)
+        low, high = _int("Milestones", "low", self.low), _int("Milestones", "high", self.high)
+        if count < 1:
+            raise ValueError(f"`Milestones.count` is {self.count!r}, but must be >= 1")
+        if low < 1:
+            raise ValueError(f"`Milestones.low` is {self.low!r}, but must be >= 1 (a step after step 0)")
+        if not low <= high:
+            raise ValueError(
+                f"`Milestones.low` is {self.low!r}, but must be <= `Milestones.high` {self.high!r}"
+            )
+        if count > high - low + 1:
+            raise ValueError(
+                f"`Milestones.count` is {self.count!r}, but must be <= high - low + 1 = {high - low + 1}"
+            )
+
+    def _draw(self, rng: np.random.Generator) -> tuple[int, ...]:
+        # Floyd's algorithm: a uniform count-subset of range(span) with exactly count draws.
+        span, chosen = int(self.high) - int(self.low) + 1, set[int]()
+        for j in range(span - int(self.count), span):
+            r = _randint(rng, 0, j)
+            chosen.add(j if r in chosen else r)
+        return tuple(int(self.low) + c for c in sorted(chosen))
+
+
+def _fn_name(fn: Any) -> str:
+    return getattr(fn, "__name__", None) or repr(fn)
+
+
+def _message(exc: Exception) -> str:
+    """``exc`` on one line (a pydantic ValidationError lists its errors)."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(
+            (".".join(map(str, e["loc"])) + ": " if e["loc"] else "") + e["msg"] for e in exc.errors()
+        )
+    return str(exc)
+
+
+@dataclass(frozen=True, init=False, repr=False)
+class Sampled(Sampler):
+    """``fn(**params)`` with every sampler among ``params`` drawn (in sorted-parameter order) and
+    every other value passed as is (a list is a value here, not a set of candidates).
+
+    ``Sampled(MultiStep, init=LogUniform(0.01, 0.3), milestones=Milestones(2, 30, 110),
+    gamma=Choice([0.1, 0.2]))`` samples a step decay; samplers nest, as in
+    ``Sampled(Warmup, init=0.0, period=IntUniform(1, 10), then=Sampled(Constant, value=...))``.
+
+    Raises ValueError (from ``validate``) if ``fn`` is not callable, if a parameter is unknown
+    to ``fn`` or a required one is missing, or if a nested sampler is invalid; ``sample`` lets
+    ``fn``'s own errors through (RandomSearchSpace turns them into ValueErrors naming the
+    hyper-parameter).
+    """
+
+    fn: Callable[..., Any]
+    params: tuple[tuple[str, Any], ...]
+
+    def __init__(self, fn: Callable[..., Any], /, **params: Any) -> None:
+        object.__setattr__(self, "fn", fn)
+        object.__setattr__(self, "params", tuple(sorted(params.items())))
+
+    def __repr__(self) -> str:
+        args = "".join(f", {k}={v!r}" for k, v in self.params)
+        return f"Sampled({_fn_name(self.fn)}{args})"
+
+    def validate(self) -> None:
+        if not callable(self.fn):
+            raise ValueError(f"`Sampled.fn` is {self.fn!r}, but must be callable")
+        fn_name = _fn_name(self.fn)
+        where = f"`Sampled({fn_name})`"
+        names = [k for k, _ in self.params]
+        if isinstance(self.fn, type) and issubclass(self.fn, HPFunction):
+            fields = {f.alias or n: f for n, f in self.fn.model_fields.items() if n != "kind"}
+            unknown = [k for k in names if k not in fields]
+            missing = [k for k, f in fields.items() if f.is_required() and k not in names]
+            if unknown:
+                raise ValueError(
+                    f"{where} has no parameter {unknown[0]!r}; its parameters are {list(fields)}"
+                )
+            if missing:
+                raise ValueError(f"{where} is missing the parameter {missing[0]!r}")
+        else:
+            try:
+                inspect.signature(self.fn).bind(**dict(self.params))
+            except TypeError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+            except ValueError:  # no signature to check (some builtins)
+                pass
+        for key, value in self.params:
+            if isinstance(value, Sampler):
+                try:
+                    value.validate()
+                except ValueError as exc:
+                    raise ValueError(f"`Sampled({fn_name}).{key}`: {exc}") from None
+
+    def _draw(self, rng: np.random.Generator) -> Any:
+        return self.fn(**{key: _draw(value, rng) for key, value in self.params})
+
+
+class RandomSearchSpace:
+    """``n`` random configurations (name -> sequence), a pure function of the arguments.
+
+    Args:
+        hp_dict: name -> one of
+            * a fixed value (HPFunction, number or JSON dict), used in every configuration;
+            * a list/tuple of candidates (fixed values or samplers), one chosen uniformly;
+            * a :class:`Sampler`; :class:`Sampled` builds a sequence, and a sampled number
+              becomes :class:`~events.hp.Constant` (through :func:`~events.hp.as_hp`).
+        n: how many configurations to draw (positive int).
+        seed: an int in [0, 2**63); see the module doc for what the draws depend on.
+        filter: optional predicate on a configuration; False drops it (conditional spaces, as
+            in GridSearchSpace). The space yields the configurations i = 0..n-1 that pass, in
+            order of i, so ``len(space)`` may be less than ``n``.
+
+    All ``n`` configurations are drawn at construction.
+
+    Raises:
+        ValueError: an empty ``hp_dict`` or a non-str name; ``n`` or ``seed`` out of range; a
+            non-callable ``filter``; an invalid fixed value, candidate or sampler field (the
+            message names the hyper-parameter, the field and the value, e.g. "`hp_dict['lr']`:
+            `LogUniform.low` is -1, but must be > 0"); or a draw that is not a valid
+            hyper-parameter sequence (e.g. MultiStep with a sampled ``gamma <= 0``), naming the
+            hyper-parameter and the configuration index.
+    """
+
+    def __init__(
+        self,
+        hp_dict: Mapping[str, Any],
+        n: int,
+        seed: int,
+        filter: Callable[[HPConfig], bool] | None = None,
+    ) -> None:
+        if not isinstance(hp_dict, Mapping) or not hp_dict:
+            raise ValueError(f"`hp_dict` is {hp_dict!r}, but must name at least one hyper-parameter")
+        if isinstance(n, bool) or not isinstance(n, Integral) or n <= 0:
+            raise ValueError(f"`n` is {n!r}, but must be a positive int")
+        if isinstance(seed, bool) or not isinstance(seed, Integral) or not 0 <= seed < 2**63:
+            raise ValueError(f"`seed` is {seed!r}, but must be an int in [0, 2**63)")
+        if filter is not None and not callable(filter):
+            raise ValueError(f"`filter` is {filter!r}, but must be callable or None")
+        for name in hp_dict:
+            if not isinstance(name, str):
+                raise ValueError(f"`hp_dict` has the name {name!r}, but names must be str")
+        self.hp_dict: dict[str, Any] = {name: _spec(name, hp_dict[name]) for name in sorted(hp_dict)}
+        self.n, self.seed, self.filter = int(n), int(seed), filter
+        self._configs = [self.config(i) for i in range(self.n)]
+
+    def config(self, i: int) -> HPConfig:
+        """Configuration ``i`` (unfiltered), drawn from ``default_rng([seed, i])``; any ``i >= 0``.
+
+        Raises ValueError if ``i`` is not an int >= 0, or if a draw is not a valid sequence
+        (naming the hyper-parameter).
+        """
+        if isinstance(i, bool) or not isinstance(i, Integral) or i < 0:
+            raise ValueError(f"`i` is {i!r}, but must be an int >= 0")
+        rng = np.random.default_rng([self.seed, i])
+        config: HPConfig = {}
+        for name, spec in self.hp_dict.items():  # sorted by name
+            try:
+                config[name] = as_hp(_draw(spec, rng))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(
+                    f"`hp_dict[{name!r}]`: configuration {i} (seed {self.seed}) is not a valid "
+                    f"hyper-parameter sequence: {_message(exc)}"
+                ) from exc
+        return config
+
+    def __iter__(self) -> Iterator[HPConfig]:
+        for config in self._configs:
+            if self.filter is None or self.filter(config):
+                yield dict(config)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return f"RandomSearchSpace({self.hp_dict!r}, n={self.n}, seed={self.seed})"
+
+
+def _spec(name: str, value: Any) -> Any:
+    """``value`` checked and normalised: a sampler, or a fixed HPFunction (lists become Choice)."""
+    where = f"`hp_dict[{name!r}]`"
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"{where} is {value!r}, but a list of candidates must not be empty")
+        value = Choice([
+            v if isinstance(v, Sampler) else _fixed(f"`hp_dict[{name!r}][{j}]`", v)
+            for j, v in enumerate(value)
+        ])
+    if isinstance(value, Sampler):
+        try:
+            value.validate()
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        return value
+    return _fixed(where, value)
+
+
+def _fixed(where: str, value: Any) -> HPFunction:
+    if not isinstance(value, (HPFunction, dict, Real)) or isinstance(value, bool):
+        raise ValueError(
+            f"{where} is {value!r}, but must be a number, an HPFunction, a JSON dict, "
+            "a list of candidates or a sampler"
+        )
+    try:
+        return as_hp(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"{where} is {value!r}, which is not a valid hyper-parameter sequence: {_message(exc)}"
+        ) from None
