@@ -2,7 +2,9 @@
 
 ``stagetree run FILE [--workers N] [--out DIR] [--no-merge] [--resume]`` runs the study defined
 in FILE (module-level ``trainer`` and ``tuner``, optional ``seed`` and ``name``) in embedded
-mode, shows live progress, and writes ``DIR/summary.json``.
+mode, shows live progress, and writes ``DIR/summary.json``. A DIR whose log holds other studies
+takes a new one without --resume: its events join the same log, and when its plan key equals an
+earlier study's it shares that study's search plan (Hippo §7) and is answered from its steps.
 
 Exit codes: 0 success; 1 the study ran but a trial failed or the run broke; 2 bad input
 (study file, flags, run directory).
@@ -30,7 +32,7 @@ from events.models import StudyFinished, StudyStarted
 from gpu_worker.loader import StudyFileError, load_module, trainer_of
 from events import tracing
 from events.kafka_log import KafkaLog, security_from_env
-from events.log import LogError
+from events.log import EmbeddedLog, LogError
 from gpu_worker.kafka_worker import KafkaWorker
 from gpu_worker.object_store import open_checkpoint_store
 from replay.audit import AuditError, secret_from
@@ -41,7 +43,7 @@ from stagetree.serve import serve
 from stagetree.progress import Progress
 from stagetree.runtime import RuntimeError_
 from stagetree.study import Study, TrialFailed, validate_config
-from stagetree.summary import build_summary, elapsed_before
+from stagetree.summary import build_summary, elapsed_before, plan_events
 from stagetree.tuners import Tuner, TunerResult
 
 
@@ -73,7 +75,8 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
                    mode: str) -> dict[str, Any]:
     """Run the tuner of a loaded study file on a ready runtime; returns the summary.
 
-    End-to-end time runs from the ready cluster to the answer, plus earlier incarnations'.
+    End-to-end time runs from the ready cluster to the answer, plus earlier incarnations' of the
+    same study (other studies on the same log do not count, see :func:`stagetree.summary.elapsed`).
     """
     _, trainer, tuner, seed, name = loaded
     started = time.monotonic()
@@ -98,7 +101,8 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
     runtime.append([StudyFinished(producer="cli", study_id=name, best_trial=best.trial_id if best else None,
                                   best_metric=best_metric, end_to_end_seconds=e2e)])
     return build_summary(runtime.state, name, mode=mode, workers=args.workers,
-                         best_trial=best.trial_id if best else None, best_metric=best_metric, end_to_end_seconds=e2e)
+                         best_trial=best.trial_id if best else None, best_metric=best_metric, end_to_end_seconds=e2e,
+                         events=plan_events(log))
 
 
 def _write_summary(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
@@ -107,14 +111,33 @@ def _write_summary(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
     return summary | {"out": str(out)}
 
 
+def _studies_in(log_dir: Path) -> set[str]:
+    """Ids of the studies started in the embedded log at ``log_dir``, read without writing or
+    locking anything (undecodable records are skipped; they hold no study)."""
+    log = EmbeddedLog(log_dir, read_only=True)
+    try:
+        return {e.study_id for e in plan_events(log) if isinstance(e, StudyStarted)}
+    finally:
+        log.close()
+
+
 async def _run_embedded(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    """Run the study in ``--out``: a new directory, the same study again (``--resume``), or a new
+    study appended to a log that holds other studies (sharing their plan when the keys match)."""
     loaded = _study_file(args.file)
-    out = Path(args.out) if args.out else Path("runs") / loaded[4]
+    name = loaded[4]
+    out = Path(args.out) if args.out else Path("runs") / name
     has_log = (out / "log").exists()
-    if has_log and not args.resume:
-        raise UsageError(f"--out {str(out)!r} already holds a run; pass --resume to continue it or choose another --out")
     if args.resume and not has_log:
         raise UsageError(f"--resume: {str(out)!r} holds no run to resume")
+    if has_log and not args.resume:
+        studies = _studies_in(out / "log")
+        if name in studies:
+            raise UsageError(f"--out {str(out)!r} already holds a run of study {name!r}; pass --resume to continue "
+                             "it, or choose another --out (or another `name` in the study file)")
+        if not studies:
+            raise UsageError(f"--out {str(out)!r} already holds a run; pass --resume to continue it or choose "
+                             "another --out")
     mode = "trial" if args.no_merge else "merged"
     async with EmbeddedCoordinator(out, args.file, args.workers, device=args.device,
                                    secret=secret_from(args.log_key)) as coord:
@@ -174,6 +197,14 @@ def _print_summary(summary: dict[str, Any], console: Console) -> None:
     console.print(f"  steps: total {summary['total_steps']}, unique {summary['unique_steps']}, "
                   f"executed {summary['executed_steps']}; merge rate p = {rate:.3f}" if rate else "")
     console.print(f"  worker-seconds {summary['worker_seconds']:.1f}, end-to-end {summary['end_to_end_seconds']:.1f} s")
+    others = [s for s in summary.get("studies_sharing_plan") or [] if s != summary["name"]]
+    if others:
+        q = summary.get("k_wise_merge_rate")
+        earlier, since = summary.get("steps_from_earlier_studies"), summary.get("executed_steps_since_start")
+        console.print(f"  plan shared with {', '.join(others)}: k-wise merge rate q = "
+                      + (f"{q:.3f}" if q else "n/a")
+                      + (f"; {earlier} steps answered from earlier studies" if earlier is not None else "")
+                      + (f", {since} steps trained since this study started" if since is not None else ""))
     console.print(f"  summary: {summary['out']}/summary.json")
 
 

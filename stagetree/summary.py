@@ -1,7 +1,16 @@
-"""The result of a run: ``summary.json``, computed from the projection and the log."""
+"""The result of a run: ``summary.json``, computed from the projection and the log.
+
+Several studies may share one log (a later ``stagetree run`` in the same run directory) and,
+when their plan keys are equal, one search plan (Hippo §7, thesis §4.2.2): a later study's
+trials are answered from the metrics and checkpoints earlier studies left. The summary of a
+study counts its own trials; the keys about sharing (``studies_sharing_plan``,
+``k_wise_merge_rate``, ``steps_from_earlier_studies``, ``executed_steps_since_start``) say how
+much the other studies on its plan gave it.
+"""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -9,42 +18,154 @@ from events import topics
 from events.codec import InvalidEvent, decode
 from events.hp import config_to_json
 from events.log import EventLog
-from events.models import Event, StudyStarted
+from events.models import Event, StageFinished, StudyFinished, StudyStarted
 from projections.search_plan import merged_unique_steps
-from projections.state import State
+from projections.state import State, Trial
+
+TRIAL_PLAN_SEPARATOR = "/trial/"  # mode "trial": every trial's plan key is <key>/trial/<trial id>
 
 
 def elapsed(events: Iterable[Event], study_id: str) -> float:
-    """Wall seconds of the incarnations of ``study_id`` in ``events``: for each StudyStarted, the
-    time up to the last event before the next StudyStarted (a killed run ends at its last event)."""
+    """Wall seconds of the incarnations of ``study_id`` in ``events`` (log order, ``ts`` in
+    epoch seconds): each StudyStarted of the study runs to its StudyFinished; an incarnation
+    without one (a killed run) ends at the last event before the next StudyStarted of any study
+    or at the end of the log. Other studies run later on the same log therefore do not count."""
     total, start, last = 0.0, None, None
+
+    def close() -> None:
+        nonlocal total, start
+        if start is not None and last is not None:
+            total += max(0.0, last - start)
+        start = None
+
     for event in events:
-        if isinstance(event, StudyStarted) and event.study_id == study_id:
-            if start is not None and last is not None:
-                total += max(0.0, last - start)
-            start = event.ts
+        if isinstance(event, StudyStarted):
+            close()
+            if event.study_id == study_id:
+                start = event.ts
         if event.ts:
             last = event.ts
-    if start is not None and last is not None:
-        total += max(0.0, last - start)
+        if isinstance(event, StudyFinished) and event.study_id == study_id:
+            close()
+    close()
     return total
 
 
+def plan_events(log: EventLog) -> Iterator[Event]:
+    """The decoded events of the plan stream of ``log``, in offset order (undecodable records,
+    the audit's business, skipped)."""
+    for record in log.read(topics.PLAN):
+        try:
+            yield decode(record.value)
+        except InvalidEvent:
+            continue
+
+
 def elapsed_before(log: EventLog, study_id: str) -> float:
-    """:func:`elapsed` over the plan stream of ``log`` (undecodable records skipped)."""
+    """:func:`elapsed` over the plan stream of ``log`` (seconds)."""
+    return elapsed(plan_events(log), study_id)
 
-    def events() -> Iterator[Event]:
-        for record in log.read(topics.PLAN):
-            try:
-                yield decode(record.value)
-            except InvalidEvent:
-                continue
 
-    return elapsed(events(), study_id)
+def base_plan_key(plan_key: str) -> str:
+    """The shared part of a plan key: ``<key>`` of a trial-mode key ``<key>/trial/<trial id>``."""
+    return plan_key.split(TRIAL_PLAN_SEPARATOR, 1)[0]
+
+
+def studies_sharing_plan(state: State, study_id: str) -> list[str]:
+    """Sorted ids of the studies with a trial on ``study_id``'s plan key(s), ``study_id``
+    included (Hippo §7: studies of one model, data and seed share a search plan). Trial-mode
+    keys compare by their base key, so a ``--no-merge`` study is listed although it shares no
+    step."""
+    bases = _bases(state, study_id)
+    return sorted({t.study_id for t in state.trials.values() if base_plan_key(t.plan_key) in bases} | {study_id})
+
+
+def k_wise_merge_rate(state: State, study_ids: Iterable[str]) -> float | None:
+    """The k-wise merge rate (q in Hippo §8.2, m_k in the thesis): total steps of the K studies'
+    trials (each at its maximum steps, as ``total_steps``) / unique steps of the union of all
+    their prefixes, merged per base plan key (steps / steps). None when they have no trials."""
+    if isinstance(study_ids, (str, bytes)):
+        raise ValueError(f"`study_ids` is {study_ids!r}, but must be a collection of study ids, not one string")
+    ids = set(study_ids)
+    groups: dict[str, list[Trial]] = defaultdict(list)
+    for trial in state.trials.values():
+        if trial.study_id in ids:
+            groups[base_plan_key(trial.plan_key)].append(trial)
+    total = sum(t.steps for trials in groups.values() for t in trials)
+    unique = sum(merged_unique_steps([(t.hp, t.steps) for t in trials]) for trials in groups.values())
+    return total / unique if unique else None
+
+
+def needed_ranges(state: State, study_id: str) -> dict[tuple[str, str], tuple[int, int]]:
+    """The steps the study's trials need, per ``(plan_key, node_id)``: ``[node.start_step, end)``
+    with ``end`` the largest step a trial of the study asks on or below that node (steps). Their
+    lengths sum to the unique steps of the study's trials in its plan (thesis §4.2.1)."""
+    end: dict[tuple[str, str], int] = {}
+    for trial in state.trials.values():
+        if trial.study_id != study_id or trial.steps not in trial.requests:
+            continue
+        plan = state.plans[trial.plan_key]
+        node = plan.nodes.get(trial.requests[trial.steps])
+        stop = trial.steps
+        while node is not None:
+            key = (plan.plan_key, node.node_id)
+            if end.get(key, -1) < stop:
+                end[key] = stop
+            stop = node.start_step
+            node = plan.nodes[node.parent_id] if node.parent_id is not None else None
+    return {key: (state.plans[key[0]].nodes[key[1]].start_step, stop) for key, stop in end.items()}
+
+
+def _covered(ranges: list[tuple[int, int]], lo: int, hi: int) -> int:
+    """Length of ``[lo, hi)`` covered by the union of ``ranges`` (steps)."""
+    covered, reach = 0, lo
+    for a, b in sorted(ranges):
+        a, b = max(a, reach), min(b, hi)
+        if b > a:
+            covered += b - a
+            reach = b
+    return covered
+
+
+def sharing_steps(state: State, events: Iterable[Event], study_id: str) -> tuple[int, int]:
+    """``(steps_from_earlier_studies, executed_steps_since_start)`` of ``study_id`` (steps).
+
+    ``events`` is the plan stream in log order. The study's first StudyStarted splits it: the
+    StageFinished events before it on the study's plans give, per node, the step ranges already
+    trained (nodes are never split, so a node's step s is the same prefix for every trial through
+    it); ``steps_from_earlier_studies`` is how many steps of :func:`needed_ranges` they cover (a
+    union, so a range trained twice counts once). ``executed_steps_since_start`` sums
+    ``to_step - from_step`` of the StageFinished events on the study's plans after it (retrained
+    steps count again). Without a StudyStarted of the study, nothing is earlier: (0, all).
+    """
+    keys = {t.plan_key for t in state.trials.values() if t.study_id == study_id}
+    trained: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
+    started, since = False, 0
+    for event in events:
+        if isinstance(event, StudyStarted) and event.study_id == study_id:
+            started = True
+        elif isinstance(event, StageFinished) and event.plan_key in keys:
+            if started:
+                since += event.to_step - event.from_step
+            else:
+                trained[(event.plan_key, event.node_id)].append((event.from_step, event.to_step))
+    if not started:
+        return 0, sum(b - a for ranges in trained.values() for a, b in ranges)  # all of it is "since"
+    earlier = sum(_covered(trained.get(key, []), lo, hi) for key, (lo, hi) in needed_ranges(state, study_id).items())
+    return earlier, since
+
+
+def _bases(state: State, study_id: str) -> set[str]:
+    bases = {base_plan_key(t.plan_key) for t in state.trials.values() if t.study_id == study_id}
+    started = state.studies.get(study_id, {}).get("plan_key")
+    if started:
+        bases.add(base_plan_key(started))
+    return bases
 
 
 def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_trial: str | None,
-                  best_metric: float | None, end_to_end_seconds: float) -> dict[str, Any]:
+                  best_metric: float | None, end_to_end_seconds: float,
+                  events: Iterable[Event] | None = None) -> dict[str, Any]:
     """The ``summary.json`` document of a study (keys as in the README).
 
     ``total_steps`` sums each trial's maximum steps asked; ``unique_steps`` counts the steps of
@@ -52,7 +173,16 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
     ``executed_steps`` counts the steps workers actually trained in finished stages;
     ``merge_rate`` = total / unique (Hippo §6.2); ``worker_seconds`` sums the time each worker
     was held by a stage (the papers' GPU-hours, in seconds). Executed steps and worker-seconds
-    count the study's own plans, so other studies on the same log do not mix in.
+    count the study's own plans, so studies on other plans of the same log do not mix in; but a
+    plan shared with other studies (Hippo §7) counts every study's steps and seconds on it.
+
+    Sharing between studies (thesis §4.2.2): ``studies_sharing_plan`` lists the studies with
+    trials on the study's plan key (itself included, see :func:`studies_sharing_plan`);
+    ``k_wise_merge_rate`` is q of those K studies (Hippo §8.2, :func:`k_wise_merge_rate`; with
+    K = 1 it equals ``merge_rate``); ``steps_from_earlier_studies`` counts the study's unique
+    steps already trained before its first StudyStarted, and ``executed_steps_since_start`` the
+    steps trained on its plans after it (:func:`sharing_steps`). Those two need the plan stream
+    ``events`` in log order; without it they are None.
     """
     study = state.studies.get(study_id, {})
     trials = sorted((t for t in state.trials.values() if t.study_id == study_id), key=lambda t: t.trial_id)
@@ -60,6 +190,8 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
     plan_keys = {t.plan_key for t in trials}
     plans = [state.plans[k] for k in sorted(plan_keys)]
     unique = merged_unique_steps([(t.hp, t.steps) for t in trials]) if trials else 0
+    sharing = studies_sharing_plan(state, study_id)
+    earlier, since = sharing_steps(state, events, study_id) if events is not None else (None, None)
     return {
         "name": study.get("name", study_id),
         "mode": mode,
@@ -82,4 +214,8 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
         "merge_rate": total / unique if unique else None,
         "worker_seconds": sum(p.worker_seconds for p in plans),
         "end_to_end_seconds": end_to_end_seconds,
+        "studies_sharing_plan": sharing,
+        "k_wise_merge_rate": k_wise_merge_rate(state, sharing),
+        "steps_from_earlier_studies": earlier,
+        "executed_steps_since_start": since,
     }

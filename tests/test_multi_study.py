@@ -1,0 +1,255 @@
+"""Multi-study merging (Hippo §7, thesis §4.2.2): a later study in the same run directory shares
+the search plan of an earlier one with the same plan key and is answered from its steps.
+
+The fast tests fold a hand-built two-study log with the real reducer and scheduler
+(``scheduler.simulation.Simulation``, instant workers) and check the sharing keys of
+``summary.json`` against values worked out by hand. The end-to-end test runs the digits CNN of
+``tests/studies/tiny_sha.py`` ("tiny") and then ``tiny_sha_b.py`` ("tiny-b": same trainer and
+seed, an overlapping space) in one ``--out`` directory through the ``stagetree`` command.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from events import topics
+from events.codec import decode
+from events.hp import Constant, Piecewise, config_from_json, first_divergence
+from events.log import EmbeddedLog, append_events
+from events.models import StageDispatched, StageFinished, StudyFinished, StudyStarted, TrialSubmitted
+from projections.search_plan import merged_unique_steps
+from scheduler.simulation import Simulation
+from stagetree import cli
+from stagetree.summary import build_summary, elapsed, k_wise_merge_rate, sharing_steps
+
+STUDIES = Path(__file__).parent / "studies"
+STAGETREE = [sys.executable, "-m", "stagetree.cli"]
+
+# ----------------------------------------------------------------------------- hand-built log
+
+LR_01 = {"lr": Constant(0.1)}
+LR_01_THEN_005 = {"lr": Piecewise(functions=(Constant(0.1), Constant(0.05)), boundaries=(10,))}
+LR_02 = {"lr": Constant(0.2)}
+
+
+def _start(sim: Simulation, study: str, plan_key: str = "plan", mode: str = "merged", ts: float = 0.0) -> None:
+    sim.emit(StudyStarted(study_id=study, name=study, plan_key=plan_key, mode=mode, workers=2, seed=0,
+                          trainer="sim@1", ts=ts))
+
+
+def _submit(sim: Simulation, study: str, trial: str, hp: dict, steps: int, plan_key: str = "plan") -> None:
+    sim.emit(TrialSubmitted(study_id=study, trial_id=trial, plan_key=plan_key, seed=0, hp=hp, steps=steps))
+
+
+def _summary(sim: Simulation, study: str) -> dict:
+    return build_summary(sim.state, study, mode="merged", workers=2, best_trial=None, best_metric=None,
+                         end_to_end_seconds=0.0, events=sim.events)
+
+
+def test_the_hand_built_configs_share_exactly_the_first_10_steps() -> None:
+    assert first_divergence(LR_01, LR_01_THEN_005, 0, 30) == 10
+    assert first_divergence(LR_01, LR_02, 0, 30) == 0
+
+
+@pytest.fixture
+def two_studies() -> Simulation:
+    """Study "a" trains lr 0.1 to 30 and (0.1, then 0.05 from step 10) to 20: a root [0, 30) and a
+    child [10, 20), 40 unique steps of 50 asked. Then study "b" asks lr 0.1 to 40 (root [30, 40)
+    is new), the same second config to 20 (all trained) and lr 0.2 to 10 (a new root [0, 10))."""
+    sim = Simulation(workers=2)
+    _start(sim, "a")
+    _submit(sim, "a", "a1", LR_01, 30)
+    _submit(sim, "a", "a2", LR_01_THEN_005, 20)
+    sim.run()
+    sim.emit(StudyFinished(study_id="a", best_trial="a1", best_metric=1.0, end_to_end_seconds=1.0))
+    _start(sim, "b")
+    _submit(sim, "b", "b1", LR_01, 40)
+    _submit(sim, "b", "b2", LR_01_THEN_005, 20)
+    _submit(sim, "b", "b3", LR_02, 10)
+    sim.run()
+    return sim
+
+
+def test_a_later_study_counts_what_earlier_studies_trained(two_studies: Simulation) -> None:
+    b = _summary(two_studies, "b")
+    assert [t["trial_id"] for t in b["trials"]] == ["b1", "b2", "b3"]  # only its own trials
+    assert b["studies_sharing_plan"] == ["a", "b"]
+    assert (b["total_steps"], b["unique_steps"]) == (70, 60)  # root [0, 40) + child [10, 20) + root [0, 10)
+    assert b["steps_from_earlier_studies"] == 40  # root [0, 30) and child [10, 20), trained by "a"
+    assert b["executed_steps_since_start"] == 20  # root [30, 40) and the new root [0, 10)
+    assert b["executed_steps"] == 60  # the shared plan's steps: both studies'
+    assert b["k_wise_merge_rate"] == pytest.approx((50 + 70) / 60)
+    # the same numbers from the trials alone: overlap = unique(A) + unique(B) - unique(A u B)
+    a_trials, b_trials = [(LR_01, 30), (LR_01_THEN_005, 20)], [(LR_01, 40), (LR_01_THEN_005, 20), (LR_02, 10)]
+    union = merged_unique_steps(a_trials + b_trials)
+    assert b["steps_from_earlier_studies"] == merged_unique_steps(a_trials) + b["unique_steps"] - union
+    assert b["executed_steps_since_start"] == union - merged_unique_steps(a_trials)
+    # every metric "b" shares with "a" at equal steps is the stored one
+    trials = two_studies.state.trials
+    assert trials["b2"].results[20] == trials["a2"].results[20]
+    assert trials["b1"].results[40] == {"step": 40.0}
+
+
+def test_the_first_study_shares_with_the_later_one_but_got_nothing_from_it(two_studies: Simulation) -> None:
+    a = _summary(two_studies, "a")
+    assert a["studies_sharing_plan"] == ["a", "b"]
+    assert a["steps_from_earlier_studies"] == 0
+    assert a["executed_steps_since_start"] == 60  # everything on the plan after its start, "b"'s too
+    assert a["k_wise_merge_rate"] == pytest.approx((50 + 70) / 60)
+    assert a["merge_rate"] == pytest.approx(50 / 40)
+
+
+def test_a_study_alone_has_q_equal_to_p_and_no_earlier_steps() -> None:
+    sim = Simulation(workers=1)
+    _start(sim, "solo")
+    _submit(sim, "solo", "s1", LR_01, 30)
+    _submit(sim, "solo", "s2", LR_01_THEN_005, 20)
+    sim.run()
+    s = _summary(sim, "solo")
+    assert s["studies_sharing_plan"] == ["solo"]
+    assert s["k_wise_merge_rate"] == s["merge_rate"] == pytest.approx(50 / 40)
+    assert (s["steps_from_earlier_studies"], s["executed_steps_since_start"]) == (0, 40)
+    without_log = build_summary(sim.state, "solo", mode="merged", workers=1, best_trial=None, best_metric=None,
+                                end_to_end_seconds=0.0)
+    assert without_log["steps_from_earlier_studies"] is None and without_log["executed_steps_since_start"] is None
+
+
+def test_a_trial_mode_study_is_listed_on_the_base_key_but_shares_no_step(two_studies: Simulation) -> None:
+    sim = two_studies
+    _start(sim, "c", mode="trial")
+    _submit(sim, "c", "c1", LR_01, 30, plan_key="plan/trial/c1")
+    sim.run()
+    c = _summary(sim, "c")
+    assert c["studies_sharing_plan"] == ["a", "b", "c"]
+    assert c["steps_from_earlier_studies"] == 0  # its own plan: nothing trained there before
+    assert c["executed_steps_since_start"] == 30  # retrained from scratch
+    assert c["k_wise_merge_rate"] == pytest.approx((50 + 70 + 30) / 60)
+    assert _summary(sim, "b")["studies_sharing_plan"] == ["a", "b", "c"]
+
+
+def test_steps_trained_twice_before_the_start_count_once(two_studies: Simulation) -> None:
+    """A range finished twice (a lost checkpoint retrained) is a union, not a sum."""
+    events = list(two_studies.events)
+    at = next(i for i, e in enumerate(events) if isinstance(e, StudyStarted) and e.study_id == "b")
+    first = next(e for e in events[:at] if isinstance(e, StageFinished))
+    again = first.model_copy(update={"from_step": max(0, first.from_step - 5)})
+    earlier, since = sharing_steps(two_studies.state, events[:at] + [again] + events[at:], "b")
+    assert (earlier, since) == (40, 20)
+
+
+def test_elapsed_of_a_study_stops_at_its_finish_or_at_the_next_study() -> None:
+    def started(study: str, ts: float) -> StudyStarted:
+        return StudyStarted(study_id=study, name=study, plan_key="plan", mode="merged", workers=1, seed=0,
+                            trainer="sim@1", ts=ts)
+
+    def finished(study: str, ts: float) -> StudyFinished:
+        return StudyFinished(study_id=study, best_trial=None, best_metric=None, end_to_end_seconds=0.0, ts=ts)
+
+    events = [started("a", 100.0), finished("a", 110.0), started("b", 200.0), finished("b", 203.0)]
+    assert elapsed(events, "a") == 10.0 and elapsed(events, "b") == 3.0
+    last = TrialSubmitted(study_id="a", trial_id="a1", plan_key="plan", seed=0, hp=LR_01, steps=10, ts=104.0)
+    killed = [started("a", 100.0), last, started("b", 200.0), finished("b", 203.0),
+              started("a", 300.0), finished("a", 302.0)]
+    assert elapsed(killed, "a") == 4.0 + 2.0  # killed at its last event, then resumed after "b"
+
+
+def test_k_wise_merge_rate_rejects_a_single_string(two_studies: Simulation) -> None:
+    with pytest.raises(ValueError, match="study_ids"):
+        k_wise_merge_rate(two_studies.state, "ab")
+
+
+# ----------------------------------------------------------------------------- the run directory
+
+
+def _log_with_study(out: Path, study: str) -> int:
+    with EmbeddedLog(out / "log") as log:
+        append_events(log, topics.PLAN, [(study, StudyStarted(study_id=study, name=study, plan_key="p", mode="merged",
+                                                              workers=1, seed=7, trainer="digits@1"))])
+        return log.end_offset(topics.PLAN)
+
+
+def test_the_same_study_again_without_resume_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    n = _log_with_study(out, "tiny")  # the name tiny_sha.py declares
+    assert cli.main(["run", str(STUDIES / "tiny_sha.py"), "--out", str(out), "--quiet"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "'tiny'" in err and "--resume" in err and "--out" in err
+    with EmbeddedLog(out / "log", read_only=True) as log:
+        assert log.end_offset(topics.PLAN) == n and log.end_offset(topics.DEADLETTER) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["log"]  # no workers, no projection store
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def _run(study: str, out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*STAGETREE, "run", str(STUDIES / study), "--workers", "2", "--out", str(out), "--quiet",
+                           *flags], capture_output=True, text=True, timeout=600)
+
+
+def _summary_of(study: str, out: Path) -> dict:
+    proc = _run(study, out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return orjson.loads((out / "summary.json").read_bytes())
+
+
+def _hp_steps(summary: dict) -> list[tuple[dict, int]]:
+    return [(config_from_json(t["hp"]), t["steps"]) for t in summary["trials"]]
+
+
+def _plan_events(out: Path) -> list:
+    log = EmbeddedLog(out / "log")
+    try:
+        return [decode(r.value) for r in log.read(topics.PLAN)]
+    finally:
+        log.close()
+
+
+@pytest.mark.e2e
+def test_a_later_study_in_the_same_run_directory_trains_only_what_the_first_did_not(tmp_path: Path) -> None:
+    out = tmp_path / "shared"
+    a = _summary_of("tiny_sha.py", out)
+    b = _summary_of("tiny_sha_b.py", out)
+    assert (a["name"], b["name"]) == ("tiny", "tiny-b")
+    events = _plan_events(out)
+    keys = {e.study_id: e.plan_key for e in events if isinstance(e, StudyStarted)}
+    assert keys["tiny"] == keys["tiny-b"]
+    assert {e.plan_key for e in events if isinstance(e, (TrialSubmitted, StageDispatched))} == {keys["tiny"]}
+
+    assert a["studies_sharing_plan"] == ["tiny"] and a["steps_from_earlier_studies"] == 0
+    assert b["studies_sharing_plan"] == ["tiny", "tiny-b"]
+    assert len(b["trials"]) == 6  # only its own trials, though "tiny"'s are on the same plan
+
+    unique_a, unique_b = merged_unique_steps(_hp_steps(a)), merged_unique_steps(_hp_steps(b))
+    union = merged_unique_steps(_hp_steps(a) + _hp_steps(b))
+    assert (unique_a, unique_b) == (a["unique_steps"], b["unique_steps"])
+    assert a["executed_steps"] == unique_a  # "tiny" trained every unique step once, before "tiny-b"
+    overlap = unique_a + unique_b - union
+    assert b["steps_from_earlier_studies"] == overlap > 0
+    assert b["executed_steps_since_start"] == union - unique_a  # only what "tiny" had not trained
+    assert b["executed_steps"] == union  # the shared plan's steps, both studies'
+    assert b["k_wise_merge_rate"] == pytest.approx((a["total_steps"] + b["total_steps"]) / union)
+
+    # configurations both studies asked at equal steps have the same metrics (the stored ones)
+    in_a = {(orjson.dumps(t["hp"], option=orjson.OPT_SORT_KEYS), t["steps"]): t["metrics"] for t in a["trials"]}
+    shared = [(t, in_a[(orjson.dumps(t["hp"], option=orjson.OPT_SORT_KEYS), t["steps"])]) for t in b["trials"]
+              if (orjson.dumps(t["hp"], option=orjson.OPT_SORT_KEYS), t["steps"]) in in_a]
+    assert shared, "no configuration of tiny-b was asked at the same steps as in tiny"
+    for t, metrics in shared:
+        assert t["metrics"] == metrics, t["hp"]
+    # ... and every step of "tiny-b" under a node "tiny" had trained was answered, not retrained
+    at = next(i for i, e in enumerate(events) if isinstance(e, StudyStarted) and e.study_id == "tiny-b")
+    before = {(e.node_id, e.from_step, e.to_step) for e in events[:at] if isinstance(e, StageFinished)}
+    after = [(e.node_id, e.from_step, e.to_step) for e in events[at:] if isinstance(e, StageFinished)]
+    assert not [s for s in after if any(n == s[0] and a_ < s[2] and s[1] < b_ for n, a_, b_ in before)]
+
+    again = _run("tiny_sha_b.py", out)
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert "'tiny-b'" in again.stderr and "--resume" in again.stderr
+    assert len(_plan_events(out)) == len(events)  # the refused run appended nothing
+
