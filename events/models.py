@@ -165,7 +165,9 @@ class StageDispatched(Event):
 
     ``decided_at`` is the offset of the last ``stagetree.plan`` event the scheduler had folded,
     so a replay recomputes the decision from exactly that prefix. ``source`` is None when the
-    path starts from a fresh initialisation at step 0.
+    path starts from a fresh initialisation at step 0. ``policy`` is the scheduling policy that
+    decided it (``scheduler.decide.POLICIES``, HIPPO_SPEC §3.7); logs written before the field
+    existed decode as "critical-path", the only policy there was.
     """
 
     type: ClassVar[str] = "StageDispatched"
@@ -176,6 +178,7 @@ class StageDispatched(Event):
     decided_at: int = Field(ge=-1)
     source: CheckpointSource | None
     stages: list[StageSpec] = Field(min_length=1)
+    policy: Literal["critical-path", "bfs", "most-children"] = "critical-path"
 
 
 class StageStarted(Event):

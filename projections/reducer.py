@@ -57,13 +57,23 @@ def apply(state: State, event: Event, offset: int) -> set[Key]:
     handler = _HANDLERS.get(type(event))
     if handler is None:
         raise Rejected(f"{event.type} events do not belong on the plan stream")
+    state.offset = offset  # consumed even when rejected; handlers read the offset they apply at
     try:
         handler(state, event, touched)
     finally:
-        state.offset = offset
+        _bump_revisions(state, touched)
     state.seen.add(event.event_id)
     touched.add(("seen", event.event_id))
     return touched
+
+
+def _bump_revisions(state: State, touched: set[Key]) -> None:
+    """Bump :attr:`Plan.revision` of every plan with a touched plan or node record, so what the
+    scheduler memoised for the plan's previous revision is never reused."""
+    for plan_key in {key[1] for key in touched if key[0] in ("plan", "node")}:
+        plan = state.plans.get(plan_key)
+        if plan is not None:
+            plan.revision += 1
 
 
 # ----------------------------------------------------------------------------- studies
@@ -133,7 +143,7 @@ def _trial_submitted(state: State, ev: TrialSubmitted, touched: set[Key]) -> Non
     trial.steps = max(trial.steps, ev.steps)
     trial.requests[ev.steps] = node.node_id
     if ev.steps in node.metrics:
-        _deliver(state, trial, ev.steps, node.metrics[ev.steps])
+        _deliver(state, trial, ev.steps, node.metrics[ev.steps], touched)
     else:
         waiters = node.requests.setdefault(ev.steps, [])
         if trial.trial_id not in waiters:
@@ -143,8 +153,11 @@ def _trial_submitted(state: State, ev: TrialSubmitted, touched: set[Key]) -> Non
             trial.status = "pending"
 
 
-def _deliver(state: State, trial: Trial, steps: int, metrics: dict[str, float]) -> None:
+def _deliver(state: State, trial: Trial, steps: int, metrics: dict[str, float], touched: set[Key]) -> None:
     trial.results[steps] = dict(metrics)
+    state.stats.answers += 1
+    trial.answered[steps] = state.stats.answers  # the order answers came in (tuners replay it)
+    touched.add(("stats",))
     if steps == trial.steps and trial.status == "pending":
         trial.status = "done"
 
@@ -219,7 +232,7 @@ def _metrics_reported(state: State, ev: MetricsReported, touched: set[Key]) -> N
     node.metrics[ev.step] = dict(ev.metrics)
     for trial_id in node.requests.pop(ev.step, []):
         trial = state.trials[trial_id]
-        _deliver(state, trial, ev.step, ev.metrics)
+        _deliver(state, trial, ev.step, ev.metrics, touched)
         touched.add(("trial", trial_id))
     touched.add(node_key(node))
 

@@ -27,11 +27,55 @@ class Placement:
     start_step: int = 0
 
 
+_CHILDREN = "search_plan.children"
+"""Key of the child index in :attr:`Plan.cache`: parent node id -> ``[children indexed, {(start
+step, values at start) -> first such child}]``, or None for a parent whose children cannot all
+be indexed (a value overflows)."""
+
+Values = tuple[tuple[str, int | float], ...]
+
+
+def _values_at(hp: HPConfig, step: int) -> Values | None:
+    """``(name, value at step)`` for every hyper-parameter, sorted by name; None when a value
+    cannot be computed (an exponential leaving the float range)."""
+    try:
+        return tuple((name, hp[name].value(step)) for name in sorted(hp))
+    except ArithmeticError:
+        return None
+
+
+def _child_index(plan: Plan, node: Node) -> dict[tuple[int, Values], str] | None:
+    """Children of ``node`` by (start step, values there), first child in ``children`` order
+    winning, or None when some child's values cannot be computed.
+
+    Kept in ``plan.cache`` and extended when children were appended since (children are
+    append-only, so the count tells what is new); a plan rebuilt from its records starts
+    with no index.
+    """
+    index = plan.cache.setdefault(_CHILDREN, {})
+    entry = index.get(node.node_id)
+    if entry is None or entry[0] > len(node.children):
+        entry = index[node.node_id] = [0, {}]
+    if entry[1] is not None and entry[0] < len(node.children):
+        by_values = entry[1]
+        for child_id in node.children[entry[0]:]:
+            child = plan.nodes[child_id]
+            values = _values_at(child.hp, child.start_step)
+            if values is None:
+                by_values = None
+                break
+            by_values.setdefault((child.start_step, values), child_id)
+        entry[0], entry[1] = len(node.children), by_values
+    return entry[1]
+
+
 def place(plan: Plan, hp: HPConfig, steps: int) -> Placement:
     """Find the node serving ``(hp, steps)`` in ``plan``, or where a new one must be appended.
 
-    Pure: ``plan`` is not modified. Cost: one divergence scan per node on the trial's path,
-    plus one per sibling tried at each branch point.
+    Pure: the search plan is not modified (only the child index in ``plan.cache`` may grow).
+    Cost: one divergence scan per node on the trial's path; at each branch point the child that
+    starts there with the trial's values is looked up in an index (Hippo §3.2: the child edge
+    ``(start, hp_config)``), so siblings are not scanned.
 
     Raises:
         ValueError: ``hp`` names different hyper-parameters than the plan's nodes.
@@ -49,11 +93,18 @@ def place(plan: Plan, hp: HPConfig, steps: int) -> Placement:
         if d >= steps:
             return Placement(current.node_id)
         follow = None
-        for child_id in current.children:
-            child = plan.nodes[child_id]
-            if child.start_step == d and first_divergence(child.hp, hp, d, steps) > d:
-                follow = child
-                break
+        index = _child_index(plan, current) if current.children else None
+        values = _values_at(hp, d) if index is not None else None
+        if index is not None and values is not None:
+            # Equal values at d <=> first_divergence(child.hp, hp, d, steps) > d (as d < steps).
+            child_id = index.get((d, values))
+            follow = plan.nodes[child_id] if child_id is not None else None
+        elif current.children:
+            for child_id in current.children:
+                child = plan.nodes[child_id]
+                if child.start_step == d and first_divergence(child.hp, hp, d, steps) > d:
+                    follow = child
+                    break
         if follow is None:
             return Placement(None, current.node_id, d)
         current = follow

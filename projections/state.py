@@ -98,6 +98,13 @@ class Plan:
     nodes: dict[str, Node] = field(default_factory=dict)
     executed_steps: int = 0
     worker_seconds: float = 0.0
+    revision: int = field(default=0, init=False, compare=False, repr=False)
+    """Mutation counter, bumped by the reducer whenever anything of the plan changes (its nodes,
+    requests, running ranges, checkpoints, metrics, profiles). Not persisted: a plan rebuilt
+    from its records starts again at 0 with an empty :attr:`cache`."""
+    cache: dict[Any, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
+    """Derived data memoised per plan object (the scheduler's choice per :attr:`revision`, the
+    child index of ``search_plan.place``); never persisted, never part of equality."""
 
     def meta_json(self) -> dict[str, Any]:
         return {"plan_key": self.plan_key, "seed": self.seed, "roots": list(self.roots),
@@ -119,6 +126,7 @@ class Trial:
     steps: int
     requests: dict[int, str] = field(default_factory=dict)
     results: dict[int, dict[str, float]] = field(default_factory=dict)
+    answered: dict[int, int] = field(default_factory=dict)  # steps -> ordinal of the answer (Stats.answers)
     status: str = "pending"  # pending | done | failed | cancelled
     error: str | None = None
 
@@ -131,6 +139,7 @@ class Trial:
             "steps": self.steps,
             "requests": [[s, n] for s, n in sorted(self.requests.items())],
             "results": [[s, dict(sorted(m.items()))] for s, m in sorted(self.results.items())],
+            "answered": [[s, o] for s, o in sorted(self.answered.items())],
             "status": self.status,
             "error": self.error,
         }
@@ -145,6 +154,7 @@ class Trial:
             steps=o["steps"],
             requests={s: n for s, n in o["requests"]},
             results={s: dict(m) for s, m in o["results"]},
+            answered={s: a for s, a in o.get("answered", [])},
             status=o["status"],
             error=o["error"],
         )
@@ -206,6 +216,7 @@ class Stats:
     worker_seconds: float = 0.0
     stages_finished: int = 0
     dispatches: int = 0
+    answers: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -213,6 +224,7 @@ class Stats:
             "worker_seconds": self.worker_seconds,
             "stages_finished": self.stages_finished,
             "dispatches": self.dispatches,
+            "answers": self.answers,
         }
 
 

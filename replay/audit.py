@@ -354,8 +354,9 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
     checked = 0
     # A decision records the offset of the last event its decider had folded (``decided_at``);
     # on Kafka other producers may append before the decision's own record, so the scheduler
-    # is re-run on exactly that prefix, remembered while folding.
-    prefixes: set[int] = set()
+    # is re-run on exactly that prefix, remembered while folding, with the policy the decision
+    # records (HIPPO_SPEC §3.7).
+    prefixes: dict[int, set[str]] = {}
     for r in plan:
         if b'"StageDispatched"' in r.value:
             try:
@@ -363,12 +364,12 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
             except InvalidEvent:
                 continue
             if isinstance(event, StageDispatched):
-                prefixes.add(event.decided_at)
-    recomputed: dict[int, StageDispatched | None] = {}
+                prefixes.setdefault(event.decided_at, set()).add(event.policy)
+    recomputed: dict[tuple[int, str], StageDispatched | None] = {}
 
     def after(offset: int, state: State) -> None:
-        if offset in prefixes:
-            recomputed[offset] = decide(state)
+        for policy in sorted(prefixes.get(offset, ())):
+            recomputed[(offset, policy)] = decide(state, policy)
 
     def on_event(r: Record, event: Any, state: State) -> None:
         nonlocal checked
@@ -378,11 +379,11 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
             saved.append((r, event))
         if isinstance(event, StageDispatched) and not decision_failure:
             checked += 1
-            if event.decided_at not in recomputed:
+            if (event.decided_at, event.policy) not in recomputed:
                 decision_failure.append(Failure("decision", r.offset, event.type,
                                                 f"decided at offset {event.decided_at}, which is not before it"))
                 return
-            again = recomputed.pop(event.decided_at)
+            again = recomputed.pop((event.decided_at, event.policy))
             if again is None or not same_decision(again, event):
                 what = "no dispatch" if again is None else (
                     f"{again.dispatch_id} to {again.worker_id}: "
@@ -391,7 +392,7 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
                     "decision", r.offset, event.type,
                     f"recorded {event.dispatch_id} to {event.worker_id}: "
                     f"{[(s.node_id, s.from_step, s.to_step) for s in event.stages]}; the scheduler computes {what} "
-                    f"from the prefix up to offset {event.decided_at}"))
+                    f"from the prefix up to offset {event.decided_at} with policy {event.policy!r}"))
 
     state = fold(plan, on_event, after, secret=secret)
     result.add("decision", decision_failure[0] if decision_failure else None,

@@ -7,6 +7,9 @@ candidates: its source checkpoint exists, or it starts from a fresh initialisati
 hanging off in-flight work wait until the checkpoint they need is saved.
 
 Ties are broken by stage key order, so the choice is a deterministic function of the plan.
+Everything here is linear in the number of stages (one top-down order, walked backwards),
+and the descendant counts of the "most-children" ablation policy (HIPPO_SPEC §3.7) come from
+the same walk.
 """
 
 from __future__ import annotations
@@ -27,23 +30,44 @@ class Path:
     est_seconds: float
 
 
-def _longest(tree: StageTree) -> dict[StageKey, float]:
-    """Longest estimated time from each stage down to a leaf (the stage included)."""
+def top_down(tree: StageTree) -> list[StageKey]:
+    """Every stage key reachable from a root, each parent before its children (breadth-first
+    from the roots in key order, children in key order). Linear in the number of stages."""
+    order = [stage.key for stage in tree.roots()]
+    i = 0
+    while i < len(order):
+        order.extend(tree.children.get(order[i], ()))
+        i += 1
+    return order
+
+
+def _longest(tree: StageTree, order: list[StageKey] | None = None) -> dict[StageKey, float]:
+    """Longest estimated time in seconds from each stage down to a leaf (the stage included).
+
+    Linear: children are visited before their parent by walking :func:`top_down` backwards.
+    """
     memo: dict[StageKey, float] = {}
-    # Deepest stages first, so every child is known before its parent (no recursion).
-    for key in sorted(tree.stages, key=lambda k: _depth(tree, k), reverse=True):
+    for key in reversed(top_down(tree) if order is None else order):
         below = [memo[c] for c in tree.children.get(key, [])]
         memo[key] = tree.stages[key].est_seconds + (max(below) if below else 0.0)
     return memo
 
 
-def _depth(tree: StageTree, key: StageKey) -> int:
-    depth = 0
-    parent = tree.stages[key].parent
-    while parent is not None:
-        depth += 1
-        parent = tree.stages[parent].parent
-    return depth
+def descendants(tree: StageTree, order: list[StageKey] | None = None) -> dict[StageKey, int]:
+    """Number of stages below each stage in ``tree`` (children, grandchildren, ...; the stage
+    itself not counted): the "most child stages" measure of the thesis's THR policy (§6.3,
+    HIPPO_SPEC §3.7). Linear in the number of stages."""
+    count: dict[StageKey, int] = {}
+    for key in reversed(top_down(tree) if order is None else order):
+        count[key] = sum(1 + count[c] for c in tree.children.get(key, []))
+    return count
+
+
+def ready_stages(tree: StageTree) -> list[Stage]:
+    """Stages that can start now (a fresh initialisation or an existing checkpoint), in key
+    order. They are all roots of the tree: a stage whose weights come from another stage of
+    the tree, or from one in flight, waits."""
+    return [stage for stage in tree.roots() if stage.source in READY]
 
 
 def critical_path(tree: StageTree) -> Path | None:

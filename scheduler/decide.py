@@ -9,37 +9,132 @@ the state, a replay recomputes every decision from the log prefix (DESIGN.md inv
 
 Re-planning triggers (Hippo §3.4) need no special code: trial added or cancelled, checkpoint
 saved and worker idle are all events that change the state this function reads.
+
+Policies (the thesis's scheduler ablation, §6.3 / HIPPO_SPEC §3.7), named in
+:data:`POLICIES` and recorded in each decision:
+
+* ``"critical-path"`` (Hippo's): the ready root-to-leaf path with the largest estimated time
+  (steps x seconds per step), dispatched as one batch; ties by plan key, then stage key.
+* ``"bfs"`` (breadth-first): one single ready stage at a time, the shallowest first. A ready
+  stage is always a root of the transient stage tree (its weights exist), so its depth there
+  is 0 for all; what orders breadth-first is how deep into training it sits in the study's
+  whole tree, measured by its start step (``from_step``, steps). Ties by plan key, then stage
+  key ``(node_id, to_step)``.
+* ``"most-children"`` (the thesis's THR): one single ready stage at a time, the one with the
+  most descendant stages in the stage tree first; ties as for ``"bfs"``.
+
+Memoisation: a plan's choice depends on that plan alone, so it is kept in ``plan.cache`` per
+(policy, ``plan.revision``); the reducer bumps the revision whenever the plan changes, so a
+pass only rebuilds the stage trees of plans that changed since the last pass. The result is
+the same, bit for bit, as without the memo (a plan object rebuilt from records starts with an
+empty cache).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal, get_args
+
 from events.models import CheckpointSource, StageDispatched, StageSpec
-from projections.state import State
-from scheduler.critical_path import Path, critical_path
+from projections.state import Plan, State
+from scheduler.critical_path import Path, critical_path, descendants, ready_stages, top_down
 from scheduler.stage_tree import build_stage_tree
 
+Policy = Literal["critical-path", "bfs", "most-children"]
+POLICIES: tuple[Policy, ...] = get_args(Policy)
+"""The scheduling policies ``decide`` accepts, Hippo's critical path first (for the CLI)."""
 
-def best_path(state: State) -> Path | None:
-    """The critical path over all plans (ties: plan key order), or None when nothing is ready."""
-    best: Path | None = None
-    for plan_key in sorted(state.plans):
-        path = critical_path(build_stage_tree(state.plans[plan_key]))
-        if path is not None and (best is None or path.est_seconds > best.est_seconds):
-            best = path
-    return best
+_MEMO = "decide.choice"  # plan.cache key prefix: (_MEMO, policy) -> (revision, choice)
 
 
-def decide(state: State) -> StageDispatched | None:
-    """The next StageDispatched for ``state``, or None.
+@dataclass(frozen=True)
+class Choice:
+    """A plan's candidate dispatch under a policy; across plans the smallest ``rank`` is
+    dispatched, equal ranks going to the smaller plan key.
 
-    The event's ``dispatch_id`` is ``d<number of dispatches so far>`` and ``decided_at`` is
-    ``state.offset``, so the same state always gives the same decision; header fields
-    (event id, timestamp) are left for the caller to stamp.
+    ``rank``: ``(-estimated seconds,)`` for "critical-path"; ``(from_step,)`` (steps) for
+    "bfs"; ``(-descendant stages, from_step)`` for "most-children".
     """
+
+    path: Path
+    rank: tuple[float, ...]
+
+
+def check_policy(policy: str) -> Policy:
+    """``policy`` if it is one of :data:`POLICIES`. Raises ValueError naming it otherwise."""
+    if policy not in POLICIES:
+        raise ValueError(f"`policy` is {policy!r}, but must be one of {', '.join(map(repr, POLICIES))}")
+    return policy  # type: ignore[return-value]
+
+
+def _choose(plan: Plan, policy: Policy) -> Choice | None:
+    """The plan's candidate under ``policy`` from a fresh stage tree, or None if nothing is ready."""
+    tree = build_stage_tree(plan)
+    if policy == "critical-path":
+        path = critical_path(tree)
+        return None if path is None else Choice(path, (-path.est_seconds,))
+    ready = ready_stages(tree)
+    if not ready:
+        return None
+    if policy == "bfs":
+        stage = min(ready, key=lambda s: (s.from_step, s.key))
+        rank: tuple[float, ...] = (stage.from_step,)
+    else:
+        count = descendants(tree, top_down(tree))
+        stage = min(ready, key=lambda s: (-count[s.key], s.from_step, s.key))
+        rank = (-count[stage.key], stage.from_step)
+    return Choice(Path(plan.plan_key, (stage,), stage.est_seconds), rank)
+
+
+def plan_choice(plan: Plan, policy: Policy = "critical-path") -> Choice | None:
+    """The plan's candidate under ``policy``, memoised in ``plan.cache`` per (policy,
+    ``plan.revision``).
+
+    Hippo rebuilds the transient stage tree for every pass (§3.4); so does this, but only for
+    a plan that changed since its last pass: an unchanged revision means an unchanged plan,
+    hence the same tree and the same candidate. A plan mutated outside the reducer must bump
+    ``plan.revision`` itself.
+    """
+    memo = plan.cache.get((_MEMO, policy))
+    if memo is not None and memo[0] == plan.revision:
+        return memo[1]
+    choice = _choose(plan, policy)
+    plan.cache[(_MEMO, policy)] = (plan.revision, choice)
+    return choice
+
+
+def best_path(state: State, policy: str = "critical-path") -> Path | None:
+    """The path to dispatch next over all plans under ``policy`` (see the module docstring),
+    or None when nothing is ready.
+
+    Raises:
+        ValueError: ``policy`` is not one of :data:`POLICIES`.
+    """
+    policy = check_policy(policy)
+    best: Choice | None = None
+    for plan_key in sorted(state.plans):
+        choice = plan_choice(state.plans[plan_key], policy)
+        if choice is not None and (best is None or choice.rank < best.rank):
+            best = choice
+    return None if best is None else best.path
+
+
+def decide(state: State, policy: str = "critical-path") -> StageDispatched | None:
+    """The next StageDispatched for ``state`` under ``policy``, or None (no idle worker, or
+    nothing ready).
+
+    The event's ``dispatch_id`` is ``d<number of dispatches so far>``, ``decided_at`` is
+    ``state.offset`` and ``policy`` is recorded, so the same state and policy always give the
+    same decision; header fields (event id, timestamp) are left for the caller to stamp.
+
+    Raises:
+        ValueError: ``policy`` is not one of :data:`POLICIES` (HIPPO_SPEC §3.7).
+    """
+    policy = check_policy(policy)
     idle = state.idle_workers()
     if not idle:
         return None
-    path = best_path(state)
+    path = best_path(state, policy)
     if path is None:
         return None
     plan = state.plans[path.plan_key]
@@ -55,6 +150,7 @@ def decide(state: State) -> StageDispatched | None:
         plan_key=plan.plan_key,
         seed=plan.seed,
         decided_at=state.offset,
+        policy=policy,
         source=source,
         stages=[
             StageSpec(

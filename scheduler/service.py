@@ -20,7 +20,7 @@ from events import topics, tracing
 from events.log import EventLog, append_events
 from events.models import StageDispatched, TrialSubmitted
 from projections.store import Projector
-from scheduler.decide import decide
+from scheduler.decide import check_policy, decide
 
 Deliver = Callable[[StageDispatched], None]
 
@@ -34,14 +34,20 @@ class SchedulerService:
         deliver: optional callback per appended decision (the embedded coordinator's pipes).
         max_rejections: consecutive rejected decisions tolerated in one pass before giving up
             until the next trigger (a rejection means the state moved on under the decision).
+        policy: the scheduling policy, one of ``scheduler.decide.POLICIES`` (HIPPO_SPEC §3.7;
+            default Hippo's critical path); recorded in every decision.
+
+    Raises:
+        ValueError: ``policy`` is not one of ``scheduler.decide.POLICIES``.
     """
 
     def __init__(self, log: EventLog, projector: Projector, deliver: Deliver | None = None,
-                 max_rejections: int = 3) -> None:
+                 max_rejections: int = 3, policy: str = "critical-path") -> None:
         self.log = log
         self.projector = projector
         self.deliver = deliver
         self.max_rejections = max_rejections
+        self.policy = check_policy(policy)
         self.trial_traces: dict[str, dict[str, str]] = {}  # trial id -> trace header of its latest submission
         projector.listeners.append(self._remember_trace)
 
@@ -56,7 +62,7 @@ class SchedulerService:
         rejections = 0
         while True:
             started_ns = time.time_ns()
-            decision = decide(state)
+            decision = decide(state, self.policy)
             if decision is None:
                 return out
             decision = decision.model_copy(update={"ts": time.time()})

@@ -21,10 +21,11 @@ stage waits for it to finish (the split-during-execution case of §10.1).
 
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from projections.state import Node, Plan
 
@@ -77,16 +78,15 @@ class StageTree:
 
     def roots(self) -> list[Stage]:
         """Stages with no parent stage, in key order."""
-        return [self.stages[k] for k in sorted(self.stages) if self.stages[k].parent is None]
+        return [self.stages[k] for k in sorted(k for k, s in self.stages.items() if s.parent is None)]
 
 
 def covers(node: Node, step: int) -> bool:
     """True when an in-flight stage on ``node`` will reach ``step`` (or evaluates there)."""
-    return any(a < step <= b or step == a == b for _, a, b in node.running)
+    return bool(node.running) and any(a < step <= b or step == a == b for _, a, b in node.running)
 
 
-@dataclass(frozen=True)
-class _Anchor:
+class _Anchor(NamedTuple):
     step: int
     kind: Literal["ckpt", "inflight"]
     ckpt: tuple[str, int, str] | None = None
@@ -110,21 +110,32 @@ def _anchor(plan: Plan, node: Node, step: int, ckpt_steps: dict[str, list[int]])
         pc = parent.ckpt.get(node.start_step)
         if pc is not None:
             best = _Anchor(node.start_step, "ckpt", (parent.node_id, node.start_step, pc.ref))
-    for _, _, b in node.running:
-        if node.start_step <= b <= step and (best is None or b > best.step):
-            best = _Anchor(b, "inflight")
+    if node.running:
+        for _, _, b in node.running:
+            if node.start_step <= b <= step and (best is None or b > best.step):
+                best = _Anchor(b, "inflight")
     return best
 
 
-def sec_per_step(plan: Plan, node: Node) -> float:
-    """Measured seconds per step of ``node``, else the plan's mean, else the cold estimate."""
-    measured = node.sec_per_step()
-    if measured is not None:
-        return measured
+def mean_sec_per_step(plan: Plan) -> float:
+    """The plan's measured seconds per step over all nodes (total seconds / total steps), or
+    the cold estimate before any measurement."""
     steps = sum(n.profile_steps for n in plan.nodes.values())
     if steps:
         return sum(n.profile_seconds for n in plan.nodes.values()) / steps
     return COLD_SEC_PER_STEP
+
+
+def sec_per_step(plan: Plan, node: Node, mean: float | None = None) -> float:
+    """Measured seconds per step of ``node``, else the plan's mean, else the cold estimate.
+
+    ``mean``: the plan's :func:`mean_sec_per_step` when the caller has it already (one tree
+    build computes it once instead of once per unmeasured node).
+    """
+    measured = node.sec_per_step()
+    if measured is not None:
+        return measured
+    return mean_sec_per_step(plan) if mean is None else mean
 
 
 def build_stage_tree(plan: Plan) -> StageTree:
@@ -132,61 +143,75 @@ def build_stage_tree(plan: Plan) -> StageTree:
 
     Returns every stage needed to answer the plan's pending requests, each step range of each
     node at most once. Pure: ``plan`` is not modified.
+
+    Cost: one pass over the nodes to collect pending requests, then work proportional to the
+    nodes with pending endpoints (and their ancestors), O(s log s) for s stages.
     """
     endpoints: dict[str, set[int]] = defaultdict(set)
     requested: dict[str, set[int]] = defaultdict(set)
     ckpt_steps: dict[str, list[int]] = {}
     for node in plan.nodes.values():
+        if not node.requests:
+            continue
         for step, waiters in node.requests.items():
             if waiters and step not in node.metrics and not covers(node, step):
                 endpoints[node.node_id].add(step)
                 requested[node.node_id].add(step)
 
     # FindLatestCheckpoint's recursion, memoized as boundary endpoints on parents: deepest
-    # nodes first, so a parent sees every boundary its children ask of it.
-    for node in sorted(plan.nodes.values(), key=lambda n: (-n.depth, int(n.node_id[1:]))):
-        ends = endpoints.get(node.node_id)
-        if not ends or node.parent_id is None:
+    # nodes first (ties by node number), so a parent sees every boundary its children ask of
+    # it. Only nodes with endpoints do anything, so only they are visited, from a heap in the
+    # order a sort of all nodes would give; a parent gaining its first endpoint joins the heap
+    # when it comes later in that order.
+    def order(n: Node) -> tuple[int, int]:
+        return (-n.depth, int(n.node_id[1:]))
+
+    heap = [(*order(plan.nodes[node_id]), node_id) for node_id in endpoints]
+    heapq.heapify(heap)
+    while heap:
+        *rank, node_id = heapq.heappop(heap)
+        node = plan.nodes[node_id]
+        if node.parent_id is None:
             continue
+        ends = endpoints[node_id]
         if _anchor(plan, node, min(ends), ckpt_steps) is None:
-            parent = plan.nodes[node.parent_id]
-            if not covers(parent, node.start_step):
-                endpoints[parent.node_id].add(node.start_step)
+            up = plan.nodes[node.parent_id]
+            if not covers(up, node.start_step):
+                if up.node_id not in endpoints and order(up) > tuple(rank):
+                    heapq.heappush(heap, (*order(up), up.node_id))
+                endpoints[up.node_id].add(node.start_step)
 
     tree = StageTree(plan.plan_key)
+    mean = mean_sec_per_step(plan) if endpoints else COLD_SEC_PER_STEP
     for node_id in sorted(endpoints, key=lambda n: int(n[1:])):
         node = plan.nodes[node_id]
-        sps = sec_per_step(plan, node)
+        sps = sec_per_step(plan, node, mean)
         previous: int | None = None
+        req = requested.get(node_id, ())
         for end in sorted(endpoints[node_id]):
-            evaluate = end in requested[node_id]
+            evaluate = end in req
             anchor = _anchor(plan, node, end, ckpt_steps)
-            stage: Stage | None
+            source: SourceKind
+            parent: StageKey | None = None
+            ckpt: tuple[str, int, str] | None = None
             if anchor is not None and (previous is None or anchor.step >= previous):
-                if anchor.kind == "ckpt":
-                    stage = Stage(node_id, anchor.step, end, evaluate, "ckpt", ckpt=anchor.ckpt)
-                    if anchor.step == end and not evaluate:
-                        stage = None  # boundary already checkpointed
-                else:
-                    stage = Stage(node_id, anchor.step, end, evaluate, "inflight")
+                start, source, ckpt = anchor
+                if source == "ckpt" and start == end and not evaluate:
+                    previous = end
+                    continue  # boundary already checkpointed
             elif previous is not None:
-                stage = Stage(node_id, previous, end, evaluate, "stage", parent=(node_id, previous))
+                start, source, parent = previous, "stage", (node_id, previous)
             elif node.parent_id is None:
-                stage = Stage(node_id, 0, end, evaluate, "fresh")
+                start, source = 0, "fresh"
             elif covers(plan.nodes[node.parent_id], node.start_step):
-                stage = Stage(node_id, node.start_step, end, evaluate, "inflight")
+                start, source = node.start_step, "inflight"
             else:
-                stage = Stage(node_id, node.start_step, end, evaluate, "stage",
-                              parent=(node.parent_id, node.start_step))
+                start, source, parent = node.start_step, "stage", (node.parent_id, node.start_step)
             previous = end
-            if stage is None:
-                continue
-            est = max(stage.steps, 1) * sps
-            stage = Stage(stage.node_id, stage.from_step, stage.to_step, stage.evaluate, stage.source,
-                          stage.parent, stage.ckpt, est)
-            tree.stages[stage.key] = stage
+            tree.stages[(node_id, end)] = Stage(node_id, start, end, evaluate, source, parent, ckpt,
+                                                max(end - start, 1) * sps)
     for key in sorted(tree.stages):
-        parent = tree.stages[key].parent
-        if parent is not None:
-            tree.children.setdefault(parent, []).append(key)
+        above = tree.stages[key].parent
+        if above is not None:
+            tree.children.setdefault(above, []).append(key)
     return tree
