@@ -36,18 +36,22 @@ class SchedulerService:
             until the next trigger (a rejection means the state moved on under the decision).
         policy: the scheduling policy, one of ``scheduler.decide.POLICIES`` (HIPPO_SPEC §3.7;
             default Hippo's critical path); recorded in every decision.
+        clock: the time stamped on decisions, in seconds since the epoch (the simulator passes
+            its virtual clock).
 
     Raises:
         ValueError: ``policy`` is not one of ``scheduler.decide.POLICIES``.
     """
 
     def __init__(self, log: EventLog, projector: Projector, deliver: Deliver | None = None,
-                 max_rejections: int = 3, policy: str = "critical-path") -> None:
+                 max_rejections: int = 3, policy: str = "critical-path",
+                 clock: Callable[[], float] = time.time) -> None:
         self.log = log
         self.projector = projector
         self.deliver = deliver
         self.max_rejections = max_rejections
         self.policy = check_policy(policy)
+        self.clock = clock
         self.trial_traces: dict[str, dict[str, str]] = {}  # trial id -> trace header of its latest submission
         projector.listeners.append(self._remember_trace)
 
@@ -65,7 +69,7 @@ class SchedulerService:
             decision = decide(state, self.policy)
             if decision is None:
                 return out
-            decision = decision.model_copy(update={"ts": time.time()})
+            decision = decision.model_copy(update={"ts": self.clock()})
             if tracing.enabled():
                 decision = self._traced(decision, started_ns)
             (offset,) = append_events(self.log, topics.PLAN, [(decision.plan_key, decision)])

@@ -37,6 +37,7 @@ from gpu_worker.kafka_worker import KafkaWorker
 from gpu_worker.object_store import open_checkpoint_store
 from replay.audit import AuditError, secret_from
 from replay.commands import register
+from stagetree.simulate_cli import register as register_simulate
 from stagetree.embedded import EmbeddedCoordinator
 from stagetree.kafka_runtime import KafkaRuntime
 from stagetree.serve import serve
@@ -278,6 +279,7 @@ def parser() -> argparse.ArgumentParser:
     wrk.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats (default 1)")
     wrk.set_defaults(func=cmd_worker)
     register(sub, _positive)
+    register_simulate(sub, _positive)
     return p
 
 
