@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,6 +157,28 @@ class CurveModel:
         return {"loss": loss, "val_acc": min(max(acc + jitter, 0.0), 1.0)}
 
 
+@dataclass(frozen=True)
+class FormulaCurve:
+    """Metrics given by a formula of the hyper-parameter values at the last trained step and
+    the step: ``formula({name: value at step - 1}, step) -> metrics``. For worked examples and
+    tests whose expectations are computed by hand. The model state it carries is the number of
+    steps trained (so checkpoints of different steps differ)."""
+
+    formula: Callable[[dict[str, float], int], dict[str, float]]
+
+    def initial(self) -> float:
+        return 0.0
+
+    def advance(self, loss: float, hp: HPConfig, from_step: int, to_step: int) -> float:
+        return loss + (to_step - from_step)
+
+    def metrics(self, loss: float, hp: HPConfig, step: int, seed: int) -> dict[str, float]:
+        return self.formula({n: f.value(max(step - 1, 0)) for n, f in hp.items()}, step)
+
+
+Curve = CurveModel | FormulaCurve
+
+
 class SimulatedTrainer(Trainer):
     """A trainer that only exists in simulation: its hyper-parameter names, a cost model and a
     curve model. Its fingerprint covers both models, so simulated plans never mix with real ones.
@@ -175,7 +197,7 @@ class SimulatedTrainer(Trainer):
     batch_size_hp = None
 
     def __init__(self, name: str, hyperparameters: tuple[str, ...], *, cost: CostModel | None = None,
-                 curve: CurveModel | None = None, constants: Mapping[str, Any] | None = None) -> None:
+                 curve: Curve | None = None, constants: Mapping[str, Any] | None = None) -> None:
         if not name:
             raise ValueError(f"`name` is {name!r}, but must be a non-empty string")
         if not hyperparameters or not all(isinstance(h, str) and h for h in hyperparameters):
@@ -208,7 +230,7 @@ class SimulatedTrainer(Trainer):
         return self._not_here()
 
 
-def models_of(trainer: Trainer) -> tuple[CostModel, CurveModel]:
+def models_of(trainer: Trainer) -> tuple[CostModel, Curve]:
     """The cost and curve models to simulate ``trainer`` with: its own for a SimulatedTrainer,
     else the defaults (1 s per step; any real study file can be simulated)."""
     if isinstance(trainer, SimulatedTrainer):
@@ -216,9 +238,9 @@ def models_of(trainer: Trainer) -> tuple[CostModel, CurveModel]:
     return CostModel(), CurveModel()
 
 
-def checkpoint_ref(plan_key: str, loss: float, step: int) -> str:
-    """The sha256 standing in for a simulated checkpoint: the plan, the model state, the step."""
-    return hashlib.sha256(f"{plan_key}\0{loss.hex()}\0{step}".encode()).hexdigest()
+def checkpoint_ref(plan_key: str, node_id: str, loss: float, step: int) -> str:
+    """The sha256 standing in for a simulated checkpoint: plan, node, model state and step."""
+    return hashlib.sha256(f"{plan_key}\0{node_id}\0{loss.hex()}\0{step}".encode()).hexdigest()
 
 
 @dataclass
@@ -228,7 +250,7 @@ class SimulatedWorker:
     """
 
     cost: CostModel
-    curve: CurveModel
+    curve: Curve
     checkpoints: dict[str, float] = field(default_factory=dict)
 
     def execute(self, d: StageDispatched) -> list[tuple[float, list[Event]]]:
@@ -262,7 +284,7 @@ class SimulatedWorker:
                                              metrics=self.curve.metrics(loss, spec.hp, spec.to_step, d.seed)))
             if spec.to_step > spec.from_step or d.source is None:
                 elapsed += self.cost.save_seconds
-                ref = checkpoint_ref(d.plan_key, loss, spec.to_step)
+                ref = checkpoint_ref(d.plan_key, spec.node_id, loss, spec.to_step)
                 self.checkpoints[ref] = loss
                 batch.append(CheckpointSaved(**base, node_id=spec.node_id, step=spec.to_step, ref=ref, size=64))
             batch.append(StageFinished(**base, worker_id=d.worker_id, **stage, seconds=elapsed - started,
