@@ -21,7 +21,14 @@ from typing import Any, Generic, Literal, TypeVar
 import numpy as np
 
 from events.hp import HPConfig, HPFunction, Piecewise, as_hp
+from stagetree.spaces import Choice, IntUniform, LogUniform, Milestones, RandomSearchSpace, Sampled, Uniform
 from stagetree.study import Study, TrialFailed, wait_all
+
+__all__ = [
+    "ASHA", "PBT", "Choice", "EarlyStopTuner", "GridSearch", "GridSearchSpace", "Hyperband", "IntUniform", "LogUniform",
+    "MLtunerTuner", "MedianStopping", "Milestones", "RandomSearchSpace", "ResultInbox", "Sampled", "Schedule",
+    "SuccessiveHalving", "TrialResult", "Tuner", "TunerResult", "Uniform", "continue_with", "rungs", "stable_seed",
+]
 
 Mode = Literal["max", "min"]
 
@@ -671,3 +678,12 @@ class PBT(Tuner):
         out = self._result(final, everything)
         out.decisions = decisions
         return out
+
+
+def __getattr__(name: str) -> Any:
+    """``MLtunerTuner`` lives in its own module, which imports this one: re-exported lazily."""
+    if name == "MLtunerTuner":
+        from stagetree.mltuner import MLtunerTuner
+
+        return MLtunerTuner
+    raise AttributeError(f"module 'stagetree.tuners' has no attribute {name!r}")
