@@ -135,6 +135,7 @@ def build_app(log: KafkaLog, state_dir: Path, *, app_id: str, heartbeat_timeout_
         app_id,
         broker=f"kafka://{log.bootstrap_servers.split(',')[0]}",
         store="memory://",
+        datadir=str(state_dir / "faust"),  # not the current directory
         web_enabled=False,
         topic_replication_factor=log.replication_factor,
         topic_partitions=1,
