@@ -180,3 +180,13 @@ def resnet20_subspace(i: int) -> GridSearchSpace:
 
 def product_size(space: GridSearchSpace) -> int:
     return len(list(itertools.islice(iter(space), 100000)))
+
+
+def resnet20_studies(k: int) -> list[Any]:
+    """The multi-study case S``k``: subspaces 0..k-1, grid search to 100 epochs each, seed 0,
+    all on one plan (same trainer and seed)."""
+    from stagetree.simulate import SimStudy
+    from stagetree.tuners import GridSearch
+
+    return [SimStudy(f"resnet20-study{i}", GridSearch(resnet20_subspace(i), 100, metric="val_acc", mode="max"), 0)
+            for i in range(k)]

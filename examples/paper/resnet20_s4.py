@@ -6,15 +6,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _paper import WORKERS, resnet20_subspace, resnet20_trainer  # noqa: E402
-
-from stagetree.simulate import SimStudy  # noqa: E402
-from stagetree.tuners import GridSearch  # noqa: E402
+from _paper import WORKERS, resnet20_studies, resnet20_trainer  # noqa: E402
 
 name = "resnet20-s4"
-seed = 0
 workers = WORKERS
 trainer = resnet20_trainer()
-studies = [SimStudy(f"resnet20-study{i}", GridSearch(resnet20_subspace(i), 100, metric="val_acc", mode="max"), seed)
-           for i in range(4)]
-tuner = studies[0].tuner
+studies = resnet20_studies(4)
