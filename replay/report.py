@@ -5,14 +5,18 @@ next to it, drawn with matplotlib's Agg renderer (no pyplot state is touched):
 
 1. the audit result (``stagetree replay verify``) at the top, or "not audited";
 2. the merge-savings table: total vs unique vs executed steps, merge rate p, worker-seconds,
-   end-to-end seconds (Hippo §6.2), from ``summary.json`` or computed from the log;
+   end-to-end seconds (Hippo §6.2), idle worker-seconds and the idle ratio, from
+   ``summary.json`` (``summary-<study>.json`` in a ``stagetree simulate --out`` directory) or
+   computed from the log;
 3. ``stage_tree.png``: the executed stages (StageFinished events) as a tree over steps, shared
    stages (on the path of 2+ trials) highlighted;
 4. ``gantt.png``: every stage a worker ran, over wall-clock seconds since the first event;
 5. ``curves.png``: the study's metric against steps for every trial, the best highlighted;
 
-and a table of the trials. SOURCE is a run directory (``log/``, ``state/``, ``summary.json``)
-or a JSONL export of ``stagetree log export``. Nothing here decides anything: event
+and a table of the trials. SOURCE is a run directory (``log/``, ``state/``, ``summary.json``),
+a simulated run directory (``stagetree simulate --out DIR``: ``DIR/merged`` or ``DIR/trial``,
+no checkpoints, virtual timestamps from 1e9 s, shown as seconds since the first event) or a
+JSONL export of ``stagetree log export``. Nothing here decides anything: event
 timestamps are only drawn, never used to compute results.
 """
 
@@ -111,6 +115,7 @@ class RunData:
     invalid_events: int = 0
     elapsed_seconds: float | None = None  # wall seconds of the study's incarnations (log ts)
     summary_source: str = "from summary.json"
+    simulated: bool = False  # written by ``stagetree simulate``: seconds are virtual GPU seconds
 
     @property
     def t0(self) -> float | None:
@@ -145,14 +150,7 @@ def load_run(source: str | Path) -> RunData:
     except AuditError as exc:
         raise ReportError(str(exc)) from None
     records = opened.streams.get(topics.PLAN, [])
-    summary: dict[str, Any] | None = None
-    if (path / "summary.json").is_file():
-        try:
-            summary = orjson.loads((path / "summary.json").read_bytes())
-        except orjson.JSONDecodeError as exc:
-            raise ReportError(f"{str(path / 'summary.json')!r} is not JSON: {exc}") from None
-        if not isinstance(summary, dict):
-            raise ReportError(f"{str(path / 'summary.json')!r} must hold a JSON object, got {type(summary).__name__}")
+    summary = _read_summary(path / "summary.json")
     state = fold(records)
     events, bad = _decode_all(records)
 
@@ -164,12 +162,35 @@ def load_run(source: str | Path) -> RunData:
         study_id = next(iter(state.studies))
     started = next((e for e in reversed(starts) if e.study_id == study_id), None)
     finished = next((e for _, e in reversed(events) if isinstance(e, StudyFinished) and e.study_id == study_id), None)
-    data = RunData(path, events, state, summary, study_id, started, finished, stage_runs(events), bad)
+    source_note = "from summary.json"
+    if summary is None and study_id is not None:  # `stagetree simulate --out` writes one per study
+        summary = _read_summary(path / f"summary-{study_id}.json")
+        source_note = f"from summary-{study_id}.json"
+    data = RunData(path, events, state, summary, study_id, started, finished, stage_runs(events), bad,
+                   summary_source=source_note)
+    data.simulated = bool((summary or {}).get("simulated")) or (started is not None and started.producer == "simulator")
     if study_id is not None:
         data.elapsed_seconds = elapsed([e for _, e in events], study_id)
     if summary is None:
         data.summary, data.summary_source = computed_summary(data), "computed from the log (no summary.json)"
     return data
+
+
+def _read_summary(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``; None when there is no such file.
+
+    Raises:
+        ReportError: the file is not JSON or not an object.
+    """
+    if not path.is_file():
+        return None
+    try:
+        summary = orjson.loads(path.read_bytes())
+    except orjson.JSONDecodeError as exc:
+        raise ReportError(f"{str(path)!r} is not JSON: {exc}") from None
+    if not isinstance(summary, dict):
+        raise ReportError(f"{str(path)!r} must hold a JSON object, got {type(summary).__name__}")
+    return summary
 
 
 def stage_runs(events: Sequence[tuple[int, Event]]) -> list[StageRun]:
@@ -482,7 +503,8 @@ def _natural(s: str) -> list[Any]:
 
 
 def plot_gantt(runs: Sequence[StageRun], shared: set[tuple[str, str, int, int]], t0: float | None,
-               path: Path, marks: Sequence[tuple[float, str]] = ()) -> dict[str, float]:
+               path: Path, marks: Sequence[tuple[float, str]] = (),
+               xlabel: str = "seconds since the first event") -> dict[str, float]:
     """Draw the workers' stages over time to ``path`` (PNG): one row per worker, one bar per
     stage run from its StageStarted to its end event, x = seconds since ``t0`` (the first
     event), colored shared / one trial / failed / unfinished. ``marks``: (epoch seconds, label)
@@ -528,7 +550,7 @@ def plot_gantt(runs: Sequence[StageRun], shared: set[tuple[str, str, int, int]],
     ax.set_yticks(range(len(workers)), workers)
     ax.set_ylim(len(workers) - 0.4, -0.75)
     ax.set_xlim(0, span * 1.02)
-    ax.set_xlabel("seconds since the first event", fontsize=9)
+    ax.set_xlabel(xlabel, fontsize=9)
     ax.grid(axis="x", color="#eeeeee", lw=0.6, zorder=0)
     ax.set_axisbelow(True)
     _style(ax)
@@ -728,6 +750,12 @@ def savings_html(data: RunData, stages: Sequence[TreeStage], trials: Sequence[Tr
     for key, label, note in SAVINGS_ROWS:
         v = s.get(key)
         row(key, label, v, _num(v, fmt.get(key, "{:,}")), note)
+    idle, ratio = idle_figures(s)
+    row("idle_worker_seconds", "Idle worker-seconds", idle, _num(idle, "{:,.2f}"),
+        "idle worker time (includes causal-order waiting, if the tuner used it): "
+        "workers × end-to-end − worker-seconds")
+    row("idle_ratio", "Idle ratio", ratio, "—" if ratio is None else f"{100 * ratio:.1f}%",
+        "idle worker-seconds / (workers × end-to-end)")
     total, executed = s.get("total_steps"), s.get("executed_steps")
     if isinstance(total, int) and isinstance(executed, int) and total:
         saved = total - executed
@@ -740,10 +768,27 @@ def savings_html(data: RunData, stages: Sequence[TreeStage], trials: Sequence[Tr
         row("best_trial", "Best trial", s.get("best_trial"), str(s.get("best_trial")), "the tuner's answer")
         row("best_metric", "Best metric", s.get("best_metric"), _num(s.get("best_metric"), "{:.4f}"),
             "its metric at its final step")
+    sim = (f" Simulated by <code>stagetree simulate</code> ({_e(s.get('policy') or 'critical-path')} policy): "
+           "seconds are virtual seconds of simulated GPUs, timed by the trainer's cost model."
+           if data.simulated else "")
     head = (f"<p class=\"caption\">{_e(s.get('name', ''))}: {_e(s.get('mode', '?'))} mode, "
-            f"{_e(s.get('workers', '?'))} workers, {len(trials)} trials; values {_e(data.summary_source)}.</p>")
+            f"{_e(s.get('workers', '?'))} workers, {len(trials)} trials; values {_e(data.summary_source)}.{sim}</p>")
     return (f'<section id="savings"><h2>Merge savings</h2>{head}<table>'
             f"<tr><th>quantity</th><th>value</th><th>meaning</th></tr>{''.join(rows)}</table></section>")
+
+
+def idle_figures(summary: dict[str, Any]) -> tuple[float | None, float | None]:
+    """``(idle_worker_seconds, idle_ratio)`` of a summary: the summary's own idle seconds (else
+    max(0, workers x end-to-end - worker-seconds), for summaries written before it existed) and
+    idle / (workers x end-to-end); None where the figures are missing or the denominator is 0."""
+    workers, e2e, held = summary.get("workers"), summary.get("end_to_end_seconds"), summary.get("worker_seconds")
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (workers, e2e, held))
+    capacity = workers * e2e if numbers else None  # type: ignore[operator]
+    idle = summary.get("idle_worker_seconds")
+    if not isinstance(idle, (int, float)) or isinstance(idle, bool):
+        idle = max(0.0, capacity - held) if capacity is not None else None  # type: ignore[operator]
+    ratio = idle / capacity if idle is not None and capacity else None
+    return idle, ratio
 
 
 def trials_html(trials: Sequence[Trial], metric: str | None, best: str | None) -> str:
@@ -808,7 +853,9 @@ def build_report(source: Path, out: Path, audit: dict[str, Any] | None = None) -
     plot_stage_tree(stages, out / "stage_tree.png")
     marks = [(e.ts, "study started") for e in [data.study_started] if e is not None and e.ts]
     marks += [(e.ts, "study finished") for e in [data.study_finished] if e is not None and e.ts]
-    plot_gantt(data.runs, shared_keys, data.t0, out / "gantt.png", marks)
+    plot_gantt(data.runs, shared_keys, data.t0, out / "gantt.png", marks,
+               "virtual seconds since the first event (simulated)" if data.simulated else
+               "seconds since the first event")
     plot_curves(trials, metric, best, out / "curves.png")
 
     name = (data.summary or {}).get("name") or data.study_id or data.source.name
@@ -823,8 +870,9 @@ def build_report(source: Path, out: Path, audit: dict[str, Any] | None = None) -
         f"{_swatch(UNIQUE_COLOR)}one trial. Labels: node, step range, trials through it."
         + (" Rows are grouped by plan (one per trial in a <code>--no-merge</code> run), labelled "
            "<i>plan</i>:<i>node</i>." if multi else ""))
+    clock = ", on the simulator's virtual clock" if data.simulated else ""
     gantt_caption = (
-        f"One bar per stage run from its StageStarted to its StageFinished event (event timestamps), "
+        f"One bar per stage run from its StageStarted to its StageFinished event (event timestamps{clock}), "
         f"per worker; {_swatch(SHARED_COLOR)}shared stage, {_swatch(UNIQUE_COLOR)}one trial. "
         f"Gaps are time a worker waited for a dispatch or loaded and saved checkpoints outside a stage.")
     curves_caption = (

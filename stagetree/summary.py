@@ -172,7 +172,11 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
     the union of the trials' prefixes as if merged (so p is the same in both modes);
     ``executed_steps`` counts the steps workers actually trained in finished stages;
     ``merge_rate`` = total / unique (Hippo §6.2); ``worker_seconds`` sums the time each worker
-    was held by a stage (the papers' GPU-hours, in seconds). Executed steps and worker-seconds
+    was held by a stage (the papers' GPU-hours, in seconds); ``idle_worker_seconds`` =
+    max(0, workers x end_to_end_seconds - worker_seconds) is the worker time no stage held
+    while the study ran: waiting for a dispatch, a tail with fewer ready stages than workers,
+    and, with a causal-order tuner (``causal=True``), the time finished results waited for
+    causally earlier ones (NASPipe's bubble). Executed steps and worker-seconds
     count the study's own plans, so studies on other plans of the same log do not mix in; but a
     plan shared with other studies (Hippo §7) counts every study's steps and seconds on it.
 
@@ -191,6 +195,7 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
     plans = [state.plans[k] for k in sorted(plan_keys)]
     unique = merged_unique_steps([(t.hp, t.steps) for t in trials]) if trials else 0
     sharing = studies_sharing_plan(state, study_id)
+    worker_seconds = sum(p.worker_seconds for p in plans)
     earlier, since = sharing_steps(state, events, study_id) if events is not None else (None, None)
     return {
         "name": study.get("name", study_id),
@@ -212,8 +217,9 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
         "unique_steps": unique,
         "executed_steps": sum(p.executed_steps for p in plans),
         "merge_rate": total / unique if unique else None,
-        "worker_seconds": sum(p.worker_seconds for p in plans),
+        "worker_seconds": worker_seconds,
         "end_to_end_seconds": end_to_end_seconds,
+        "idle_worker_seconds": max(0.0, workers * end_to_end_seconds - worker_seconds),
         "studies_sharing_plan": sharing,
         "k_wise_merge_rate": k_wise_merge_rate(state, sharing),
         "steps_from_earlier_studies": earlier,

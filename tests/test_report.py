@@ -269,3 +269,38 @@ def test_report_of_a_jsonl_export(run_dir: Path, summary: dict, tmp_path: Path) 
     for key, _, _ in SAVINGS_ROWS:
         assert cells[key] == pytest.approx(summary[key]), key
     assert cells["shared_stages"] > 0
+
+
+# ----------------------------------------------------------------------------- a simulated run
+
+
+def test_report_of_a_simulated_run_shows_idle_worker_time(tmp_path: Path) -> None:
+    from events.hp import MultiStep
+    from gpu_worker.simulated import CostModel, SimulatedTrainer
+    from stagetree.simulate import SimStudy, simulate
+    from stagetree.tuners import GridSearch, GridSearchSpace
+
+    trainer = SimulatedTrainer("report-sim", ("lr",), cost=CostModel(base_seconds=2.0, save_seconds=1.0))
+    space = GridSearchSpace({"lr": [Constant(0.1), MultiStep(0.1, (4,), 0.1), MultiStep(0.1, (8,), 0.1)]})
+    run = tmp_path / "run"
+    result = simulate(trainer, [SimStudy("sim", GridSearch(space, 10, metric="val_acc"))], workers=3, run_dir=run)
+    expected = result.summaries[0]
+    capacity = 3 * expected["end_to_end_seconds"]
+    assert expected["idle_worker_seconds"] == pytest.approx(capacity - expected["worker_seconds"])
+    assert expected["idle_worker_seconds"] > 0  # three workers, one shared prefix: some wait
+
+    doc = build_report(run, tmp_path / "out").read_text(encoding="utf-8")  # no summary file: from the log
+    cells = table(doc)
+    assert "computed from the log" in doc and "Simulated by <code>stagetree simulate</code>" in doc
+    assert cells["idle_worker_seconds"] == pytest.approx(expected["idle_worker_seconds"])
+    assert cells["idle_ratio"] == pytest.approx(expected["idle_worker_seconds"] / capacity)
+    assert "idle worker time (includes causal-order waiting, if the tuner used it)" in doc
+    assert cells["end_to_end_seconds"] == pytest.approx(expected["end_to_end_seconds"])  # virtual, not 1e9 s
+    for name in PICTURES:
+        assert png_size(tmp_path / "out" / name)[0] > 300
+
+    # `stagetree simulate --out` writes summary-<study>.json: the report reads it
+    (run / "summary-sim.json").write_bytes(orjson.dumps(expected))
+    doc = build_report(run, tmp_path / "out2").read_text(encoding="utf-8")
+    assert "from summary-sim.json" in doc
+    assert table(doc)["idle_worker_seconds"] == expected["idle_worker_seconds"]

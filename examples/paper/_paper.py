@@ -164,7 +164,7 @@ def resnet20_subspace(i: int) -> GridSearchSpace:
     """Subspace ``i`` (0-7) of the multi-study set: 144 trials = 36 lr x 4 bs. Neighbouring
     subspaces share part of their learning-rate schedules, as studies a user edits do."""
     lrs = []
-    for init in (0.1, round(0.05 + 0.01 * i, 3), round(0.2 - 0.01 * i, 3)):
+    for init in (0.1, round(0.06 + 0.005 * i, 4), round(0.2 - 0.01 * i, 3)):
         for ms in ((55 + 4 * i, 92), (80, 91 + 2 * i), (70 + 3 * (i % 4), 95)):
             for gamma in (0.1, 0.2):
                 lrs.append(MultiStep(init, ms, gamma))
