@@ -31,6 +31,7 @@ from events.log import EmbeddedLog, append_events, event_key
 from events.models import Event, StageDispatched, StudyFinished, StudyStarted, WorkerJoined
 from gpu_worker.simulated import SimulatedWorker, models_of
 from gpu_worker.trainer import Trainer
+from projections.search_plan import merged_unique_steps
 from projections.store import ProjectionStore, Projector, all_keys
 from scheduler.service import SchedulerService
 from stagetree.runtime import RuntimeBase, RuntimeError_
@@ -271,8 +272,7 @@ async def _simulate(trainer: Trainer, studies: list[SimStudy], workers: int, mer
                                           best_trial=best.trial_id if best else None, best_metric=best_metric,
                                           end_to_end_seconds=done_at[i]))
         cluster.append(finished)
-        for i, (s, result) in enumerate(zip(studies, results)):
-            best = result.best
+        for i, s in enumerate(studies):
             ev = finished[i]
             summary = build_summary(cluster.state, s.name, mode=mode, workers=workers, best_trial=ev.best_trial,
                                     best_metric=ev.best_metric, end_to_end_seconds=done_at[i])
@@ -281,8 +281,6 @@ async def _simulate(trainer: Trainer, studies: list[SimStudy], workers: int, mer
             summaries.append(summary)
         state = cluster.state
         trials = list(state.trials.values())
-        from projections.search_plan import merged_unique_steps
-
         unique = merged_unique_steps([(t.hp, t.steps) for t in trials]) if trials else 0
         return SimulationResult(
             mode=mode, policy=policy, workers=workers, summaries=summaries, makespan_seconds=makespan,
