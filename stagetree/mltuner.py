@@ -33,7 +33,7 @@ import numpy as np
 from events.hp import Constant, HPConfig, HPFunction, Piecewise, as_hp
 from stagetree.study import Study, wait_all
 from stagetree.summarizer import CONVERGING, DIVERGED, Summary, summarize, top_within
-from stagetree.tuners import Mode, Tuner, TrialResult, TunerResult, continue_with, stable_seed
+from stagetree.tuners import Mode, Tuner, TrialResult, TunerResult, candidates_of, continue_with, stable_seed
 
 __all__ = ["MLtunerTuner"]
 
@@ -189,14 +189,7 @@ class MLtunerTuner(Tuner):
         self.tolerance = float(tolerance)
         if not isinstance(tunables, Mapping) or not tunables:
             raise ValueError(f"`tunables` is {tunables!r}, but must map at least one name to candidates")
-        self.tunables: dict[str, list[HPFunction]] = {}
-        for name, values in tunables.items():
-            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
-                raise ValueError(f"`tunables[{name!r}]` is {values!r}, but must be a non-empty list of candidates")
-            try:
-                self.tunables[name] = [as_hp(v) for v in values]
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"`tunables[{name!r}]`: {exc}") from None
+        self.tunables = candidates_of("tunables", tunables)
         first = next(iter(space), None)
         if first is None:
             raise ValueError(f"`space` is {space!r}, but must hold at least one configuration")

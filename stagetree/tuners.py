@@ -33,6 +33,24 @@ __all__ = [
 Mode = Literal["max", "min"]
 
 
+def candidates_of(field: str, hp_dict: Mapping[str, Any]) -> dict[str, list[HPFunction]]:
+    """``hp_dict``'s candidate lists as hyper-parameter functions (numbers become Constant).
+
+    Raises:
+        ValueError: a list that is empty or not a list, or an invalid candidate, naming
+            ``field[name]`` and the value.
+    """
+    out: dict[str, list[HPFunction]] = {}
+    for name, values in hp_dict.items():
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+            raise ValueError(f"`{field}[{name!r}]` is {values!r}, but must be a non-empty list of candidates")
+        try:
+            out[name] = [as_hp(v) for v in values]
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"`{field}[{name!r}]`: {exc}") from None
+    return out
+
+
 class GridSearchSpace:
     """The Cartesian product of candidate sequences per hyper-parameter (Hippo §5.3).
 
@@ -47,14 +65,7 @@ class GridSearchSpace:
     def __init__(self, hp_dict: Mapping[str, Sequence[Any]], filter: Callable[[HPConfig], bool] | None = None) -> None:
         if not hp_dict:
             raise ValueError("`hp_dict` is {}, but must name at least one hyper-parameter")
-        self.candidates: dict[str, list[Any]] = {}
-        for name, values in hp_dict.items():
-            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
-                raise ValueError(f"`hp_dict[{name!r}]` is {values!r}, but must be a non-empty list of candidates")
-            try:
-                self.candidates[name] = [as_hp(v) for v in values]
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"`hp_dict[{name!r}]`: {exc}") from None
+        self.candidates: dict[str, list[Any]] = dict(candidates_of("hp_dict", hp_dict))
         self.filter = filter
 
     def __iter__(self) -> Iterator[HPConfig]:
@@ -611,14 +622,7 @@ class PBT(Tuner):
             raise ValueError(f"`resample_probability` is {resample_probability!r}, but must be in [0, 1]")
         if not mutations:
             raise ValueError("`mutations` is empty, but must name at least one hyper-parameter to explore")
-        self.mutations: dict[str, list[HPFunction]] = {}
-        for name, values in mutations.items():
-            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
-                raise ValueError(f"`mutations[{name!r}]` is {values!r}, but must be a non-empty list of candidates")
-            try:
-                self.mutations[name] = [as_hp(v) for v in values]
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"`mutations[{name!r}]`: {exc}") from None
+        self.mutations = candidates_of("mutations", mutations)
         self.quantile = float(quantile)
         self.resample_probability = float(resample_probability)
         self.causal = _check_causal(causal)

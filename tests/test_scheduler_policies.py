@@ -22,16 +22,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import test_scheduler  # the random trial families of the scheduler property tests
+
 from events import topics
 from events.codec import decode, encode
-from events.hp import Constant, Exponential, MultiStep, Piecewise, first_divergence
+from events.hp import Constant, Piecewise, first_divergence
 from events.log import EmbeddedLog, append_events, event_key
 from events.models import (
     CheckpointSaved,
     Event,
     StageDispatched,
     TrialCancelled,
-    TrialSubmitted,
     WorkerJoined,
     WorkerLost,
 )
@@ -428,16 +429,10 @@ def ref_choice(state: State, policy: str) -> list[tuple[str, int, int]] | None:
 # ----------------------------------------------------------------------------- random sequences
 
 LR_FAMILY = [
-    Constant(0.1),
-    Constant(0.05),
-    MultiStep(0.1, (8,), 0.1),
-    MultiStep(0.1, (8, 16), 0.1),
-    MultiStep(0.1, (12,), 0.5),
-    Exponential(0.1, 0.9),
-    Piecewise(functions=(Constant(0.1), Exponential(0.1, 0.9)), boundaries=(10,)),
+    *test_scheduler.LR_FAMILY,
     Piecewise(functions=(Constant(0.1), Constant(0.05), Constant(0.1)), boundaries=(4, 12)),
 ]
-BS_FAMILY = [Constant(32), MultiStep(32, (10,), 2), MultiStep(32, (6,), 2)]
+BS_FAMILY = test_scheduler.BS_FAMILY
 
 op = st.one_of(
     st.tuples(st.just("submit"), st.integers(0, len(LR_FAMILY) - 1), st.integers(0, len(BS_FAMILY) - 1),
