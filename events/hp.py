@@ -43,6 +43,7 @@ from pydantic import (
     Field,
     StrictInt,
     TypeAdapter,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -83,6 +84,17 @@ __all__ = [
 def _name(info: ValidationInfo) -> str:
     """The field's public name (``Constant.value_`` is ``value`` in JSON and in __init__)."""
     return (info.field_name or "").removesuffix("_")
+
+
+def _problems(exc: ValidationError) -> str:
+    """A pydantic error as one line: our validators' messages as they are, others with the
+    parameter's name (``value error, ...`` prefixes and documentation links left out)."""
+    out = []
+    for e in exc.errors():
+        message = str(e["msg"]).removeprefix("Value error, ")
+        where = ".".join(str(p) for p in e["loc"])
+        out.append(message if message.startswith("`") or not where else f"`{where}`: {message}")
+    return "; ".join(out)
 
 
 def _number(value: Any, info: ValidationInfo) -> int | float:
@@ -266,8 +278,16 @@ class HPFunction(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     def __init__(self, **data: Any) -> None:
-        """Validates ``data``; each family also takes its parameters positionally."""
-        super().__init__(**data)
+        """Validates ``data``; each family also takes its parameters positionally.
+
+        Raises:
+            ValueError: a parameter is invalid; one line per problem, naming the family, the
+                parameter and the value (``MultiStep: `init` is nan, but must be finite``).
+        """
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ValueError(f"{type(self).__name__}: {_problems(exc)}") from None
 
     def value(self, step: int) -> int | float:
         """The value at global ``step`` (int >= 0); raises ValueError for a negative step."""

@@ -55,7 +55,7 @@ from events.models import (
 )
 from projections.state import State, Trial
 from replay.audit import AuditError, fold, open_source, secret_from, verify
-from stagetree.summary import elapsed
+from stagetree.summary import elapsed, summary_path
 
 
 SHARED_COLOR = "#e8743b"
@@ -163,9 +163,10 @@ def load_run(source: str | Path) -> RunData:
     started = next((e for e in reversed(starts) if e.study_id == study_id), None)
     finished = next((e for _, e in reversed(events) if isinstance(e, StudyFinished) and e.study_id == study_id), None)
     source_note = "from summary.json"
-    if summary is None and study_id is not None:  # `stagetree simulate --out` writes one per study
-        summary = _read_summary(path / f"summary-{study_id}.json")
-        source_note = f"from summary-{study_id}.json"
+    if study_id is not None and (summary is None or summary.get("name") != study_id):
+        per_study = summary_path(path, study_id)  # one per study: `stagetree run` and `simulate --out`
+        if per_study.is_file():
+            summary, source_note = _read_summary(per_study), f"from {per_study.name}"
     data = RunData(path, events, state, summary, study_id, started, finished, stage_runs(events), bad,
                    summary_source=source_note)
     data.simulated = bool((summary or {}).get("simulated")) or (started is not None and started.producer == "simulator")

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from events.hp import Constant, HPConfig, HPFunction, Piecewise, as_hp
-from stagetree.study import Study, wait_all
+from stagetree.study import Study, TrialFailed, wait_all
 from stagetree.summarizer import CONVERGING, DIVERGED, Summary, summarize, top_within
 from stagetree.tuners import Mode, Tuner, TrialResult, TunerResult, candidates_of, continue_with, stable_seed
 
@@ -273,7 +273,12 @@ class MLtunerTuner(Tuner):
                 if await tune(min(self.epoch_steps, self.max_steps - step), min(self.max_branches, previous)):
                     continue  # the selection point was an evaluation: check patience again
             nxt = min(step + self.epoch_steps, self.max_steps)
-            metrics = await study.submit(main, nxt)
+            try:
+                metrics = await study.submit(main, nxt)
+            except TrialFailed as exc:  # the main line failed: a loss; the answer is the best so far
+                self._record(everything, TrialResult(study.trial_id(main), main, nxt, {}, error=exc.error or "failed"))
+                decisions.append(("stop", nxt, "failed"))
+                break
             step = nxt
             evaluate(main, step, metrics)
         return TunerResult(best, self.metric, self.mode, sorted(everything.values(), key=lambda r: r.trial_id),
@@ -289,7 +294,12 @@ class MLtunerTuner(Tuner):
                           everything: dict[str, TrialResult]) -> Summary:
         """Request ``branch``'s progress points up to ``start + length`` and summarise them."""
         steps = self.trace_steps(start, length)
-        metrics = await wait_all([study.submit(branch.config, s) for s in steps])
+        try:
+            metrics = await wait_all([study.submit(branch.config, s) for s in steps])
+        except TrialFailed as exc:  # a failed trial is a loss: dropped like a diverged branch
+            self._record(everything, TrialResult(branch.trial_id, branch.config, steps[-1], {},
+                                                 error=exc.error or "failed"))
+            return Summary(DIVERGED, 0.0, 0.0, 0.0, 0.0, 0)
         trace = []
         for s, m in zip(steps, metrics):
             if self.progress_metric not in m:

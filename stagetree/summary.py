@@ -10,8 +10,11 @@ much the other studies on its plan gave it.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from events import topics
@@ -23,6 +26,18 @@ from projections.search_plan import merged_unique_steps
 from projections.state import State, Trial
 
 TRIAL_PLAN_SEPARATOR = "/trial/"  # mode "trial": every trial's plan key is <key>/trial/<trial id>
+
+_FILE_SAFE = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def summary_path(run_dir: Path, study_id: str) -> Path:
+    """Where a study's summary lives in a run directory: ``summary-<study>.json``, one per study
+    (a name that is not file-safe becomes ``_``-separated plus 8 hex characters of its sha256,
+    so two names never share a file)."""
+    if _FILE_SAFE.fullmatch(study_id) and study_id not in (".", ".."):
+        return run_dir / f"summary-{study_id}.json"
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", study_id).strip("._") or "study"
+    return run_dir / f"summary-{safe}-{hashlib.sha256(study_id.encode()).hexdigest()[:8]}.json"
 
 
 def elapsed(events: Iterable[Event], study_id: str) -> float:
@@ -208,6 +223,7 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
                 "steps": t.steps,
                 "metrics": t.results.get(t.steps),
                 "status": t.status,
+                **({"error": t.error} if t.status == "failed" else {}),
             }
             for t in trials
         ],

@@ -22,7 +22,7 @@ import numpy as np
 
 from events.hp import HPConfig, HPFunction, Piecewise, as_hp
 from stagetree.spaces import Choice, IntUniform, LogUniform, Milestones, RandomSearchSpace, Sampled, Uniform
-from stagetree.study import Study, TrialFailed, wait_all
+from stagetree.study import Study, TrialFailed
 
 __all__ = [
     "ASHA", "PBT", "Choice", "EarlyStopTuner", "GridSearch", "GridSearchSpace", "Hyperband", "IntUniform", "LogUniform",
@@ -81,12 +81,18 @@ class GridSearchSpace:
 
 @dataclass
 class TrialResult:
-    """One configuration's outcome: the metrics at the largest steps it was trained to."""
+    """One configuration's outcome: the metrics at the largest steps it was trained to, or, when
+    its training failed (the trainer raised), no metrics and the ``error``."""
 
     trial_id: str
     hp: HPConfig
     steps: int
     metrics: dict[str, float]
+    error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
 
 @dataclass
@@ -105,7 +111,16 @@ class TunerResult:
 class Tuner(ABC):
     """Base of tuners: a search space (any iterable of configurations, e.g. a
     :class:`GridSearchSpace` or a :class:`RandomSearchSpace`), the metric to optimise and its
-    direction."""
+    direction.
+
+    **A failed trial is a loss**, in every tuner: a trial whose training failed (the trainer
+    raised) has no metrics; it is stopped where it failed and never continues, and it is never
+    promoted, kept, chosen as a donor or given as the answer. Where a tuner keeps a fraction of
+    the trials of a rung (SuccessiveHalving, Hyperband, EarlyStopTuner, ASHA) it counts as one
+    of the rung's trials, ranked below every result; statistics over results (MedianStopping's
+    median, PBT's quantiles) use only the results that exist. The study goes on; its summary
+    lists the trial as "failed" with the error.
+    """
 
     def __init__(self, space: Iterable[HPConfig], metric: str, mode: Mode = "max") -> None:
         if mode not in ("max", "min"):
@@ -133,18 +148,36 @@ class Tuner(ABC):
             return float("-inf")
         return float(value) if self.mode == "max" else -float(value)
 
+    def result_score(self, result: TrialResult) -> float:
+        """:meth:`score` of a result; a failed trial scores below everything (``-inf`` for
+        results whose metric is null, then failed trials)."""
+        return -math.inf if result.failed else self.score(result.metrics)
+
     def rank(self, results: list[TrialResult]) -> list[TrialResult]:
-        """Best first; ties broken by trial id so the order is deterministic."""
-        return sorted(results, key=lambda r: (-self.score(r.metrics), r.trial_id))
+        """Best first, failed trials last; ties broken by trial id so the order is deterministic."""
+        return sorted(results, key=lambda r: (r.failed, -self.result_score(r), r.trial_id))
+
+    def keep(self, results: list[TrialResult], count: int) -> list[TrialResult]:
+        """The best ``count`` results that did not fail (what a rung keeps or promotes)."""
+        return [r for r in self.rank(results)[:count] if not r.failed]
 
     async def _train(self, study: Study, configs: list[HPConfig], steps: int) -> list[TrialResult]:
-        metrics = await wait_all([study.submit(c, steps) for c in configs])
-        return [TrialResult(study.trial_id(c), c, steps, m) for c, m in zip(configs, metrics)]
+        """Train ``configs`` to ``steps`` at once; a failed trial is a result with its error."""
+        outcomes = await asyncio.gather(*[study.submit(c, steps) for c in configs], return_exceptions=True)
+        results = []
+        for config, outcome in zip(configs, outcomes):
+            trial_id = study.trial_id(study.config(config))
+            if isinstance(outcome, TrialFailed):
+                results.append(TrialResult(trial_id, config, steps, {}, error=outcome.error or "failed"))
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                results.append(TrialResult(trial_id, config, steps, outcome))
+        return results
 
     def _result(self, final: list[TrialResult], everything: dict[str, TrialResult]) -> TunerResult:
-        ranked = self.rank(final)
-        return TunerResult(ranked[0] if ranked else None, self.metric, self.mode,
-                           sorted(everything.values(), key=lambda r: r.trial_id))
+        best = next((r for r in self.rank(final) if not r.failed), None)
+        return TunerResult(best, self.metric, self.mode, sorted(everything.values(), key=lambda r: r.trial_id))
 
 
 def _check_positive(name: str, value: Any) -> int:
@@ -166,7 +199,14 @@ class GridSearch(Tuner):
 
 
 def rungs(min_steps: int, max_steps: int, reduction: int) -> list[int]:
-    """Rung budgets of successive halving: min_steps * reduction**k, capped by max_steps (last)."""
+    """Rung budgets of successive halving: min_steps * reduction**k, capped by max_steps (last).
+
+    Raises:
+        ValueError: non-positive steps, ``min_steps > max_steps`` or ``reduction < 2`` (with
+            ``reduction <= 1`` the rungs would never reach ``max_steps``).
+    """
+    _check_range(min_steps, max_steps)
+    _check_reduction(reduction)
     out = [min_steps]
     while out[-1] * reduction < max_steps:
         out.append(out[-1] * reduction)
@@ -209,8 +249,7 @@ class SuccessiveHalving(Tuner):
             results = await self._train(study, alive, steps)
             everything.update({r.trial_id: r for r in results})
             if k + 1 < len(budgets):
-                keep = max(1, len(alive) // self.reduction)
-                alive = [r.hp for r in self.rank(results)[:keep]]
+                alive = [r.hp for r in self.keep(results, max(1, len(alive) // self.reduction))]
         return self._result(results, everything)
 
 
@@ -256,7 +295,7 @@ class EarlyStopTuner(Tuner):
             results = await self._train(study, alive, steps)
             everything.update({r.trial_id: r for r in results})
             if i + 1 < len(self.schedule.milestones):
-                alive = [r.hp for r in self.rank(results)[: self.schedule.milestones[i + 1][1]]]
+                alive = [r.hp for r in self.keep(results, self.schedule.milestones[i + 1][1])]
         return self._result(results, everything)
 
 
@@ -336,9 +375,10 @@ class ResultInbox(Generic[P]):
         done = [e for e in self._entries if e.future.done()]
         return min(done, key=lambda e: (self._answered_at(e), e.index)) if done else None
 
-    async def next(self) -> tuple[P, dict[str, float] | None]:
-        """The next ``(payload, metrics)``; metrics are None when the trial failed or was
-        cancelled. Raises IndexError when nothing is registered."""
+    async def next(self) -> tuple[P, dict[str, float] | TrialFailed | None]:
+        """The next ``(payload, outcome)``: the metrics, the :class:`TrialFailed` of a trial whose
+        training failed, or None for a cancelled request. Raises IndexError when nothing is
+        registered."""
         if not self._entries:
             raise IndexError("no request is waiting")
         while True:
@@ -346,13 +386,23 @@ class ResultInbox(Generic[P]):
             if entry is not None:
                 self._entries.remove(entry)
                 f = entry.future
-                if f.cancelled() or isinstance(f.exception(), TrialFailed):
+                if f.cancelled():
                     return entry.payload, None
+                if isinstance(f.exception(), TrialFailed):
+                    return entry.payload, f.exception()  # type: ignore[return-value]
                 return entry.payload, f.result()
             running = [e.future for e in self._entries if not e.future.done()]
             if not running:  # unreachable: a done head or a done result would have been picked
                 raise RuntimeError("the inbox has results but none can be handed over")
             await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+
+
+def _outcome(study: Study, config: HPConfig, steps: int, outcome: dict[str, float] | TrialFailed) -> TrialResult:
+    """The result of a request handed over by a :class:`ResultInbox` (not a cancelled one)."""
+    trial_id = study.trial_id(study.config(config))
+    if isinstance(outcome, TrialFailed):
+        return TrialResult(trial_id, config, steps, {}, error=outcome.error or "failed")
+    return TrialResult(trial_id, config, steps, outcome)
 
 
 def _check_causal(causal: Any) -> bool:
@@ -414,15 +464,15 @@ class ASHA(Tuner):
         everything: dict[str, TrialResult] = {}
         decisions: list[tuple[Any, ...]] = []
         while inbox:
-            (config, k), metrics = await inbox.next()
-            if metrics is None:
+            (config, k), outcome = await inbox.next()
+            if outcome is None:
                 continue
-            result = TrialResult(study.trial_id(study.config(config)), config, budgets[k], metrics)
-            at_rung[k].append(result)
+            result = _outcome(study, config, budgets[k], outcome)
+            at_rung[k].append(result)  # a failed trial counts at its rung, ranked last
             everything[result.trial_id] = result
             if k + 1 == len(budgets):
                 continue
-            for r in self.rank(at_rung[k])[: len(at_rung[k]) // self.reduction]:
+            for r in self.keep(at_rung[k], len(at_rung[k]) // self.reduction):
                 if r.trial_id not in promoted[k]:
                     promoted[k].add(r.trial_id)
                     decisions.append(("promote", r.trial_id, budgets[k], budgets[k + 1]))
@@ -505,7 +555,7 @@ class Hyperband(Tuner):
             results = await self._train(study, alive, steps)
             seen.update({r.trial_id: r for r in results})
             if k + 1 < len(budgets):
-                keep = self.rank(results)[: max(1, len(alive) // self.reduction)]
+                keep = self.keep(results, max(1, len(alive) // self.reduction))
                 promoted += [(r.trial_id, steps, budgets[k + 1]) for r in keep]
                 alive = [r.hp for r in keep]
         return results, seen, promoted
@@ -554,12 +604,14 @@ class MedianStopping(Tuner):
         final: list[TrialResult] = []
         decisions: list[tuple[Any, ...]] = []
         while inbox:
-            (config, i), metrics = await inbox.next()
-            if metrics is None:
+            (config, i), outcome = await inbox.next()
+            if outcome is None:
                 continue
-            result = TrialResult(study.trial_id(study.config(config)), config, points[i], metrics)
+            result = _outcome(study, config, points[i], outcome)
             everything[result.trial_id] = result
-            score = self.score(metrics)
+            if result.failed:
+                continue  # stopped where it failed; the medians use results that exist
+            score = self.score(result.metrics)
             best = best_so_far[result.trial_id] = max(best_so_far.get(result.trial_id, -math.inf), score)
             others = [v for t, v in reported[i] if t != result.trial_id]
             reported[i].append((result.trial_id, score))
@@ -658,12 +710,14 @@ class PBT(Tuner):
         final: list[TrialResult] = []
         decisions: list[tuple[Any, ...]] = []
         while inbox:
-            (config, g), metrics = await inbox.next()
-            if metrics is None:
+            (config, g), outcome = await inbox.next()
+            if outcome is None:
                 continue
-            result = TrialResult(study.trial_id(study.config(config)), config, gens[g], metrics)
-            at_gen[g].append(result)
+            result = _outcome(study, config, gens[g], outcome)
             everything[result.trial_id] = result
+            if result.failed:
+                continue  # the member ends; quantiles use results that exist
+            at_gen[g].append(result)
             if g + 1 == len(gens):
                 final.append(result)
                 continue

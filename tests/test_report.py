@@ -25,6 +25,7 @@ import pytest
 from events.hp import Constant
 from events.models import StageDispatched, StageFailed, StageFinished, StageStarted, StageSpec, WorkerLost
 from projections.state import Node, Plan, State, Trial
+from replay import audit  # our own module: an import regression must fail, never skip
 from replay.report import (
     PICTURES,
     SAVINGS_ROWS,
@@ -156,7 +157,6 @@ def test_cli_reads_an_audit_file_and_rejects_bad_input(run_dir: Path, tmp_path: 
 
 @pytest.mark.e2e
 def test_cli_verify_runs_the_audit(run_dir: Path, tmp_path: Path) -> None:
-    pytest.importorskip("replay.audit")
     assert main([str(run_dir), "--out", str(tmp_path / "v"), "--verify"]) == 0
     doc = (tmp_path / "v" / "index.html").read_text()
     assert 'class="audit ok"' in doc, doc[doc.index('id="audit"'):][:2000]
@@ -261,7 +261,6 @@ def test_stage_runs_pair_start_and_end_events() -> None:
 
 @pytest.mark.e2e
 def test_report_of_a_jsonl_export(run_dir: Path, summary: dict, tmp_path: Path) -> None:
-    audit = pytest.importorskip("replay.audit")
     export = tmp_path / "run.jsonl"
     audit.export_log(audit.open_source(run_dir), export)
     doc = build_report(export, tmp_path / "out").read_text(encoding="utf-8")
