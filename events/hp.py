@@ -72,6 +72,7 @@ __all__ = [
     "config_from_json",
     "config_to_json",
     "config_values",
+    "continue_with",
     "first_divergence",
     "hp_from_json",
     "hp_to_json",
@@ -692,6 +693,15 @@ def canonical_json(config: Mapping[str, HPFunction]) -> bytes:
 def config_values(config: Mapping[str, HPFunction], step: int) -> dict[str, int | float]:
     """The value of every hyper-parameter at global ``step``, sorted by name."""
     return {name: config[name].value(step) for name in sorted(config)}
+
+
+def continue_with(fn: HPFunction, then: HPFunction, at: int) -> HPFunction:
+    """``fn`` up to step ``at``, then ``then`` in its own frame (starting at 0 at ``at``): a
+    Piecewise, flattened when ``fn`` is one already. Raises ValueError unless ``at`` is after
+    ``fn``'s last boundary."""
+    if isinstance(fn, Piecewise):
+        return Piecewise([*fn.functions, then], [*fn.boundaries, at])
+    return Piecewise([fn, then], [at])
 
 
 def check_computable(config: Mapping[str, HPFunction], steps: int, field: str = "hp") -> None:

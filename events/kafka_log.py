@@ -371,14 +371,17 @@ class KafkaLog:
         for i, item in enumerate(items):
             key, value = item
             if not isinstance(key, str):
-                raise TypeError(f"item {i} of the append to {topic!r}: key is {type(key).__name__} {key!r}, but must be str")
+                raise TypeError(f"item {i} of the append to {topic!r}: key is {type(key).__name__} {key!r}, "
+                                "but must be str")
             if not isinstance(value, (bytes, bytearray, memoryview)):
-                raise TypeError(f"item {i} of the append to {topic!r}: value is {type(value).__name__}, but must be bytes")
+                raise TypeError(f"item {i} of the append to {topic!r}: value is {type(value).__name__}, "
+                                "but must be bytes")
             kb, vb = key.encode("utf-8"), bytes(value)
             if len(kb) + len(vb) > self._max_record:
                 raise KafkaLogError(
                     f"item {i} of the append to {topic!r} has {len(kb) + len(vb)} bytes of key and value, but "
-                    f"Kafka records hold at most {self._max_record} (message.max.bytes)", topic=topic, error="too large")
+                    f"Kafka records hold at most {self._max_record} (message.max.bytes)", topic=topic,
+                    error="too large")
             records.append((kb, vb))
         if not records:
             return []

@@ -206,9 +206,21 @@ class EmbeddedLog:
         return self.append_many(stream, [(key, value)])[0]
 
     def append_many(self, stream: str, items: Sequence[tuple[str, bytes]]) -> list[int]:
-        """Append records atomically (all or none) in order; returns their offsets."""
+        """Append records atomically (all or none) in order; returns their offsets.
+
+        Raises:
+            TypeError: a key is not a str or a value not bytes (the item is named; nothing is
+                appended).
+        """
         if self.read_only:
             raise LogError(f"the log at {self.path} was opened read-only")
+        for i, (key, value) in enumerate(items):
+            if not isinstance(key, str):
+                raise TypeError(f"item {i} of the append to {stream!r}: key is {type(key).__name__} {key!r}, "
+                                "but must be str")
+            if not isinstance(value, (bytes, bytearray, memoryview)):
+                raise TypeError(f"item {i} of the append to {stream!r}: value is {type(value).__name__}, "
+                                "but must be bytes")
         with self._lock:
             start = self.end_offset(stream)
             head = self.head(stream)

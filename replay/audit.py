@@ -405,7 +405,8 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
     elif source.projection_sha256 is not None:
         digest = projection_digest(rebuilt)
         failure = None if digest == source.projection_sha256 else Failure(
-            "projection", None, None, f"the fold's digest {digest} differs from the export's {source.projection_sha256}")
+            "projection", None, None,
+            f"the fold's digest {digest} differs from the export's {source.projection_sha256}")
         result.add("projection", failure, "the fold's digest equals the export's")
 
     if source.checkpoints is None:

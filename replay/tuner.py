@@ -14,12 +14,12 @@ import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from events import topics
+from events.codec import InvalidEvent, decode
 from events.models import Event, StudyFinished, StudyStarted, TrialSubmitted
 from gpu_worker.trainer import Trainer
 from projections.state import State
 from replay.audit import AuditError, fold, open_source
-from events import topics
-from events.codec import InvalidEvent, decode
 from stagetree.study import Study, TrialFailed
 from stagetree.tuners import Tuner, TunerResult
 

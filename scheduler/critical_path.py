@@ -1,9 +1,10 @@
 """Critical paths through a stage tree (Hippo §4.3, thesis §4.3.1).
 
 The critical path is the root-to-leaf chain of stages with the largest estimated time
-(steps x seconds per step), and of two equally long the one with more steps. A whole path goes to one idle worker as one batch, so consecutive
-stages keep their weights in memory. Only paths whose first stage can start now are
-candidates: its source checkpoint exists, or it starts from a fresh initialisation; stages
+(steps x seconds per step), and of two equally long the one with more steps. A whole path goes
+to one idle worker as one batch, so consecutive stages keep their weights in memory. Only paths
+whose first stage can start now are candidates: its source checkpoint exists, or it starts from
+a fresh initialisation; stages
 hanging off in-flight work wait until the checkpoint they need is saved.
 
 Ties are broken by stage key order, so the choice is a deterministic function of the plan.

@@ -27,6 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
+from projections.queries import node_number
 from projections.state import Node, Plan
 
 COLD_SEC_PER_STEP = 1.0
@@ -179,7 +180,7 @@ def build_stage_tree(plan: Plan, fallback: float = COLD_SEC_PER_STEP) -> StageTr
     # order a sort of all nodes would give; a parent gaining its first endpoint joins the heap
     # when it comes later in that order.
     def order(n: Node) -> tuple[int, int]:
-        return (-n.depth, int(n.node_id[1:]))
+        return (-n.depth, node_number(n.node_id))
 
     heap = [(*order(plan.nodes[node_id]), node_id) for node_id in endpoints]
     heapq.heapify(heap)
@@ -198,7 +199,7 @@ def build_stage_tree(plan: Plan, fallback: float = COLD_SEC_PER_STEP) -> StageTr
 
     tree = StageTree(plan.plan_key)
     mean = mean_sec_per_step(plan, fallback) if endpoints else fallback
-    for node_id in sorted(endpoints, key=lambda n: int(n[1:])):
+    for node_id in sorted(endpoints, key=node_number):
         node = plan.nodes[node_id]
         sps = sec_per_step(plan, node, mean)
         previous: int | None = None

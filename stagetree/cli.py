@@ -28,24 +28,24 @@ import orjson
 from rich.console import Console
 from rich.markup import escape
 
-from events.models import StudyFinished, StudyStarted
-from gpu_worker.loader import StudyFileError, load_module, trainer_of
 from events import tracing
 from events.kafka_log import KafkaLog, security_from_env
 from events.log import EmbeddedLog, LogError
+from events.models import StudyFinished, StudyStarted
 from gpu_worker.executor import resolve_device
 from gpu_worker.kafka_worker import KafkaWorker
+from gpu_worker.loader import StudyFileError, load_module, trainer_of
 from gpu_worker.object_store import open_checkpoint_store
+from projections.summary import build_summary, elapsed_before, plan_events, summary_path
 from replay.audit import AuditError, secret_from
 from replay.commands import register
-from stagetree.simulate_cli import register as register_simulate
 from stagetree.embedded import EmbeddedCoordinator
 from stagetree.kafka_runtime import KafkaRuntime
-from stagetree.serve import serve
 from stagetree.progress import Progress
 from stagetree.runtime import RuntimeError_
+from stagetree.serve import serve
+from stagetree.simulate_cli import register as register_simulate
 from stagetree.study import Study, TrialFailed, validate_config
-from stagetree.summary import build_summary, elapsed_before, plan_events, summary_path
 from stagetree.tuners import Tuner, TunerResult
 
 
@@ -82,7 +82,7 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
     """Run the tuner of a loaded study file on a ready runtime; returns the summary.
 
     End-to-end time runs from the ready cluster to the answer, plus earlier incarnations' of the
-    same study (other studies on the same log do not count, see :func:`stagetree.summary.elapsed`).
+    same study (other studies on the same log do not count, see :func:`projections.summary.elapsed`).
     """
     _, trainer, tuner, seed, name = loaded
     started = time.monotonic()
@@ -305,7 +305,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--log-key", help="HMAC secret of the log's hash chain (default: $STAGETREE_LOG_KEY)")
     _kafka_flags(run)
     run.add_argument("--checkpoint-store", default=os.environ.get("STAGETREE_CHECKPOINT_STORE"),
-                     help="s3://BUCKET/PREFIX or a directory, for Kafka-mode workers (default: $STAGETREE_CHECKPOINT_STORE)")
+                     help="s3://BUCKET/PREFIX or a directory, for Kafka-mode workers "
+                          "(default: $STAGETREE_CHECKPOINT_STORE)")
     run.set_defaults(func=cmd_run)
 
     srv = sub.add_parser("serve", help="Kafka mode: the projector and scheduler (a faust app)")

@@ -21,8 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 from gpu_worker.loader import StudyFileError, load_module, trainer_of
+from projections.summary import summary_path
 from scheduler.decide import POLICIES
-from stagetree.summary import summary_path
 from stagetree.simulate import SimStudy, SimulationResult, simulate
 from stagetree.tuners import Tuner
 

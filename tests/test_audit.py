@@ -21,7 +21,8 @@ KEY = "audit-secret"
 
 
 def _run(out: Path, *flags: str, env: dict | None = None) -> None:
-    proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "run", str(STUDY), "--workers", "2", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "run", str(STUDY), "--workers", "2",
+                           "--out", str(out),
                            "--quiet", *flags], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

@@ -29,9 +29,9 @@ from events.models import Event
 from gpu_worker.trainer import Trainer
 from projections.state import State
 from projections.store import ProjectionStore, Projector, snapshot
+from projections.summary import summary_path
 from stagetree.cli import main
 from stagetree.study import Study
-from stagetree.summary import summary_path
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"

@@ -19,9 +19,8 @@ import pytest
 
 from events import topics
 from events.codec import decode
-from events.log import EmbeddedLog, chain_next
+from events.log import EmbeddedLog
 from events.models import CheckpointSaved, MetricsReported, StageDispatched, StageFailed, StageFinished
-from projections.reducer import Rejected, apply
 from projections.state import State
 from projections.store import ProjectionStore, fold_records, snapshot
 from scheduler.decide import decide, same_decision

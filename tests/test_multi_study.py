@@ -23,9 +23,9 @@ from events.hp import Constant, Piecewise, config_from_json, first_divergence
 from events.log import EmbeddedLog, append_events
 from events.models import StageDispatched, StageFinished, StudyFinished, StudyStarted, TrialSubmitted
 from projections.search_plan import merged_unique_steps
+from projections.summary import build_summary, elapsed, k_wise_merge_rate, sharing_steps, summary_path
 from scheduler.simulation import Simulation
 from stagetree import cli
-from stagetree.summary import build_summary, elapsed, k_wise_merge_rate, sharing_steps, summary_path
 
 STUDIES = Path(__file__).parent / "studies"
 STAGETREE = [sys.executable, "-m", "stagetree.cli"]

@@ -55,7 +55,8 @@ def test_fig6_search_plan_gives_fig7_stages() -> None:
     # The critical path is the H3 chain down to H4: 5 + 5 + 10 steps at the cold estimate.
     path = critical_path(tree)
     assert path is not None
-    assert [(s.node_id, s.from_step, s.to_step) for s in path.stages] == [("n2", 30, 35), ("n2", 35, 40), ("n3", 40, 50)]
+    assert [(s.node_id, s.from_step, s.to_step) for s in path.stages] == [("n2", 30, 35), ("n2", 35, 40),
+                                                                         ("n3", 40, 50)]
 
 
 def test_fig6_running_stage_is_not_scheduled_again() -> None:

@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import get_args
 
 import pytest
+import test_scheduler  # the random trial families of the scheduler property tests
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import test_scheduler  # the random trial families of the scheduler property tests
 
 from events import topics
 from events.codec import decode, encode
@@ -41,7 +40,8 @@ from projections.reducer import apply
 from projections.state import Plan, State
 from projections.store import ProjectionStore, Projector, all_keys, snapshot
 from replay.audit import open_source, verify
-from scheduler.critical_path import READY, Path as StagePath, critical_path
+from scheduler.critical_path import READY, critical_path
+from scheduler.critical_path import Path as StagePath
 from scheduler.decide import POLICIES, decide
 from scheduler.service import SchedulerService
 from scheduler.simulation import Simulation, fake_ref
@@ -357,7 +357,8 @@ def ref_stage_tree(plan: Plan, fallback: float = 1.0) -> StageTree:
             elif covers(plan.nodes[node.parent_id], node.start_step):
                 stage = Stage(node_id, node.start_step, end, evaluate, "inflight")
             else:
-                stage = Stage(node_id, node.start_step, end, evaluate, "stage", parent=(node.parent_id, node.start_step))
+                stage = Stage(node_id, node.start_step, end, evaluate, "stage",
+                              parent=(node.parent_id, node.start_step))
             previous = end
             if stage is not None:
                 tree.stages[stage.key] = Stage(stage.node_id, stage.from_step, stage.to_step, stage.evaluate,
@@ -395,7 +396,8 @@ def _ref_descendants(tree: StageTree, key) -> int:
 
 
 def ref_critical_path(tree: StageTree) -> StagePath | None:
-    roots = [tree.stages[k] for k in sorted(tree.stages) if tree.stages[k].parent is None and tree.stages[k].source in READY]
+    roots = [tree.stages[k] for k in sorted(tree.stages)
+             if tree.stages[k].parent is None and tree.stages[k].source in READY]
     if not roots:
         return None
     best = roots[0]

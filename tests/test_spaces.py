@@ -247,7 +247,8 @@ BAD: list[tuple[Callable[[], Any], str]] = [
      "its parameters are ['init', 'period', 'then']"),
     (lambda: RandomSearchSpace({"lr": Sampled(Warmup, init=0.0, period=3)}, 1, 0),
      "`hp_dict['lr']`: `Sampled(Warmup)` is missing the parameter 'then'"),
-    (lambda: RandomSearchSpace({"lr": Sampled(3, a=1)}, 1, 0), "`hp_dict['lr']`: `Sampled.fn` is 3, but must be callable"),
+    (lambda: RandomSearchSpace({"lr": Sampled(3, a=1)}, 1, 0),
+     "`hp_dict['lr']`: `Sampled.fn` is 3, but must be callable"),
     (lambda: RandomSearchSpace({"lr": Sampled(lambda value: value, rate=1.0)}, 1, 0),
      "`hp_dict['lr']`: `Sampled(<lambda>)`: missing a required argument: 'value'"),
     # a draw that is not a valid sequence names the hyper-parameter (gamma must be > 0)
