@@ -19,8 +19,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from events import topics
 from projections.queries import trials_through
 from replay import report
-from replay.audit import AuditError, export_log, fold, import_log, open_source, secret_from, verify
+from replay.audit import AuditError, export_log, fold, import_log, open_source, secret_from
 from replay.reexecute import reexecute
+from replay.tuner import verify_all
 
 
 def _progress(console: Console, quiet: bool) -> Progress:
@@ -48,7 +49,7 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     total = len(source.streams.get(topics.PLAN, []))
     with _progress(console, args.quiet) as progress:
         task = progress.add_task("verify", total=total)
-        result = verify(source, secret, progress=lambda n: progress.advance(task, n))
+        result = verify_all(source, secret, progress=lambda n: progress.advance(task, n), study_file=args.study)
     for check in result.checks:
         mark = "[green]ok[/green]" if check["ok"] else "[red]FAILED[/red]"
         console.print(f"{mark} {check['name']}: {escape(check['detail'])}")
@@ -96,8 +97,10 @@ def register(sub: argparse._SubParsersAction, positive: type | object) -> None: 
 
     replay = sub.add_parser("replay", help="audit a finished study").add_subparsers(dest="replay_command",
                                                                                      required=True)
-    ver = replay.add_parser("verify", help="check hash chain, decisions, projections and checkpoints")
+    ver = replay.add_parser("verify", help="check hash chain, decisions, projections, checkpoints and tuner decisions")
     ver.add_argument("source", help="run directory, JSONL export, or kafka://HOST:PORT[/TOPIC]")
+    ver.add_argument("--study", help="study file whose tuners recompute the tuner decisions (default: the one each "
+                                     "study's StudyStarted records; without one they are not recomputed)")
     ver.add_argument("--checkpoints", help="checkpoint directory (default: the run directory's)")
     ver.add_argument("--log-key", help=key_help)
     ver.add_argument("--json", help="also write the audit result as JSON to this file")

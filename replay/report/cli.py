@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from replay.audit import AuditError, open_source, secret_from, verify
+from replay.audit import AuditError, open_source, secret_from
 from replay.report.html import CSS, _e, _figure, _swatch, audit_html, savings_html, trials_html
 from replay.report.load import ReportError, load_run, study_trials
 from replay.report.pictures import best_trial_id, curve_metric, plot_curves, plot_gantt, plot_stage_tree
@@ -122,8 +122,10 @@ def _load_audit(path: str) -> dict[str, Any]:
 
 
 def _verify(source: str, secret: bytes | None) -> dict[str, Any]:
+    from replay.tuner import verify_all
+
     try:
-        return verify(open_source(source, secret), secret).as_dict()
+        return verify_all(open_source(source, secret), secret).as_dict()
     except AuditError as exc:
         raise ReportError(str(exc)) from None
 

@@ -17,5 +17,6 @@ class GridSearch(Tuner):
         self.steps = positive_int("steps", steps)
 
     async def run(self, study: Study) -> TunerResult:
-        results = await self._train(study, list(self.space), self.steps)
-        return self._result(results, {r.trial_id: r for r in results})
+        configs = self.draw(study, self.space, self.steps)
+        results = await self._train(study, configs, self.steps)
+        return self._result(study, results, {r.trial_id: r for r in results})
