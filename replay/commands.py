@@ -1,5 +1,5 @@
-"""The audit commands of the ``stagetree`` CLI: ``log export|import``, ``replay verify|reexecute``,
-``report``.
+"""The audit commands of the ``stagetree`` CLI: ``log export|import``, ``replay
+verify|explain|reexecute``, ``report``.
 
 Each handler takes the parsed arguments and a console and returns an exit code: 0 when
 everything matched, 1 when a check failed or a stage diverged (the message names the first
@@ -20,6 +20,7 @@ from events import topics
 from projections.queries import trials_through
 from replay import report
 from replay.audit import AuditError, export_log, fold, import_log, open_source, secret_from
+from replay.explain import explain
 from replay.reexecute import reexecute
 from replay.tuner import verify_all
 
@@ -60,6 +61,16 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
         return 0
     console.print(f"[red]verification failed[/red]: {escape(str(result.first_failure))}")
     return 1
+
+
+def cmd_explain(args: argparse.Namespace, console: Console) -> int:
+    story = explain(args.source, args.trial, secret=secret_from(args.log_key))
+    if args.json:
+        console.print_json(orjson.dumps(story.as_dict()).decode())
+    else:
+        for line in story.lines():
+            console.print(escape(line), highlight=False)
+    return 0
 
 
 def cmd_reexecute(args: argparse.Namespace, console: Console) -> int:
@@ -106,6 +117,12 @@ def register(sub: argparse._SubParsersAction, positive: type | object) -> None: 
     ver.add_argument("--json", help="also write the audit result as JSON to this file")
     ver.add_argument("--quiet", action="store_true", help="no progress bar")
     ver.set_defaults(func=cmd_verify)
+    exp_ = replay.add_parser("explain", help="a trial's whole story from the log, with every decision about it")
+    exp_.add_argument("source", help="run directory, JSONL export, or kafka://HOST:PORT[/TOPIC]")
+    exp_.add_argument("trial", help="trial id, or a unique prefix of one")
+    exp_.add_argument("--json", action="store_true", help="print the story as JSON")
+    exp_.add_argument("--log-key", help=key_help)
+    exp_.set_defaults(func=cmd_explain)
     rex = replay.add_parser("reexecute", help="re-run recorded stages and compare bit for bit")
     rex.add_argument("source", help="run directory or JSONL export")
     rex.add_argument("--workers", type=positive, default=1, help="fresh worker processes (default 1)")

@@ -20,10 +20,23 @@ from events.codec import decode
 from events.decisions import Draw, Promote, Ranking, Stop
 from events.log import CHAIN_START, Record, chain_next
 from events.models import TunerDecided
+from gpu_worker.simulated import FormulaCurve
 from projections.reducer import Rejected, apply
 from projections.state import State
 from replay.audit import Source, export_log, open_source
 from replay.tuner import check_study, plan_events
+from stagetree import (
+    ASHA,
+    PBT,
+    CostModel,
+    GridSearch,
+    GridSearchSpace,
+    Hyperband,
+    MedianStopping,
+    SimulatedTrainer,
+    SuccessiveHalving,
+    hp,
+)
 from stagetree.cli import main
 from stagetree.simulate import SimStudy, simulate
 from stagetree.simulate_cli import load_simulation
@@ -280,3 +293,72 @@ def test_decisions_describe_themselves_with_their_evidence() -> None:
 
     with pytest.raises(InvalidEvent, match=r"decision\.promote\.evidence\.rank\.rank: Input should be greater than 0"):
         from_dict(bad)
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def x_unless_it_fails(values: dict[str, float], step: int) -> dict[str, float]:
+    if values["x"] == 8.5 and step >= 2:  # promoted at step 1, fails after
+        raise FloatingPointError("x = 8.5 diverged")  # the simulated trainer raises: StageFailed "error"
+    return {"val_acc": float(values["x"]) + step / 100}
+
+
+FAILING = {
+    "grid": lambda sp: GridSearch(sp, 4, "val_acc"),
+    "sha": lambda sp: SuccessiveHalving(sp, "val_acc", min_steps=1, max_steps=4, reduction=2),
+    "asha": lambda sp: ASHA(sp, "val_acc", min_steps=1, max_steps=4, reduction=2),
+    "median": lambda sp: MedianStopping(sp, "val_acc", max_steps=4, interval=1, min_trials=2),
+    "pbt": lambda sp: PBT(sp, "val_acc", population=6, interval=1, max_steps=4, mutations={"x": [1, 2, 3]}),
+    "hyperband": lambda sp: Hyperband(sp, "val_acc", min_steps=1, max_steps=4, reduction=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAILING))
+def test_decisions_about_a_failed_trial_verify_in_arrival_order(name: str, tmp_path: Path) -> None:
+    """A failed trial is a loss: a decision records it, and results handed over in arrival order,
+    failures included, replay in the order the live tuner got them (on 3 workers)."""
+    trainer = SimulatedTrainer("failing-x", ("x",), cost=CostModel(scale={"x": (1.0, 1.0)}),
+                               curve=FormulaCurve(x_unless_it_fails))
+    space = GridSearchSpace({"x": [hp.Constant(x) for x in (3, 1, 4, 8.5, 5, 9)]})
+    result = simulate(trainer, [SimStudy("f", FAILING[name](space))], workers=3, run_dir=tmp_path)
+    stopped = [d for d in result.results[0].decisions if d.kind == "stop" and d.reason == "failed"]
+    assert stopped and result.summaries[0]["best_metric"] is not None
+    check = check_study(tmp_path, "f", lambda: FAILING[name](space), trainer)
+    assert check.ok, check.failure
+    assert check.checked == len(result.results[0].decisions)
+
+
+# ----------------------------------------------------------------------------- explain
+
+
+def test_explain_tells_a_pbt_member_made_by_an_exploit_where_it_left_its_donor(runs: Any) -> None:
+    from replay.explain import explain
+
+    run_dir, export = runs["pbt"]
+    exploits = [e.decision for _, e in decisions_in(run_dir) if e.decision.kind == "exploit"]
+    state = open_source(run_dir)
+    from replay.audit import fold
+
+    trials = fold(state.streams[topics.PLAN]).trials
+    exploit = next(x for x in exploits  # one whose exploration changed the value at the step
+                   if trials[x.donor].hp["lr"].value(x.step) != x.explored["lr"])
+    story = explain(export, exploit.new_trial_id)
+    assert (story.decisions[0]["kind"], story.decisions[0]["role"]) == ("exploit", "new")
+    assert {s["trial_id"]: s["diverges_at"] for s in story.shares_prefix_with}[exploit.donor] == exploit.step
+    text = "\n".join(story.lines())
+    assert f"step {exploit.step}: exploited by PBT: rank" in text and f"takes donor {exploit.donor}" in text
+    assert story.stages and all(s["from_step"] >= 0 for s in story.stages)
+    # the donor's own story names the exploit too, as the donor
+    donor = explain(export, exploit.donor)
+    assert any(d["kind"] == "exploit" and d["role"] == "donor" for d in donor.decisions)
+
+
+def test_explain_on_a_log_without_decisions_says_so(capsys: Any) -> None:
+    from replay.audit import fold
+
+    trial = sorted(fold(open_source(OLD_LOG).streams[topics.PLAN]).trials)[0]
+    assert main(["replay", "explain", str(OLD_LOG), trial[:12]]) == 0
+    out = capsys.readouterr().out
+    assert f"trial {trial} of study old-sha" in out and "decisions:\n  none" in out
+    assert "note: the log holds no tuner decisions (written before decisions were events)" in out

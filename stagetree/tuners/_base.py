@@ -99,14 +99,19 @@ class Tuner(ABC):
         value = result.metrics.get(self.metric)
         return None if value is None else float(value)
 
-    def ranking(self, results: list[TrialResult], trial_id: str, kept: int) -> Ranking:
-        """The evidence of a cut of ``results`` keeping the best ``kept``: ``trial_id``'s rank
+    def rankings(self, results: list[TrialResult], kept: int) -> dict[str, Ranking]:
+        """The evidence of a cut of ``results`` keeping the best ``kept``, per trial id: its rank
         (:meth:`rank` order) and the worst kept value."""
         ranked = self.rank(results)
         winners = [r for r in ranked[:kept] if not r.failed]
-        place = next(i for i, r in enumerate(ranked) if r.trial_id == trial_id)
-        return Ranking(metric=self.metric, mode=self.mode, value=self.value(ranked[place]), rank=place + 1,
-                       of=len(ranked), kept=len(winners), threshold=self.value(winners[-1]) if winners else None)
+        threshold = self.value(winners[-1]) if winners else None
+        return {r.trial_id: Ranking(metric=self.metric, mode=self.mode, value=self.value(r), rank=i + 1,
+                                    of=len(ranked), kept=len(winners), threshold=threshold)
+                for i, r in enumerate(ranked)}
+
+    def ranking(self, results: list[TrialResult], trial_id: str, kept: int) -> Ranking:
+        """:meth:`rankings` of one trial."""
+        return self.rankings(results, kept)[trial_id]
 
     def draw(self, study: Study, configs: Iterable[HPConfig], to_step: int, *, indexes: list[int] | None = None,
              bracket: int | None = None) -> list[HPConfig]:
@@ -129,14 +134,14 @@ class Tuner(ABC):
         the promoted results."""
         ranked = self.rank(results)
         kept = [r for r in ranked[:count] if not r.failed]
+        evidence = self.rankings(ranked, count)
         for r in ranked:
-            evidence = self.ranking(ranked, r.trial_id, count)
             if r in kept:
                 self.decide(study, Promote(trial_id=r.trial_id, step=r.steps, to_step=to_step, rung=rung,
-                                           bracket=bracket, evidence=evidence))
+                                           bracket=bracket, evidence=evidence[r.trial_id]))
             else:
                 self.decide(study, Stop(trial_id=r.trial_id, step=r.steps, reason="failed" if r.failed else "rank",
-                                        rung=rung, bracket=bracket, evidence=evidence))
+                                        rung=rung, bracket=bracket, evidence=evidence[r.trial_id]))
         return kept
 
     def score(self, metrics: Mapping[str, float | None]) -> float:

@@ -67,11 +67,10 @@ class ASHA(Tuner):
                     inbox.submit(r.hp, budgets[k + 1], k + 1, k + 1)
         # Nothing is waiting: a trial not promoted from its highest rung stops there.
         for k in range(len(budgets) - 1):
-            count = len(at_rung[k]) // self.reduction
+            evidence = self.rankings(at_rung[k], len(at_rung[k]) // self.reduction)
             for r in self.rank(at_rung[k]):
                 if r.trial_id not in promoted[k]:
                     self.decide(study, Stop(trial_id=r.trial_id, step=budgets[k], rung=k,
-                                            reason="failed" if r.failed else "rank",
-                                            evidence=self.ranking(at_rung[k], r.trial_id, count)))
+                                            reason="failed" if r.failed else "rank", evidence=evidence[r.trial_id]))
         top = next((results for results in reversed(at_rung) if results), [])
         return self._result(study, top, everything)
