@@ -17,6 +17,15 @@ moves weights (real training, a cost model, or nothing at all):
    :class:`StageFault` a backend raised (a corrupt or missing source, a failing store), else
    "error" with the exception (the trainer's own code raised).
 
+Decisions about a running path reach it through a :class:`Control` and are acted on at step
+boundaries (``scheduler.inflight``):
+
+* CheckpointRequested (save at step ``s`` of a stage, evaluating when asked): on reaching ``s``
+  inside the stage the weights are stored and ``[MetricsReported?, CheckpointSaved]`` goes out;
+  a step already passed is ignored;
+* PathPreempted: training goes on to its ``until`` point (if not passed), then the weights are
+  stored (if not stored yet) and ``[CheckpointSaved?, StageStopped]`` ends the path.
+
 ``StageFinished.seconds`` is the time the worker was held by the stage (loading the source counts
 to the first stage), ``train_seconds`` the part spent training; both are read from the backend's
 clock, at the edge (a simulated backend's clock is virtual).
@@ -30,14 +39,17 @@ from typing import Literal, Protocol
 
 from events import tracing
 from events.models import (
+    CheckpointRequested,
     CheckpointSaved,
     Event,
     MetricsReported,
+    PathPreempted,
     StageDispatched,
     StageFailed,
     StageFinished,
     StageSpec,
     StageStarted,
+    StageStopped,
 )
 
 FaultKind = Literal["error", "checkpoint_corrupt", "checkpoint_missing", "storage"]
@@ -72,17 +84,18 @@ class PathBackend(Protocol):
         """The step the weights in hand are at (steps trained)."""
         ...
 
-    def train(self, spec: StageSpec) -> None:
-        """Train the weights in hand over ``[spec.from_step, spec.to_step)`` under ``spec.hp``."""
+    def train(self, spec: StageSpec, until: int, interrupt: Callable[[], bool]) -> None:
+        """Train the weights in hand from :meth:`step` up to ``until`` (``<= spec.to_step``) under
+        ``spec.hp``, stopping early at a step boundary where ``interrupt()`` is true."""
         ...
 
-    def evaluate(self, spec: StageSpec) -> dict[str, float]:
-        """Metrics of the weights in hand (at ``spec.to_step``)."""
+    def evaluate(self, spec: StageSpec, step: int) -> dict[str, float]:
+        """Metrics of the weights in hand (at ``step`` of ``spec``'s node)."""
         ...
 
-    def save(self, spec: StageSpec) -> tuple[str, int] | None:
+    def save(self) -> tuple[str, int] | None:
         """Store the weights in hand if they are not stored yet: ``(sha256 ref, size in bytes)``
-        of the verified object, or None when nothing new needs storing."""
+        of the verified object, or None when they are (an evaluation-only stage, say)."""
         ...
 
     def abandon(self) -> None:
@@ -94,17 +107,81 @@ class PathBackend(Protocol):
         ...
 
 
+class Control(Protocol):
+    """Decisions about the running path that arrive while it runs (PathPreempted,
+    CheckpointRequested for its dispatch)."""
+
+    def poll(self) -> list[Event]:
+        """The control events that arrived since the last poll."""
+        ...
+
+    def waiting(self) -> bool:
+        """Whether a control event has arrived that :meth:`poll` would return (cheap: asked
+        before every step)."""
+        ...
+
+
+class NoControl:
+    """A path nobody steers."""
+
+    def poll(self) -> list[Event]:
+        return []
+
+    def waiting(self) -> bool:
+        return False
+
+
+class _Steering:
+    """What the control events said so far: steps to save at, and where to stop."""
+
+    def __init__(self, d: StageDispatched, control: Control) -> None:
+        self.d, self.control = d, control
+        self.saves: dict[tuple[str, int], bool] = {}
+        self.until: tuple[int, int] | None = None  # (stage, step); (-1, -1): stop at once
+
+    def update(self) -> None:
+        for event in self.control.poll():
+            if getattr(event, "dispatch_id", None) != self.d.dispatch_id:
+                continue
+            if isinstance(event, CheckpointRequested):
+                key = (event.node_id, event.step)
+                self.saves[key] = self.saves.get(key, False) or event.evaluate
+            elif isinstance(event, PathPreempted) and self.until is None:
+                self.until = (event.until_stage, event.until_step) \
+                    if event.until_stage is not None and event.until_step is not None else (-1, -1)
+
+    def stop_in(self, i: int, spec: StageSpec) -> int | None:
+        """The step of stage ``i`` at which the path stops (None: it runs to the stage's end)."""
+        if self.until is None or (self.until[0] > i):
+            return None
+        if self.until[0] == i and self.until[1] >= spec.to_step:
+            return None
+        return spec.from_step if self.until[0] < i else self.until[1]
+
+    def next_save(self, spec: StageSpec, after: int) -> int | None:
+        steps = [s for (n, s) in self.saves if n == spec.node_id and after < s < spec.to_step]
+        return min(steps) if steps else None
+
+
 def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: str,
-             stamp: Callable[[Event], Event] = lambda e: e) -> None:
+             stamp: Callable[[Event], Event] = lambda e: e, control: Control | None = None) -> None:
     """Execute every stage of ``d`` in order on ``backend``, emitting the event batches described
     in the module docstring through ``emit`` (each event passed through ``stamp`` first: producer,
-    timestamp, trace context). Never raises for a failing stage. Records spans when tracing."""
+    timestamp, trace context), acting on what ``control`` says at step boundaries. Never raises
+    for a failing stage. Records spans when tracing."""
     base = {"dispatch_id": d.dispatch_id, "plan_key": d.plan_key}
     first = d.stages[0]
+    steering = _Steering(d, control if control is not None else NoControl())
 
     def failed(spec: StageSpec, kind: FaultKind, error: str, ref: str | None = None) -> None:
         emit([stamp(StageFailed(**base, worker_id=worker_id, node_id=spec.node_id, from_step=spec.from_step,
                                 to_step=spec.to_step, kind=kind, error=error, ref=ref))])
+
+    def saved(spec: StageSpec, step: int) -> list[Event]:
+        with tracing.span("checkpoint.save", attributes={"stagetree.node_id": spec.node_id, "stagetree.step": step}):
+            ref = backend.save()
+        return [] if ref is None else [stamp(CheckpointSaved(**base, node_id=spec.node_id, step=step, ref=ref[0],
+                                                             size=ref[1]))]
 
     started = backend.now()
     try:
@@ -113,7 +190,7 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
     except StageFault as fault:
         failed(first, fault.kind, fault.error, fault.ref)
         return
-    for spec in d.stages:
+    for i, spec in enumerate(d.stages):
         stage = {"node_id": spec.node_id, "from_step": spec.from_step, "to_step": spec.to_step}
         attrs = {f"stagetree.{k}": v for k, v in stage.items()}
         with tracing.span("stage", attributes=attrs):
@@ -123,20 +200,40 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
                 if backend.step() != spec.from_step:
                     raise RuntimeError(f"stage starts at step {spec.from_step}, "
                                        f"but the weights are at {backend.step()}")
-                t0 = backend.now()
-                with tracing.span("train", attributes=attrs):
-                    backend.train(spec)
-                train_seconds = backend.now() - t0
+                train_seconds = 0.0
+                while True:
+                    steering.update()
+                    at = backend.step()
+                    stop = steering.stop_in(i, spec)
+                    if stop is not None and at >= stop:
+                        now = backend.now()
+                        emit([*saved(spec, at), stamp(StageStopped(**base, worker_id=worker_id, **stage, step=at,
+                                                                   seconds=now - started,
+                                                                   train_seconds=train_seconds))])
+                        return
+                    if at >= spec.to_step:
+                        break
+                    target = min(x for x in (spec.to_step, stop, steering.next_save(spec, at)) if x is not None)
+                    t0 = backend.now()
+                    with tracing.span("train", attributes=attrs):
+                        backend.train(spec, target, steering.control.waiting)
+                    train_seconds += backend.now() - t0
+                    at = backend.step()
+                    if at < spec.to_step and (spec.node_id, at) in steering.saves:  # a split inside the stage
+                        evaluate = steering.saves.pop((spec.node_id, at))
+                        mid: list[Event] = []
+                        if evaluate:
+                            mid.append(stamp(MetricsReported(**base, node_id=spec.node_id, step=at,
+                                                             metrics=dict(backend.evaluate(spec, at)))))
+                        mid += saved(spec, at)
+                        if mid:
+                            emit(mid)
                 if spec.evaluate:
                     with tracing.span("evaluate", attributes=attrs):
-                        metrics = backend.evaluate(spec)
+                        metrics = backend.evaluate(spec, spec.to_step)
                     end.append(stamp(MetricsReported(**base, node_id=spec.node_id, step=spec.to_step,
                                                      metrics=dict(metrics))))
-                with tracing.span("checkpoint.save", attributes=attrs):
-                    saved = backend.save(spec)
-                if saved is not None:
-                    end.append(stamp(CheckpointSaved(**base, node_id=spec.node_id, step=spec.to_step, ref=saved[0],
-                                                     size=saved[1])))
+                end += saved(spec, spec.to_step)
             except StageFault as fault:
                 backend.abandon()
                 failed(spec, fault.kind, fault.error, fault.ref)

@@ -20,7 +20,7 @@ import torch
 from opentelemetry.trace import SpanKind
 
 from events import topics, tracing
-from events.execution import Emit, StageFault, run_path
+from events.execution import Control, Emit, StageFault, run_path
 from events.models import Event, StageDispatched, StageSpec
 from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing, CheckpointStore, StorageError
 from gpu_worker.session import TrainingSession
@@ -89,7 +89,7 @@ class PathExecutor:
         self.storage_backoff_s = storage_backoff_s
         self.sleep = sleep
         self._session: TrainingSession | None = None
-        self._holding: tuple[int, str] | None = None  # (seed, ref) of the stored weights in memory
+        self._holding: tuple[int, str] | None = None  # (seed, ref) when the weights in memory are stored
         self._seed = 0
 
     def stamp(self, event: Event) -> Event:
@@ -142,16 +142,19 @@ class PathExecutor:
     def step(self) -> int:
         return self._require().step
 
-    def train(self, spec: StageSpec) -> None:
-        self._require().train(spec.hp, spec.to_step)
+    def train(self, spec: StageSpec, until: int, interrupt: Callable[[], bool]) -> None:
+        session = self._require()
+        if until > session.step:
+            self._holding = None  # the weights in memory are no longer a stored checkpoint
+        session.train(spec.hp, until, interrupt)
 
-    def evaluate(self, spec: StageSpec) -> dict[str, float]:
+    def evaluate(self, spec: StageSpec, step: int) -> dict[str, float]:
         return self._require().evaluate()
 
-    def save(self, spec: StageSpec) -> tuple[str, int] | None:
-        """Write the weights after a stage that trained (an evaluation-only stage keeps its
-        source), verified by sha256 before the event that names them."""
-        if spec.to_step == spec.from_step and self._holding is not None:
+    def save(self) -> tuple[str, int] | None:
+        """Write the weights in memory unless they are a stored checkpoint already (the source of
+        an evaluation-only stage), verified by sha256 before the event that names them."""
+        if self._holding is not None:
             return None
         data = self._require().save()
         try:
@@ -167,7 +170,7 @@ class PathExecutor:
     def now(self) -> float:
         return self.clock()
 
-    def run(self, d: StageDispatched, emit: Emit) -> None:
+    def run(self, d: StageDispatched, emit: Emit, control: Control | None = None) -> None:
         """Execute every stage of ``d`` in order, emitting event batches through ``emit``: the
         one event sequence of :func:`events.execution.run_path`.
 
@@ -178,4 +181,4 @@ class PathExecutor:
         with tracing.span("dispatch.process", parent=d.trace, kind=SpanKind.CONSUMER,
                           attributes=tracing.messaging("process", topics.DISPATCH, d.event_id,
                                                        dispatch_id=d.dispatch_id, worker_id=self.worker_id)):
-            run_path(d, self, emit, self.worker_id, self.stamp)
+            run_path(d, self, emit, self.worker_id, self.stamp, control)

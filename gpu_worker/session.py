@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -154,8 +155,10 @@ class TrainingSession:
         }
         return encode_state(state)
 
-    def train(self, config: HPConfig, to_step: int) -> None:
-        """Train global steps ``[step, to_step)`` under ``config``; afterwards ``step == to_step``.
+    def train(self, config: HPConfig, to_step: int, interrupt: Callable[[], bool] | None = None) -> None:
+        """Train global steps ``[step, to_step)`` under ``config``; afterwards ``step == to_step``,
+        unless ``interrupt()`` (asked before every step) was true: then it returns at that step
+        boundary (a decision about the running path arrived; see events.execution).
 
         ``config`` maps hyper-parameter names (a subset of
         ``trainer.hyperparameters``) to functions of the global step. The
@@ -182,6 +185,8 @@ class TrainingSession:
                 f"{sorted(self._hp)}"
             )
         for s in range(self._step, to_step):
+            if interrupt is not None and interrupt():
+                return  # at a step boundary: self.step says where
             torch.manual_seed(step_seed(self.seed, s))
             values = config_values(config, s)
             batch_size = self._batch_size(values, s)

@@ -262,7 +262,8 @@ def test_without_a_study_file_verify_checks_the_rest_and_says_so(runs: Any, tmp_
 
 def test_a_log_written_before_decisions_were_events_verifies_with_a_note(tmp_path: Path, capsys: Any) -> None:
     """tests/data/old_sha_log.jsonl: tests/data/old_sha.py simulated and exported by stagetree
-    before issue 12 (commit b15d292); its header holds that version's projection digest."""
+    before issue 12 (main at commit af8465c, issue 10); its header holds that version's projection
+    digest."""
     assert not [e for _, e in plan_events(open_source(OLD_LOG)) if e.type == "TunerDecided"]
     for path in (OLD_LOG, tmp_path / "run"):
         if path != OLD_LOG:

@@ -1,4 +1,4 @@
-"""A small SHA study, simulated by stagetree before tuner decisions were events (issue 12's old-log fixture)."""
+"""A small SHA study, simulated and exported by stagetree before tuner decisions were events (main at af8465c)."""
 from stagetree import GridSearchSpace, SimulatedTrainer, SuccessiveHalving, hp
 
 name = "old-sha"
