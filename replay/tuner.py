@@ -9,7 +9,8 @@ compares the decisions it takes with the recorded ones, one by one, in order. A 
 recomputed from a prefix that ends at or before the recorded ``decided_at`` is computable from
 what the tuner had seen; one the tuner cannot take from that prefix, or takes differently, is a
 mismatch named by the recorded decision's offset, its trial, the recorded and the recomputed
-decision.
+decision. Every request the run recorded (TrialSubmitted) must also be one the recomputed tuner
+makes: a request no decision causes is named by its offset.
 
 An arrival-order tuner is handed its results in the order the live tuner was (the ``released``
 lists of the recorded decisions, an input decided by timing: :class:`stagetree.tuners.ResultInbox`);
@@ -31,7 +32,7 @@ from pathlib import Path
 from events import topics
 from events.codec import InvalidEvent, decode
 from events.log import LogError, Record
-from events.models import Event, StudyFinished, StudyStarted, TunerDecided
+from events.models import Event, StudyFinished, StudyStarted, TrialSubmitted, TunerDecided
 from gpu_worker.loader import StudyFileError
 from gpu_worker.trainer import Trainer
 from projections.store import Projector
@@ -97,11 +98,12 @@ class _ReplayRuntime(RuntimeBase):
 @dataclass
 class Run:
     """One run of a study in the log (its ``StudyStarted`` at ``start``, up to the next one):
-    the decisions recorded in it ``(offset, event)``, and whether it finished."""
+    the decisions and the requests recorded in it ``(offset, event)``, and whether it finished."""
 
     study: StudyStarted
     start: int
     decisions: list[tuple[int, TunerDecided]] = field(default_factory=list)
+    requests: list[tuple[int, TrialSubmitted]] = field(default_factory=list)
     finished: int | None = None  # offset of its StudyFinished
 
 
@@ -140,6 +142,8 @@ def runs_of(events: Sequence[tuple[int, Event]]) -> dict[str, list[Run]]:
             runs.setdefault(event.study_id, []).append(Run(event, offset))
         elif isinstance(event, TunerDecided) and runs.get(event.study_id):
             runs[event.study_id][-1].decisions.append((offset, event))
+        elif isinstance(event, TrialSubmitted) and runs.get(event.study_id):
+            runs[event.study_id][-1].requests.append((offset, event))
         elif isinstance(event, StudyFinished) and runs.get(event.study_id):
             runs[event.study_id][-1].finished = offset
     return runs
@@ -246,6 +250,14 @@ def replay_run(records: Sequence[Record], run: Run, tuner: Tuner, trainer: Train
                 await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(drive())
+    if check.failure is None:  # every request of the run is one the tuner makes
+        made = {(e.trial_id, e.steps) for e in runtime.appended if isinstance(e, TrialSubmitted)}
+        for offset, event in run.requests:
+            if (event.trial_id, event.steps) not in made:
+                check.failure = Failure("tuner", offset, event.type, (
+                    f"trial {event.trial_id}: a request for {event.steps} steps that no decision of the tuner "
+                    "recomputed from the log makes"))
+                break
     return check
 
 

@@ -363,3 +363,18 @@ def test_explain_on_a_log_without_decisions_says_so(capsys: Any) -> None:
     out = capsys.readouterr().out
     assert f"trial {trial} of study old-sha" in out and "decisions:\n  none" in out
     assert "note: the log holds no tuner decisions (written before decisions were events)" in out
+
+
+def test_a_request_no_decision_makes_fails_verify_at_its_offset(runs: Any, tmp_path: Path, capsys: Any) -> None:
+    """A forged TrialSubmitted (another configuration, re-sealed) is a request the tuner never made."""
+    _, export = runs["sha"]
+    header, rows = rows_of(export)
+    i = max(k for k, r in enumerate(rows) if r["stream"] == topics.PLAN and '"TrialSubmitted"' in r["value"])
+    forged = orjson.loads(rows[i]["value"])
+    forged["event_id"] = "f" * 32
+    forged["payload"]["steps"] += 1  # one step more than promoted to
+    rows.insert(i + 1, {**rows[i], "value": orjson.dumps(forged, option=orjson.OPT_SORT_KEYS).decode()})
+    code, out = verify_cli(reseal(header, rows, tmp_path / "forged.jsonl"), capsys)
+    assert code == 1
+    assert (f"tuner check failed at offset {rows[i]['offset'] + 1} (TrialSubmitted): trial "
+            f"{forged['payload']['trial_id']}: a request for {forged['payload']['steps']} steps") in tuner_failure(out)
