@@ -24,9 +24,10 @@ kind           decision
 =============  ==============================================================================
 
 Evidence is one of :class:`Ranking` (a trial's place among the results compared),
-:class:`MedianRule`, :class:`Quantiles` (PBT), :class:`Progress` (MLtuner's summariser) and
-:class:`Patience` (MLtuner's main line). Metric values are as reported (not negated for
-``mode="min"``); None is a null (non-finite) metric or a failed trial. Units: steps.
+:class:`MedianRule`, :class:`Quantiles` (PBT), :class:`Progress` (MLtuner's summariser),
+:class:`Patience` (MLtuner's main line) and :class:`Pruned` (an Optuna pruner). Metric values
+are as reported (not negated for ``mode="min"``); None is a null (non-finite) metric or a failed
+trial. Units: steps.
 
 Append-only: a new kind, evidence or field gets a default; old logs never change meaning.
 :meth:`describe` gives the sentence ``replay explain`` and the report print, e.g. ``step 40:
@@ -150,7 +151,23 @@ class Patience(_Frozen):
                 "evaluations without improvement")
 
 
-Evidence = Annotated[Ranking | MedianRule | Quantiles | Progress | Patience, Field(discriminator="rule")]
+class Pruned(_Frozen):
+    """An Optuna pruner's verdict on the trial's ``value`` reported at the step (``pruner``: its
+    class; ``prune``: whether it said to stop). Used by stagetree.integration.optuna."""
+
+    rule: Literal["pruner"] = "pruner"
+    pruner: str
+    metric: str
+    mode: Direction
+    value: Value
+    prune: bool
+
+    def describe(self) -> str:
+        verdict = "prune" if self.prune else "go on"
+        return f"{self.pruner} says {verdict} at {self.metric} {_value(self.value)}"
+
+
+Evidence = Annotated[Ranking | MedianRule | Quantiles | Progress | Patience | Pruned, Field(discriminator="rule")]
 
 
 # --------------------------------------------------------------------------- decisions
@@ -225,13 +242,15 @@ class Continue(_Decision):
         return f"step {self.step}: continued by {tuner}{why}; to step {self.to_step}"
 
 
-StopReason = Literal["rank", "median", "failed", "diverged", "slower", "not-converging", "patience", "max_steps"]
+StopReason = Literal["rank", "median", "failed", "diverged", "slower", "not-converging", "patience", "max_steps",
+                     "pruned"]
 
 
 class Stop(_Decision):
     """The trial gets no more steps after ``step``. ``reason``: "rank" (not kept at ``rung``),
     "median" (median rule), "failed" (its training failed: a loss), "diverged" / "slower" /
-    "not-converging" (MLtuner branches), "patience" / "max_steps" (MLtuner's main line)."""
+    "not-converging" (MLtuner branches), "patience" / "max_steps" (MLtuner's main line),
+    "pruned" (an Optuna pruner)."""
 
     kind: Literal["stop"] = "stop"
     reason: StopReason
@@ -241,7 +260,8 @@ class Stop(_Decision):
 
     def describe(self, tuner: str = "the tuner") -> str:
         why = self.evidence.describe() if self.evidence is not None else ""
-        reason = {"rank": "", "median": "median rule", "failed": "its training failed"}.get(self.reason, self.reason)
+        reason = {"rank": "", "median": "median rule", "failed": "its training failed", "pruned": ""}.get(
+            self.reason, self.reason)
         parts = ", ".join(p for p in (reason, why) if p)
         return f"step {self.step}: stopped by {tuner}{_rung(self.rung, self.bracket)}" + (f": {parts}" if parts else "")
 

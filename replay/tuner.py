@@ -174,6 +174,7 @@ def replay_run(records: Sequence[Record], run: Run, tuner: Tuner, trainer: Train
                                 f"seed give plan key {study.plan_key}, but the log's run has {run.study.plan_key} "
                                 "(another trainer, version or seed): its decisions cannot be recomputed with it")
         return check
+    study.replaying = True
     study.release_script = deque((r.trial_id, r.steps) for _, e in run.decisions for r in e.released)
     recorded = run.decisions
 

@@ -112,6 +112,9 @@ class Study:
         self.decisions: list[Decision] = []
         """The tuner decisions taken through :meth:`decide`, in order."""
         self._released: list[ReleasedResult] = []
+        self.replaying = False
+        """True in a replay of the log (``replay verify``): the tuner writes nothing outside it
+        (an Optuna searcher keeps its Optuna study in memory)."""
         self.release_script: deque[tuple[str, int]] | None = None
         """Set by a replay of the log (``replay verify``): the order results were released in to
         the live tuner, which an arrival-order :class:`~stagetree.tuners.ResultInbox` follows

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -89,8 +90,22 @@ class Tuner(ABC):
 
     def decide(self, study: Study, decision: Decision) -> Decision:
         """Record ``decision`` in the study's log (:meth:`Study.decide`) before the requests it
-        causes; returns it."""
-        return study.decide(decision, self.name)
+        causes, and tell the space (an adaptive space such as an Optuna one learns from the
+        tuner's decisions: ``space.decided(study, decision)``); returns it."""
+        study.decide(decision, self.name)
+        decided = getattr(self.space, "decided", None)
+        if decided is not None:
+            decided(study, decision)
+        return decision
+
+    def configurations(self, study: Study, count: int | None = None) -> list[HPConfig]:
+        """The first ``count`` (default: all) configurations of the space for ``study``. A space
+        with ``configurations(study, tuner, count)`` makes them for the study (an Optuna space
+        asks its sampler); any other iterable is read in order."""
+        make = getattr(self.space, "configurations", None)
+        if make is not None:
+            return list(make(study, self, count))
+        return list(itertools.islice(iter(self.space), count))
 
     def value(self, result: TrialResult) -> float | None:
         """The metric's value in ``result`` as reported (None: failed, or a null metric)."""
@@ -116,10 +131,10 @@ class Tuner(ABC):
     def draw(self, study: Study, configs: Iterable[HPConfig], to_step: int, *, indexes: list[int] | None = None,
              bracket: int | None = None) -> list[HPConfig]:
         """Record a ``draw`` decision for each configuration, in order: the ``indexes``-th of the
-        tuner's space (default: its position in ``configs``), with the space's name and seed;
-        returns the configurations as a list."""
+        tuner's space (default: its position in ``configs``), with the space's name (its
+        ``sampler_name``, else its class) and ``seed``; returns the configurations as a list."""
         configs = list(configs)
-        sampler = type(self.space).__name__
+        sampler = getattr(self.space, "sampler_name", type(self.space).__name__)
         seed = getattr(self.space, "seed", None)
         for i, config in enumerate(configs):
             self.decide(study, Draw(trial_id=study.trial_id(study.config(config)), step=0, to_step=to_step,
@@ -191,6 +206,9 @@ class Tuner(ABC):
         if best is not None:
             self.decide(study, Answer(trial_id=best.trial_id, step=best.steps,
                                       evidence=self.ranking(final, best.trial_id, 1)))
+        finished = getattr(self.space, "finished", None)
+        if finished is not None:
+            finished(study, final)
         return TunerResult(best, self.metric, self.mode, sorted(everything.values(), key=lambda r: r.trial_id),
                            list(study.decisions))
 

@@ -48,7 +48,7 @@ class ASHA(Tuner):
     async def run(self, study: Study) -> TunerResult:
         budgets = self.rungs()
         inbox: ResultInbox[int] = ResultInbox(study, self.causal)  # payload: the rung
-        for config in self.draw(study, self.space, budgets[0]):
+        for config in self.draw(study, self.configurations(study), budgets[0]):
             inbox.submit(config, budgets[0], 0, 0)
         at_rung: list[list[TrialResult]] = [[] for _ in budgets]
         promoted: list[set[str]] = [set() for _ in budgets]

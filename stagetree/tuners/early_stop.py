@@ -46,7 +46,7 @@ class EarlyStopTuner(Tuner):
 
     async def run(self, study: Study) -> TunerResult:
         milestones = self.schedule.milestones
-        alive = self.draw(study, list(self.space)[: milestones[0][1]], milestones[0][0])
+        alive = self.draw(study, self.configurations(study, milestones[0][1]), milestones[0][0])
         everything: dict[str, TrialResult] = {}
         results: list[TrialResult] = []
         for i, (steps, _) in enumerate(milestones):

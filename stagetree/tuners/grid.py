@@ -20,7 +20,7 @@ class GridSearch(Tuner):
         self.steps = positive_int("steps", steps)
 
     async def run(self, study: Study) -> TunerResult:
-        configs = self.draw(study, self.space, self.steps)
+        configs = self.draw(study, self.configurations(study), self.steps)
         results = await self._train(study, configs, self.steps)
         for r in results:
             if r.failed:  # a loss: it ends where it failed

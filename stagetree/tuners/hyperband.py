@@ -58,7 +58,7 @@ class Hyperband(Tuner):
         return out
 
     async def run(self, study: Study) -> TunerResult:
-        space = list(self.space)
+        space = self.configurations(study)
         order = sorted(range(len(space)), key=lambda i: stable_seed(study.name, study.trial_id(study.config(space[i]))))
         jobs = []
         position = 0

@@ -51,7 +51,7 @@ class MedianStopping(Tuner):
     async def run(self, study: Study) -> TunerResult:
         points = self.points()
         inbox: ResultInbox[int] = ResultInbox(study, self.causal)  # payload: the evaluation point
-        for config in self.draw(study, self.space, points[0]):
+        for config in self.draw(study, self.configurations(study), points[0]):
             inbox.submit(config, points[0], 0, 0)
         reported: list[list[tuple[str, float]]] = [[] for _ in points]
         best_so_far: dict[str, float] = {}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -86,7 +85,7 @@ class PBT(Tuner):
     async def run(self, study: Study) -> TunerResult:
         gens = self.generations()
         inbox: ResultInbox[int] = ResultInbox(study, self.causal)  # payload: the generation
-        for config in self.draw(study, itertools.islice(iter(self.space), self.population), gens[0]):
+        for config in self.draw(study, self.configurations(study, self.population), gens[0]):
             inbox.submit(config, gens[0], 0, 0)
         at_gen: list[list[TrialResult]] = [[] for _ in gens]
         everything: dict[str, TrialResult] = {}

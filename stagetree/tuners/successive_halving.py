@@ -50,7 +50,7 @@ class SuccessiveHalving(Tuner):
 
     async def run(self, study: Study) -> TunerResult:
         budgets = self.rungs()
-        alive = self.draw(study, self.space, budgets[0])
+        alive = self.draw(study, self.configurations(study), budgets[0])
         everything: dict[str, TrialResult] = {}
         results: list[TrialResult] = []
         for k, steps in enumerate(budgets):
