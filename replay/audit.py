@@ -19,7 +19,6 @@ cannot be re-sealed without the key.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ import orjson
 
 from events import topics
 from events.codec import InvalidEvent, decode
-from events.log import CHAIN_START, EmbeddedLog, Record, chain_algorithm, chain_next
+from events.log import KEY_ENV, CHAIN_START, EmbeddedLog, Record, chain_algorithm, chain_next, secret_from  # noqa: F401
 from events.models import CheckpointSaved, LogSealed, StageDispatched
 from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing
 from gpu_worker.object_store import open_checkpoint_store
@@ -40,17 +39,8 @@ from scheduler.decide import decide, same_decision
 
 EXPORT_FORMAT = "stagetree-log"
 EXPORT_VERSION = 1
-KEY_ENV = "STAGETREE_LOG_KEY"
-
-
 class AuditError(ValueError):
     """A source cannot be read (missing, not a run dir or export, malformed export)."""
-
-
-def secret_from(flag: str | None) -> bytes | None:
-    """The chain's HMAC secret: the flag's value, else ``$STAGETREE_LOG_KEY``, else None."""
-    value = flag if flag is not None else os.environ.get(KEY_ENV)
-    return value.encode() if value else None
 
 
 def projection_digest(records: dict[bytes, bytes]) -> str:
