@@ -55,6 +55,7 @@ from events.models import (
 )
 from projections.state import State, Trial
 from replay.audit import AuditError, fold, open_source, secret_from, verify
+from stagetree.export.run import trial_path
 from stagetree.summary import elapsed
 
 
@@ -286,27 +287,6 @@ class TreeStage:
     @property
     def shared(self) -> bool:
         return len(self.trials) >= 2
-
-
-def trial_path(state: State, trial: Trial) -> list[tuple[str, str, int, int]]:
-    """The search-plan segments ``(plan_key, node_id, start, end)`` a trial trains through,
-    from its terminal node ``trial.requests[trial.steps]`` (else its largest request) up to the
-    root; each node covers [node.start_step, end) where end is the child's start (or the
-    trial's steps). Empty when the trial has no request or its plan is unknown."""
-    if not trial.requests:
-        return []
-    terminal = trial.requests.get(trial.steps) or trial.requests[max(trial.requests)]
-    plan = state.plans.get(trial.plan_key)
-    if plan is None:
-        return []
-    out, end, node = [], trial.steps, plan.nodes.get(terminal)
-    seen: set[str] = set()
-    while node is not None and node.node_id not in seen:
-        seen.add(node.node_id)
-        out.append((plan.plan_key, node.node_id, node.start_step, end))
-        end = node.start_step
-        node = plan.nodes.get(node.parent_id) if node.parent_id else None
-    return out
 
 
 def _node_num(node_id: str) -> tuple[int, str]:

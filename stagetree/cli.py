@@ -38,6 +38,7 @@ from gpu_worker.object_store import open_checkpoint_store
 from replay.audit import AuditError, secret_from
 from replay.commands import register
 from stagetree.simulate_cli import register as register_simulate
+from stagetree.export.commands import register as register_export
 from stagetree.embedded import EmbeddedCoordinator
 from stagetree.kafka_runtime import KafkaRuntime
 from stagetree.serve import serve
@@ -280,6 +281,7 @@ def parser() -> argparse.ArgumentParser:
     wrk.set_defaults(func=cmd_worker)
     register(sub, _positive)
     register_simulate(sub, _positive)
+    register_export(sub)
     return p
 
 
