@@ -85,6 +85,10 @@ def _records_json(records: list[Record]) -> list[list[Any]]:
     return [[r.offset, r.key, _b64(r.value), r.chain.hex()] for r in records]
 
 
+def _records_from_json(stream: str, rows: list[list[Any]]) -> list[Record]:
+    return [Record(stream, int(o), k, _unb64(v), bytes.fromhex(c)) for o, k, v, c in rows]
+
+
 class _Owner:
     """This process's ownership of a log: the flock, the open database and the socket server."""
 
@@ -218,10 +222,15 @@ class _Owner:
 _OWNERS: weakref.WeakSet[_Owner] = weakref.WeakSet()
 
 
+_HANDLES: weakref.WeakSet[SharedEmbeddedLog] = weakref.WeakSet()
+
+
 def _after_fork_in_child() -> None:
     for owner in list(_OWNERS):
         owner.abandon_after_fork()
     _OWNERS.clear()
+    for handle in list(_HANDLES):
+        handle._mutex = threading.RLock()  # another thread of the parent may have held it
 
 
 if hasattr(os, "register_at_fork"):
@@ -299,6 +308,7 @@ class SharedEmbeddedLog:
         self._seen = 0  # per stream would be finer; the smallest offset any stream could need
         self._closed = False
         self._finalizer: weakref.finalize | None = None
+        _HANDLES.add(self)
 
     def __repr__(self) -> str:
         return f"SharedEmbeddedLog({str(self.path)!r})"
@@ -443,8 +453,7 @@ class SharedEmbeddedLog:
         if isinstance(role, _Owner):
             records = role.read(stream, self._seen, None)
         else:
-            records = [Record(stream, int(o), k, _unb64(v), bytes.fromhex(c))
-                       for o, k, v, c in role.call({"op": "read", "stream": stream, "start": self._seen})["records"]]
+            records = _records_from_json(stream, role.call({"op": "read", "stream": stream, "start": self._seen})["records"])
         return next((r.offset for r in records if (r.key, r.value) == item), None)
 
     def read(self, stream: str, start: int = 0, stop: int | None = None) -> Iterator[Record]:
@@ -455,7 +464,7 @@ class SharedEmbeddedLog:
             result = self._do(lambda owner: owner.read(stream, start, stop),
                               {"op": "read", "stream": stream, "start": start, "stop": stop})
         if isinstance(result, dict):
-            result = [Record(stream, int(o), k, _unb64(v), bytes.fromhex(c)) for o, k, v, c in result["records"]]
+            result = _records_from_json(stream, result["records"])
         if result:
             self._seen = max(self._seen, result[-1].offset + 1)
         return iter(result)

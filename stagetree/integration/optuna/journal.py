@@ -79,8 +79,13 @@ class LogJournalBackend(BaseJournalBackend):
             self._log, self._pid = self._open_log(), os.getpid()  # a forked copy is dropped, not closed
         return self._log
 
+    def _check_pid(self) -> None:
+        if self._pid not in (-1, os.getpid()):  # forked: the parent's lock may have been held
+            self._mutex = threading.Lock()
+
     def read_logs(self, log_number_from: int) -> list[dict[str, Any]]:
         """The operations with log number >= ``log_number_from``, in order."""
+        self._check_pid()
         with self._mutex:
             records = list(self.log().read(self.stream, log_number_from))
         logs = []
@@ -105,6 +110,7 @@ class LogJournalBackend(BaseJournalBackend):
         recognized (:meth:`events.shared_log.SharedEmbeddedLog.append_many`)."""
         request = uuid.uuid4().hex
         items = [(f"{request}.{i}", json.dumps(op, separators=(",", ":")).encode()) for i, op in enumerate(logs)]
+        self._check_pid()
         with self._mutex:
             self.log().append_many(self.stream, items)
 
