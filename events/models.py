@@ -17,9 +17,9 @@ import math
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
-from events.hp import HP
+from events.hp import HP, check_computable
 
 HEADER_FIELDS = ("event_id", "producer", "ts", "trace")
 
@@ -96,6 +96,9 @@ class StudyFinished(Event):
 class TrialSubmitted(Event):
     """A request: train ``hp`` up to ``steps`` and report the metrics there (Hippo §4.1).
 
+    Every hyper-parameter value at steps ``[0, steps)`` must be computable (a float in range, an
+    int within 64 bits; :func:`events.hp.check_computable`), else the event is invalid.
+
     Submitting the same ``trial_id`` again with more steps extends the trial (a promotion);
     with the same steps it is a no-op. ``plan_key`` names the search plan the trial joins.
     """
@@ -114,6 +117,12 @@ class TrialSubmitted(Event):
         if not v:
             raise ValueError("`hp` is {}, but must name at least one hyper-parameter")
         return v
+
+    @model_validator(mode="after")
+    def _computable(self) -> TrialSubmitted:
+        """Every value the trial trains with (steps ``[0, steps)``) can be computed."""
+        check_computable(self.hp, self.steps)
+        return self
 
 
 class TrialCancelled(Event):
@@ -241,7 +250,8 @@ class StageFinished(Event):
 class StageFailed(Event):
     """A stage could not run. ``kind``: "error" (the trainer raised; waiting trials fail),
     "checkpoint_corrupt" / "checkpoint_missing" (the source checkpoint ``ref`` is dropped from the
-    plan and recomputed)."""
+    plan and recomputed), "storage" (the checkpoint store kept failing, e.g. a full disk: an
+    infrastructure fault; the path is handed back and dispatched again, no trial fails)."""
 
     type: ClassVar[str] = "StageFailed"
     dispatch_id: Ident
@@ -250,7 +260,7 @@ class StageFailed(Event):
     node_id: Ident
     from_step: Steps
     to_step: Steps
-    kind: Literal["error", "checkpoint_corrupt", "checkpoint_missing"]
+    kind: Literal["error", "checkpoint_corrupt", "checkpoint_missing", "storage"]
     error: str
     ref: Sha256 | None = None
 
@@ -286,13 +296,21 @@ class LogSealed(Event):
 
 class DeadLettered(Event):
     """An event that could not be decoded or applied, kept with the reason (stream
-    ``stagetree.deadletter``). ``raw`` is the original bytes decoded as UTF-8 (with replacement)."""
+    ``stagetree.deadletter``; built by :func:`events.deadletter.dead_letter`).
+
+    ``stream``/``offset``: where the record is (offset -1: in no log, e.g. a worker pipe).
+    ``reason``: why, capped. ``raw``: the start of the record's bytes decoded as UTF-8 (with
+    replacement), capped; ``sha256`` and ``size`` (bytes) identify the whole record (None in
+    letters written before these fields existed).
+    """
 
     type: ClassVar[str] = "DeadLettered"
     stream: str
     offset: int
     reason: str
     raw: str
+    sha256: Sha256 | None = None
+    size: NonNegativeInt | None = None
 
 
 EVENT_TYPES: dict[str, type[Event]] = {

@@ -21,6 +21,7 @@ import torch
 
 from events import topics
 from events.codec import InvalidEvent, decode, encode
+from events.deadletter import dead_letter
 from events.log import EventLog, event_key
 from events.models import Event, StageDispatched, StudyStarted, WorkerJoined
 from gpu_worker.checkpoint import CheckpointStore
@@ -92,8 +93,8 @@ class KafkaWorker:
             self._executors[path] = PathExecutor(load_trainer(Path(path)), self.worker_id, self.store, self.device)
         return self._executors[path]
 
-    def _emit(self, event: Event) -> None:
-        self.log.append(topics.PLAN, event_key(event), encode(event))
+    def _emit(self, events: list[Event]) -> None:
+        self.log.append_many(topics.PLAN, [(event_key(e), encode(e)) for e in events])
 
     def _beat(self) -> None:
         log = self.log_factory()
@@ -108,8 +109,8 @@ class KafkaWorker:
     def _join(self) -> int:
         """Publish WorkerJoined; returns the dispatch offset to read from (earlier ones are void)."""
         start = self.log.end_offset(topics.DISPATCH)
-        self._emit(WorkerJoined(producer=f"worker:{self.worker_id}", ts=time.time(), worker_id=self.worker_id,
-                                device=str(self.device)))
+        self._emit([WorkerJoined(producer=f"worker:{self.worker_id}", ts=time.time(), worker_id=self.worker_id,
+                                 device=str(self.device))])
         self._lost_read = self.log.end_offset(topics.PLAN)
         return start
 
@@ -146,10 +147,14 @@ class KafkaWorker:
                         continue
                     try:
                         dispatch = decode(record.value)
-                    except InvalidEvent:
+                        if not isinstance(dispatch, StageDispatched):
+                            raise InvalidEvent(f"the dispatch stream holds StageDispatched events, not {dispatch.type}")
+                    except InvalidEvent as exc:  # one rule: dead-letter with the reason, never skip silently
+                        letter = dead_letter(topics.DISPATCH, record.offset, record.value, exc.reason,
+                                             producer=f"worker:{self.worker_id}")
+                        self.log.append(topics.DEADLETTER, record.key, encode(letter))
                         continue
-                    if isinstance(dispatch, StageDispatched):
-                        self._executor_for(dispatch).run(dispatch, self._emit)
+                    self._executor_for(dispatch).run(dispatch, self._emit)
                     if self.stop.is_set():
                         break
                 if not got:

@@ -1,7 +1,9 @@
 """The embedded worker process: one per device, talking to the coordinator over a pipe.
 
 The coordinator sends encoded StageDispatched events (bytes) and ``b"stop"``; the worker sends
-back encoded events (WorkerJoined first, then each path's results). The worker never writes the
+back batches of events (:func:`events.codec.encode_batch`; WorkerJoined first, then each path's
+results), each appended atomically. A message that is not a dispatch is dead-lettered (sent back
+as a DeadLettered event), never a crash. The worker never writes the
 log itself: in embedded mode the coordinator is the only writer (DESIGN.md "Processes").
 """
 
@@ -14,7 +16,8 @@ from pathlib import Path
 import torch
 
 from events import tracing
-from events.codec import decode, encode
+from events.codec import InvalidEvent, decode, encode_batch
+from events.deadletter import dead_letter
 from events.models import Event, StageDispatched, WorkerJoined
 from gpu_worker.checkpoint import LocalCheckpointStore
 from gpu_worker.executor import PathExecutor, resolve_device
@@ -60,10 +63,10 @@ def _serve(conn: Connection, worker_id: str, index: int, study_file: str, checkp
     executor = PathExecutor(trainer, worker_id, LocalCheckpointStore(Path(checkpoint_dir)), dev)
     warm_up(trainer, dev)
 
-    def emit(event: Event) -> None:
-        conn.send_bytes(encode(event))
+    def emit(events: list[Event]) -> None:
+        conn.send_bytes(encode_batch(events))
 
-    emit(executor.stamp(WorkerJoined(worker_id=worker_id, device=str(dev))))
+    emit([executor.stamp(WorkerJoined(worker_id=worker_id, device=str(dev)))])
     while True:
         try:
             msg = conn.recv_bytes()
@@ -71,6 +74,11 @@ def _serve(conn: Connection, worker_id: str, index: int, study_file: str, checkp
             return
         if msg == STOP:
             return
-        dispatch = decode(msg)
-        if isinstance(dispatch, StageDispatched):
-            executor.run(dispatch, emit)
+        try:
+            dispatch = decode(msg)
+            if not isinstance(dispatch, StageDispatched):
+                raise InvalidEvent(f"a worker is sent StageDispatched events, not {dispatch.type}")
+        except InvalidEvent as exc:  # one rule: dead-letter with the reason, never crash, never drop
+            emit([dead_letter(f"pipe:coordinator->{worker_id}", -1, msg, exc.reason, producer=f"worker:{worker_id}")])
+            continue
+        executor.run(dispatch, emit)

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from events.hp import HPConfig, config_values
+from events.hp import HPConfig, config_values, same_value
 from gpu_worker.checkpoint import decode_state, encode_state
 from gpu_worker.sampler import ResumableSampler
 from gpu_worker.trainer import Trainer
@@ -48,12 +48,13 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def _differs(old: float | int, new: float | int) -> bool:
-    """Whether ``new`` is not bitwise the same number as ``old`` (``3 != 3.0``, ``0.0 != -0.0``).
+    """Whether ``new`` is not the same value as ``old`` (``3 != 3.0``, ``0.0 != -0.0``): the one
+    rule of :func:`events.hp.same_value`, also the sharing rule of the search plan.
 
     ``setup`` after a restore receives the exact values, so a straight run
     must call it for any change a restore could observe.
     """
-    return type(old) is not type(new) or repr(old) != repr(new)
+    return not same_value(old, new)
 
 
 class TrainingSession:
@@ -66,7 +67,8 @@ class TrainingSession:
     Per global step ``s`` ``train`` does, in order: seed torch's global RNG
     with ``step_seed(seed, s)``; compute the values ``config_values(config, s)``;
     call ``trainer.setup`` with the values that changed since step ``s - 1``
-    (all of them at the first step after ``start_fresh`` or ``load``); draw the
+    (all of them at the first step after ``start_fresh``; ``load`` applies the
+    values of step ``s - 1`` itself); draw the
     mini-batch from the ``ResumableSampler``; call ``trainer.train_step``.
 
     Raises ValueError (naming field and value) for a seed outside
@@ -104,10 +106,14 @@ class TrainingSession:
 
         Restores the trainer state (model, optimizer), the sampler (generator
         state, permutation, position), the step and the hyper-parameter
-        values. The next ``train`` step calls ``setup`` with ALL values: the
-        trainer keeps hyper-parameter effects outside its state dict (a
-        rebuilt loader, a dropout rate), and since ``setup`` is idempotent,
-        re-applying every value restores them exactly.
+        values, and calls ``setup`` with ALL the values of step ``step - 1``
+        (the last ones a straight run applied): the trainer keeps
+        hyper-parameter effects outside its state dict (a rebuilt loader, a
+        dropout rate, a label smoothing used by ``evaluate``), and since
+        ``setup`` is idempotent, re-applying every value restores them exactly.
+        So ``evaluate`` right after a load sees the same trainer as a straight
+        run evaluating there, and the next ``train`` step calls ``setup`` with
+        the values that changed, as a straight run does.
 
         Raises CheckpointError when ``data`` cannot be decoded, ValueError
         when the format is not ``CHECKPOINT_FORMAT`` or the sampler state
@@ -124,7 +130,12 @@ class TrainingSession:
         self._sampler = sampler
         self._step = state["step"]
         self._hp = dict(state["hp"])
-        self._setup_all = True
+        # The values of step - 1 applied, as a straight run has them at this step: what
+        # evaluate() computes may depend on them (sequence length, label smoothing). The next
+        # train step then calls setup with what changed, as a straight run does.
+        if self._hp:
+            self.trainer.setup(dict(self._hp))
+        self._setup_all = not self._hp
 
     def save(self) -> bytes:
         """Return the checkpoint bytes of the current state.

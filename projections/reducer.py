@@ -47,8 +47,10 @@ def apply(state: State, event: Event, offset: int) -> set[Key]:
     """Fold ``event`` (at stream ``offset``) into ``state``; returns the touched keys.
 
     Raises:
-        Rejected: the event cannot be applied; ``state`` is unchanged except that the offset
-            is consumed (the caller records the rejection).
+        Rejected: the event cannot be applied; ``state`` is unchanged (the caller records the
+            rejection and consumes the offset).
+        Exception: anything else is a defect of the reducer: ``state.offset`` is not advanced,
+            so the folder must not commit or skip the event.
     """
     touched: set[Key] = {("meta",)}
     if event.event_id in state.seen:
@@ -57,11 +59,13 @@ def apply(state: State, event: Event, offset: int) -> set[Key]:
     handler = _HANDLERS.get(type(event))
     if handler is None:
         raise Rejected(f"{event.type} events do not belong on the plan stream")
-    state.offset = offset  # consumed even when rejected; handlers read the offset they apply at
     try:
         handler(state, event, touched)
     finally:
         _bump_revisions(state, touched)
+    # Only now is the event consumed: a Rejected one is recorded (and its offset consumed) by the
+    # folder, and any other exception leaves the offset where it was, so the event is not lost.
+    state.offset = offset
     state.seen.add(event.event_id)
     touched.add(("seen", event.event_id))
     return touched
@@ -124,8 +128,8 @@ def _trial_submitted(state: State, ev: TrialSubmitted, touched: set[Key]) -> Non
     scratch = plan if plan is not None else Plan(ev.plan_key, ev.seed)
     try:
         placement = search_plan.place(scratch, ev.hp, ev.steps)
-    except ValueError as exc:
-        raise Rejected(str(exc)) from None
+    except (ValueError, ArithmeticError) as exc:
+        raise Rejected(f"trial {ev.trial_id!r} cannot be placed: {type(exc).__name__}: {exc}") from None
     # Validated: from here on nothing raises.
     if plan is None:
         plan = state.plans[ev.plan_key] = scratch
@@ -303,6 +307,8 @@ def _stage_failed(state: State, ev: StageFailed, touched: set[Key]) -> None:
                 trial.status, trial.error = "failed", ev.error
                 touched.add(("trial", trial_id))
             touched.add(node_key(node))
+    elif ev.kind == "storage":
+        pass  # the store failed, not the trial: the path is simply handed back (released below)
     else:
         # The source checkpoint is corrupt or gone: forget it, so the scheduler recomputes it.
         for node in plan.nodes.values():

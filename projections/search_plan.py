@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from events.hp import HPConfig, first_divergence
+from events.hp import HPConfig, first_divergence, value_key
 from projections.state import Node, Plan
 
 
@@ -32,14 +32,16 @@ _CHILDREN = "search_plan.children"
 step, values at start) -> first such child}]``, or None for a parent whose children cannot all
 be indexed (a value overflows)."""
 
-Values = tuple[tuple[str, int | float], ...]
+Values = tuple[tuple[str, tuple[object, ...]], ...]
 
 
 def _values_at(hp: HPConfig, step: int) -> Values | None:
-    """``(name, value at step)`` for every hyper-parameter, sorted by name; None when a value
-    cannot be computed (an exponential leaving the float range)."""
+    """``(name, value_key(value at step))`` for every hyper-parameter, sorted by name, so two
+    configurations get equal keys exactly when their values are the same (:func:`events.hp.same_value`:
+    32 and 32.0 are not); None when a value cannot be computed (an exponential leaving the
+    float range)."""
     try:
-        return tuple((name, hp[name].value(step)) for name in sorted(hp))
+        return tuple((name, value_key(hp[name].value(step))) for name in sorted(hp))
     except ArithmeticError:
         return None
 

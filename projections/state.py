@@ -229,6 +229,25 @@ class Stats:
 
 
 @dataclass
+class Rejection:
+    """A plan-stream record the fold could not use (dead-lettered): the reason (capped), and the
+    sha256 and size (bytes) of the record, which stays in the log at its offset."""
+
+    reason: str
+    sha256: str
+    size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reason": self.reason, "sha256": self.sha256, "size": self.size}
+
+    @classmethod
+    def from_json(cls, o: Any) -> Rejection:
+        if isinstance(o, str):  # projections written before rejections kept a hash
+            return cls(o, "", 0)
+        return cls(o["reason"], o["sha256"], o["size"])
+
+
+@dataclass
 class State:
     """The whole projection of the plan stream. ``offset`` is the last folded offset (-1: none);
     ``chain`` the stream's hash chain up to it, kept by the projector (hex)."""
@@ -240,7 +259,7 @@ class State:
     studies: dict[str, dict[str, Any]] = field(default_factory=dict)
     stats: Stats = field(default_factory=Stats)
     seen: set[str] = field(default_factory=set)
-    rejected: dict[int, str] = field(default_factory=dict)
+    rejected: dict[int, Rejection] = field(default_factory=dict)
     offset: int = -1
     chain: str = "0" * 64  # hash chain of the plan stream after ``offset`` (events.log.chain_next)
 

@@ -18,6 +18,7 @@ cannot be re-sealed without the key.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -32,13 +33,16 @@ from events.log import KEY_ENV, CHAIN_START, EmbeddedLog, Record, chain_algorith
 from events.models import CheckpointSaved, LogSealed, StageDispatched
 from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing
 from gpu_worker.object_store import open_checkpoint_store
-from projections.reducer import Rejected, apply
 from projections.state import State
-from projections.store import ProjectionStore, all_keys, snapshot
+from projections.store import ProjectionStore, all_keys, fold_records, snapshot
 from scheduler.decide import decide, same_decision
 
 EXPORT_FORMAT = "stagetree-log"
-EXPORT_VERSION = 1
+EXPORT_VERSION = 2
+"""Version 2 writes a record whose bytes are not UTF-8 (a dead-lettered record) as ``value_b64``
+(base64) instead of ``value``; version 1 exports (``value`` only) still read."""
+
+
 class AuditError(ValueError):
     """A source cannot be read (missing, not a run dir or export, malformed export)."""
 
@@ -100,10 +104,14 @@ def open_export(path: Path, checkpoints: str | None = None) -> Source:
     if not isinstance(header, dict) or header.get("format") != EXPORT_FORMAT:
         raise AuditError(f"{str(path)!r} is not a stagetree log export (line 1: {lines[0][:80]!r})")
     streams: dict[str, list[Record]] = {}
+    if header.get("version", 1) > EXPORT_VERSION:
+        raise AuditError(f"{str(path)!r} is a version {header.get('version')!r} export; this stagetree reads "
+                         f"versions 1 to {EXPORT_VERSION}")
     for n, line in enumerate(lines[1:], start=2):
         try:
             o = orjson.loads(line)
-            record = Record(o["stream"], int(o["offset"]), o["key"], o["value"].encode(), bytes.fromhex(o["chain"]))
+            value = base64.b64decode(o["value_b64"], validate=True) if "value_b64" in o else o["value"].encode()
+            record = Record(o["stream"], int(o["offset"]), o["key"], value, bytes.fromhex(o["chain"]))
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise AuditError(f"{str(path)!r} line {n}: malformed record ({type(exc).__name__}: {exc})") from None
         streams.setdefault(record.stream, []).append(record)
@@ -147,6 +155,15 @@ def open_source(path: str | Path, secret: bytes | None = None, checkpoints: str 
 # ----------------------------------------------------------------------------- export / import
 
 
+def _value_field(record: Record) -> dict[str, str]:
+    """A record's bytes in an export line: ``value`` (text) when they are UTF-8, else
+    ``value_b64`` (base64), so every record, a dead-lettered one included, is carried exactly."""
+    try:
+        return {"value": record.value.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {"value_b64": base64.b64encode(record.value).decode("ascii")}
+
+
 def export_log(source: Source, out: Path, secret: bytes | None = None) -> int:
     """Write ``source`` as JSONL to ``out``; returns the number of records.
 
@@ -166,8 +183,8 @@ def export_log(source: Source, out: Path, secret: bytes | None = None) -> int:
         f.write(orjson.dumps(header) + b"\n")
         for name in sorted(source.streams):
             for r in source.streams[name]:
-                f.write(orjson.dumps({"stream": r.stream, "offset": r.offset, "key": r.key,
-                                      "value": r.value.decode(), "chain": r.chain.hex()}) + b"\n")
+                f.write(orjson.dumps({"stream": r.stream, "offset": r.offset, "key": r.key, **_value_field(r),
+                                      "chain": r.chain.hex()}) + b"\n")
                 n += 1
     return n
 
@@ -203,33 +220,13 @@ def import_log(source: Source, out: Path, secret: bytes | None) -> None:
 
 def fold(records: Iterable[Record], on_event: Callable[[Record, Any, State], None] | None = None,
          after: Callable[[int, State], None] | None = None, secret: bytes | None = None) -> State:
-    """Fold plan-stream records into a fresh state as the projector does (rejections recorded,
-    the hash chain kept with ``secret``).
-
-    ``on_event(record, event, state)`` runs before each decoded event is applied;
-    ``after(offset, state)`` after each record (applied or rejected).
-    """
+    """Fold plan-stream records into a fresh state with the projector's own fold
+    (:func:`projections.store.fold_records`); ``on_event``/``after`` as there. ``after(-1, state)``
+    runs first, on the empty state."""
     state = State()
     if after is not None:
         after(-1, state)
-    for r in records:
-        state.chain = chain_next(bytes.fromhex(state.chain), topics.PLAN, r.offset, r.key, r.value, secret).hex()
-        try:
-            event = decode(r.value)
-        except InvalidEvent as exc:
-            state.offset = r.offset
-            state.rejected[r.offset] = str(exc)
-            if after is not None:
-                after(r.offset, state)
-            continue
-        if on_event is not None:
-            on_event(r, event, state)
-        try:
-            apply(state, event, r.offset)
-        except Rejected as exc:
-            state.rejected[r.offset] = str(exc)
-        if after is not None:
-            after(r.offset, state)
+    fold_records(state, records, secret=secret, on_event=on_event, after=after)
     return state
 
 

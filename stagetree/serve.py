@@ -34,6 +34,7 @@ import orjson
 
 from events import topics
 from events.codec import encode
+from events.deadletter import dead_letter
 from events.kafka_log import KafkaLog
 from events.log import chain_algorithm
 from events.models import LogSealed, WorkerLost
@@ -156,10 +157,16 @@ def build_app(log: KafkaLog, state_dir: Path, *, app_id: str, heartbeat_timeout_
 
     @app.agent(heartbeat)
     async def beats(stream):  # type: ignore[no-untyped-def]
-        async for value in stream:
+        async for event in stream.events():
+            value = event.value
             try:
                 worker_id = orjson.loads(value)["worker_id"]
-            except (orjson.JSONDecodeError, KeyError, TypeError):
+                if not isinstance(worker_id, str) or not worker_id:
+                    raise TypeError(f"`worker_id` is {worker_id!r}, but must be a non-empty string")
+            except (orjson.JSONDecodeError, KeyError, TypeError) as exc:  # dead-lettered, never skipped silently
+                reason = f"not a heartbeat ({type(exc).__name__}: {exc}); a heartbeat is {{\"worker_id\": ..., \"ts\": ...}}"
+                letter = dead_letter(topics.HEARTBEAT, event.message.offset, bytes(value), reason, producer="serve")
+                service.log.append(topics.DEADLETTER, "heartbeat", encode(letter))
                 continue
             service.monitor.beat(worker_id, service.clock())
 

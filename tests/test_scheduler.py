@@ -215,3 +215,40 @@ def test_trials_arriving_during_execution_are_covered(spec, workers, split) -> N
     assert all(t.status == "done" for t in sim.state.trials.values())
     assert max(_dispatch_counts(sim).values()) <= 2
     assert sim.state.stats.executed_steps >= distinct_prefix_steps(trials)
+
+
+# ----------------------------------------------------------------------------- issue 11: the sharing rule
+
+
+def test_int_and_float_values_of_the_same_number_do_not_share_a_node() -> None:
+    """``Constant(32)`` and ``Constant(32.0)`` are different trainings (a DataLoader rejects a
+    float batch size): neither the sharing scan nor the child index may merge them."""
+    sim = Simulation(workers=1)
+    sim.submit("int", {"bs": Constant(32)}, 10)
+    sim.submit("float", {"bs": Constant(32.0)}, 10)
+    nodes = sim.state.plans["plan"].nodes
+    assert sim.state.trials["int"].requests[10] != sim.state.trials["float"].requests[10]
+    assert len(nodes) == 2 and all(n.parent_id is None for n in nodes.values())
+    # At a branch step: both double the batch size at step 5, one to 64, one to 64.0.
+    sim.submit("a", {"bs": MultiStep(32, [5], 2)}, 10)
+    sim.submit("b", {"bs": Piecewise([Constant(32), Constant(64.0)], [5])}, 10)
+    sim.submit("c", {"bs": Piecewise([Constant(32), Constant(64)], [5])}, 10)  # same values as a: shares
+    a, b, c = (nodes[sim.state.trials[t].requests[10]] for t in "abc")
+    assert a.node_id == c.node_id != b.node_id
+    assert b.start_step == 5 and b.parent_id == nodes["n0"].node_id == "n0"
+    sim.run()
+    assert sim.state.trials["int"].results and sim.state.trials["float"].results
+
+
+def test_a_trial_sharing_up_to_where_the_other_would_overflow_is_placed() -> None:
+    """Placing a valid trial whose scan reaches a step where the node's own sequence cannot be
+    computed any more must not raise (issue 11 item 3): that value differs from everything."""
+    sim = Simulation(workers=1)
+    sim.submit("a", {"lr": Exponential(1.0, 2.0)}, 1000)
+    sim.submit("b", {"lr": Piecewise([Exponential(1.0, 2.0), Constant(1.0)], [1024])}, 1100)
+    plan = sim.state.plans["plan"]
+    b = plan.nodes[sim.state.trials["b"].requests[1100]]
+    assert (b.parent_id, b.start_step) == ("n0", 1024)  # shares steps 0..1023 with a's node
+    sim.run()
+    assert not sim.state.rejected
+    assert {(n, a, z) for _, n, a, z in sim.trained} == {("n0", 0, 1000), ("n0", 1000, 1024), ("n1", 1024, 1100)}
