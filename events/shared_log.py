@@ -413,10 +413,12 @@ class SharedEmbeddedLog:
         Raises:
             TypeError: a key is not a str or a value not bytes (nothing is appended).
         """
-        items = [(key, bytes(value)) for key, value in items]
-        for i, (key, _) in enumerate(items):
+        for i, (key, value) in enumerate(items):
             if not isinstance(key, str):
                 raise TypeError(f"item {i}: key is {type(key).__name__} {key!r}, but must be str")
+            if not isinstance(value, (bytes, bytearray, memoryview)):
+                raise TypeError(f"item {i}: value is {type(value).__name__}, but must be bytes")
+        items = [(key, bytes(value)) for key, value in items]
         if not items:
             return []
         request = {"op": "append", "stream": stream, "items": [[k, _b64(v)] for k, v in items]}

@@ -117,6 +117,14 @@ def test_the_owner_hands_the_log_over_when_it_closes(tmp_path: Path) -> None:
         first.append("s", "k", b"d")
 
 
+def test_bad_items_append_nothing(tmp_path: Path) -> None:
+    with SharedEmbeddedLog(tmp_path / "log") as log:
+        log.append("s", "k", b"a")
+        with pytest.raises(TypeError, match="item 1: value is int, but must be bytes"):
+            log.append_many("s", [("k", b"b"), ("k", 5)])  # type: ignore[list-item]
+        assert [r.value for r in log.read("s")] == [b"a"]
+
+
 def test_a_forked_child_of_the_owner_is_a_client(tmp_path: Path) -> None:
     path = tmp_path / "log"
     owner = SharedEmbeddedLog(path)
