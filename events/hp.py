@@ -47,6 +47,7 @@ from pydantic import (
     Field,
     StrictInt,
     TypeAdapter,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -76,6 +77,7 @@ __all__ = [
     "config_from_json",
     "config_to_json",
     "config_values",
+    "continue_with",
     "first_divergence",
     "hp_from_json",
     "hp_to_json",
@@ -88,6 +90,17 @@ __all__ = [
 def _name(info: ValidationInfo) -> str:
     """The field's public name (``Constant.value_`` is ``value`` in JSON and in __init__)."""
     return (info.field_name or "").removesuffix("_")
+
+
+def _problems(exc: ValidationError) -> str:
+    """A pydantic error as one line: our validators' messages as they are, others with the
+    parameter's name (``value error, ...`` prefixes and documentation links left out)."""
+    out = []
+    for e in exc.errors():
+        message = str(e["msg"]).removeprefix("Value error, ")
+        where = ".".join(str(p) for p in e["loc"])
+        out.append(message if message.startswith("`") or not where else f"`{where}`: {message}")
+    return "; ".join(out)
 
 
 def _number(value: Any, info: ValidationInfo) -> int | float:
@@ -278,8 +291,16 @@ class HPFunction(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     def __init__(self, **data: Any) -> None:
-        """Validates ``data``; each family also takes its parameters positionally."""
-        super().__init__(**data)
+        """Validates ``data``; each family also takes its parameters positionally.
+
+        Raises:
+            ValueError: a parameter is invalid; one line per problem, naming the family, the
+                parameter and the value (``MultiStep: `init` is nan, but must be finite``).
+        """
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ValueError(f"{type(self).__name__}: {_problems(exc)}") from None
 
     def value(self, step: int) -> int | float:
         """The value at global ``step`` (int >= 0); raises ValueError for a negative step."""
@@ -719,6 +740,15 @@ def canonical_json(config: Mapping[str, HPFunction]) -> bytes:
 def config_values(config: Mapping[str, HPFunction], step: int) -> dict[str, int | float]:
     """The value of every hyper-parameter at global ``step``, sorted by name."""
     return {name: config[name].value(step) for name in sorted(config)}
+
+
+def continue_with(fn: HPFunction, then: HPFunction, at: int) -> HPFunction:
+    """``fn`` up to step ``at``, then ``then`` in its own frame (starting at 0 at ``at``): a
+    Piecewise, flattened when ``fn`` is one already. Raises ValueError unless ``at`` is after
+    ``fn``'s last boundary."""
+    if isinstance(fn, Piecewise):
+        return Piecewise([*fn.functions, then], [*fn.boundaries, at])
+    return Piecewise([fn, then], [at])
 
 
 def check_computable(config: Mapping[str, HPFunction], steps: int, field: str = "hp") -> None:

@@ -49,7 +49,7 @@ import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from events.log import LogError, Record
+from events.log import LogError, Record, check_items
 
 log = logging.getLogger(__name__)
 
@@ -367,19 +367,13 @@ class KafkaLog:
         """
         self._check_open()
         topic = self.topic(stream)
-        records: list[tuple[bytes, bytes]] = []
-        for i, item in enumerate(items):
-            key, value = item
-            if not isinstance(key, str):
-                raise TypeError(f"item {i} of the append to {topic!r}: key is {type(key).__name__} {key!r}, but must be str")
-            if not isinstance(value, (bytes, bytearray, memoryview)):
-                raise TypeError(f"item {i} of the append to {topic!r}: value is {type(value).__name__}, but must be bytes")
-            kb, vb = key.encode("utf-8"), bytes(value)
+        records = check_items(topic, items)
+        for i, (kb, vb) in enumerate(records):
             if len(kb) + len(vb) > self._max_record:
                 raise KafkaLogError(
                     f"item {i} of the append to {topic!r} has {len(kb) + len(vb)} bytes of key and value, but "
-                    f"Kafka records hold at most {self._max_record} (message.max.bytes)", topic=topic, error="too large")
-            records.append((kb, vb))
+                    f"Kafka records hold at most {self._max_record} (message.max.bytes)", topic=topic,
+                    error="too large")
         if not records:
             return []
         if not self._exists(topic):

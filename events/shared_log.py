@@ -40,7 +40,7 @@ from typing import Any
 
 import orjson
 
-from events.log import EmbeddedLog, LogError, LogLocked, Record
+from events.log import EmbeddedLog, LogError, LogLocked, Record, check_items
 
 _FRAME = struct.Struct(">Q")
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -413,12 +413,7 @@ class SharedEmbeddedLog:
         Raises:
             TypeError: a key is not a str or a value not bytes (nothing is appended).
         """
-        for i, (key, value) in enumerate(items):
-            if not isinstance(key, str):
-                raise TypeError(f"item {i}: key is {type(key).__name__} {key!r}, but must be str")
-            if not isinstance(value, (bytes, bytearray, memoryview)):
-                raise TypeError(f"item {i}: value is {type(value).__name__}, but must be bytes")
-        items = [(key, bytes(value)) for key, value in items]
+        items = [(key.decode("utf-8"), value) for key, value in check_items(stream, items)]
         if not items:
             return []
         request = {"op": "append", "stream": stream, "items": [[k, _b64(v)] for k, v in items]}
@@ -455,7 +450,8 @@ class SharedEmbeddedLog:
         if isinstance(role, _Owner):
             records = role.read(stream, self._seen, None)
         else:
-            records = _records_from_json(stream, role.call({"op": "read", "stream": stream, "start": self._seen})["records"])
+            reply = role.call({"op": "read", "stream": stream, "start": self._seen})
+            records = _records_from_json(stream, reply["records"])
         return next((r.offset for r in records if (r.key, r.value) == item), None)
 
     def read(self, stream: str, start: int = 0, stop: int | None = None) -> Iterator[Record]:

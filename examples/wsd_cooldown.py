@@ -49,9 +49,8 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from gpu_worker.trainer import Trainer
+from stagetree import Study, Trainer, TrialFailed, TrialResult, Tuner, TunerResult
 from stagetree.hp import Constant, Cosine, HPFunction, Piecewise, PowerRamp, Warmup
-from stagetree.tuners import Tuner, TrialResult, TunerResult
 
 VALIDATION_FRACTION = 0.1
 UNKNOWN = 127  # code of every character outside ASCII 0..126
@@ -260,18 +259,25 @@ def schedules() -> list[tuple[dict[str, HPFunction], list[int]]]:
 class EvaluateAt(Tuner):
     """Trains every configuration to each of its steps (all submitted at once) and picks the best
     result at a configuration's last steps; a configuration asked at several steps is one trial
-    extended to each (its earlier steps come from its own checkpoints)."""
+    extended to each (its earlier steps come from its own checkpoints). A trial whose training
+    failed is a result with its error (a loss, as in every stagetree tuner)."""
 
     def __init__(self, plan: list[tuple[dict[str, HPFunction], list[int]]], metric: str, mode: str = "min") -> None:
         super().__init__([config for config, _ in plan], metric, mode)  # type: ignore[arg-type]
         self.plan = plan
 
-    async def run(self, study: Any) -> TunerResult:
+    async def run(self, study: Study) -> TunerResult:
         asked = [(config, steps) for config, all_steps in self.plan for steps in all_steps]
-        answers = await asyncio.gather(*(study.submit(config, steps) for config, steps in asked))
+        answers = await asyncio.gather(*(study.submit(config, steps) for config, steps in asked),
+                                       return_exceptions=True)
         last: dict[str, TrialResult] = {}
-        for (config, steps), metrics in zip(asked, answers):
-            result = TrialResult(study.trial_id(config), config, steps, metrics)
+        for (config, steps), answer in zip(asked, answers):
+            if isinstance(answer, TrialFailed):
+                result = TrialResult(study.trial_id(config), config, steps, {}, error=answer.error or "failed")
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                result = TrialResult(study.trial_id(config), config, steps, answer)
             if result.trial_id not in last or steps > last[result.trial_id].steps:
                 last[result.trial_id] = result
         return self._result(list(last.values()), last)

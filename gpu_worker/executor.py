@@ -5,13 +5,14 @@ For each stage it trains ``[from_step, to_step)`` with the stage's hyper-paramet
 keeping the weights in memory from one stage to the next (Hippo §4.3 batching), evaluates at
 ``to_step`` when asked, writes the central checkpoint (verified by sha256 *before* the
 CheckpointSaved event is emitted: invariant 4), and emits the stage's end (its metrics, the
-checkpoint and StageFinished with the measured seconds) as one atomic batch. Clocks are read here, at the edge, and the measurements travel in the events.
+checkpoint and StageFinished with the measured seconds) as one atomic batch. Clocks are read
+here, at the edge, and the measurements travel in the events.
 """
 
 from __future__ import annotations
 
+import functools
 import time
-import traceback
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -19,24 +20,13 @@ import torch
 from opentelemetry.trace import SpanKind
 
 from events import topics, tracing
-from events.models import (
-    CheckpointSaved,
-    Event,
-    MetricsReported,
-    StageDispatched,
-    StageFailed,
-    StageFinished,
-    StageSpec,
-    StageStarted,
-)
+from events.execution import Emit, StageFault, run_path
+from events.models import Event, StageDispatched, StageSpec
 from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing, CheckpointStore, StorageError
 from gpu_worker.session import TrainingSession
 from gpu_worker.trainer import Trainer
 
 T = TypeVar("T")
-
-Emit = Callable[[list[Event]], None]
-"""Where a worker's events go: each call is one batch, appended atomically by the transport."""
 
 
 def resolve_device(spec: str = "auto", index: int = 0) -> torch.device:
@@ -77,10 +67,10 @@ class PathExecutor:
     worker just saved, the weights in memory are used without reloading (same bytes, same
     result, as invariant 1 guarantees).
 
-    Events go out through ``emit`` in batches that the transport appends atomically: a stage's
-    StageStarted alone, and its end (MetricsReported when it evaluates, CheckpointSaved,
-    StageFinished) as one batch after the checkpoint is written and verified, so no crash can
-    leave metrics recorded without the stage's checkpoint and accounting (issue 11 item 12).
+    It is the :class:`~events.execution.PathBackend` of the one event sequence of a dispatch
+    (:func:`events.execution.run_path`): a stage's StageStarted alone, and its end
+    (MetricsReported when it evaluates, CheckpointSaved, StageFinished) as one atomic batch after
+    the checkpoint is written and verified.
     """
 
     def __init__(self, trainer: Trainer, worker_id: str, store: CheckpointStore, device: torch.device,
@@ -99,7 +89,8 @@ class PathExecutor:
         self.storage_backoff_s = storage_backoff_s
         self.sleep = sleep
         self._session: TrainingSession | None = None
-        self._holding: tuple[int, str] | None = None  # (seed, ref) of the weights in memory
+        self._holding: tuple[int, str] | None = None  # (seed, ref) of the stored weights in memory
+        self._seed = 0
 
     def stamp(self, event: Event) -> Event:
         """Set producer, timestamp and (when tracing) the current span's context on ``event``."""
@@ -118,23 +109,67 @@ class PathExecutor:
                 self.sleep(self.storage_backoff_s * 2**attempt)
         raise AssertionError("unreachable")
 
-    def _session_for(self, d: StageDispatched) -> TrainingSession:
-        """A session positioned at the path's source. Raises CheckpointError when it cannot load."""
+    # ------------------------------------------------------------------ PathBackend (events.execution)
+
+    def begin(self, d: StageDispatched) -> None:
+        """Hold the weights ``d`` starts from; the weights this worker just saved are reused
+        without reloading (same bytes, same result, invariant 1)."""
+        self._seed = d.seed
         if d.source is not None and self._session is not None and self._holding == (d.seed, d.source.ref):
-            return self._session
+            return
         self._session, self._holding = None, None
         session = TrainingSession(self.trainer, d.seed, self.device)
         if d.source is None:
             session.start_fresh()
         else:
             ref = d.source.ref
-            session.load(self._stored(lambda: self.store.get(ref)))
-            self._holding = (d.seed, d.source.ref)
+            try:
+                session.load(self._stored(functools.partial(self.store.get, ref)))
+            except CheckpointCorrupt as exc:
+                raise StageFault("checkpoint_corrupt", str(exc), ref) from exc
+            except CheckpointMissing as exc:
+                raise StageFault("checkpoint_missing", str(exc), ref) from exc
+            except StorageError as exc:
+                raise StageFault("storage", str(exc)) from exc
+            self._holding = (d.seed, ref)
         self._session = session
-        return session
+
+    def _require(self) -> TrainingSession:
+        if self._session is None:
+            raise RuntimeError("no weights in hand: begin() was not called or the path failed")
+        return self._session
+
+    def step(self) -> int:
+        return self._require().step
+
+    def train(self, spec: StageSpec) -> None:
+        self._require().train(spec.hp, spec.to_step)
+
+    def evaluate(self, spec: StageSpec) -> dict[str, float]:
+        return self._require().evaluate()
+
+    def save(self, spec: StageSpec) -> tuple[str, int] | None:
+        """Write the weights after a stage that trained (an evaluation-only stage keeps its
+        source), verified by sha256 before the event that names them."""
+        if spec.to_step == spec.from_step and self._holding is not None:
+            return None
+        data = self._require().save()
+        try:
+            ref = self._stored(functools.partial(self.store.put, data))
+        except (StorageError, CheckpointCorrupt) as exc:  # the store's fault, not the trial's
+            raise StageFault("storage", f"{type(exc).__name__}: {exc}") from exc
+        self._holding = (self._seed, ref.ref)
+        return ref.ref, ref.size
+
+    def abandon(self) -> None:
+        self._session, self._holding = None, None
+
+    def now(self) -> float:
+        return self.clock()
 
     def run(self, d: StageDispatched, emit: Emit) -> None:
-        """Execute every stage of ``d`` in order, emitting event batches through ``emit``.
+        """Execute every stage of ``d`` in order, emitting event batches through ``emit``: the
+        one event sequence of :func:`events.execution.run_path`.
 
         Never raises for a failing stage: a corrupt or missing source checkpoint, an exception
         from the trainer, or a store that keeps failing becomes a StageFailed event and ends the
@@ -143,64 +178,4 @@ class PathExecutor:
         with tracing.span("dispatch.process", parent=d.trace, kind=SpanKind.CONSUMER,
                           attributes=tracing.messaging("process", topics.DISPATCH, d.event_id,
                                                        dispatch_id=d.dispatch_id, worker_id=self.worker_id)):
-            self._run(d, emit)
-
-    def _failed(self, d: StageDispatched, spec: StageSpec, kind: str, error: str, ref: str | None = None) -> Event:
-        return self.stamp(StageFailed(dispatch_id=d.dispatch_id, plan_key=d.plan_key, worker_id=self.worker_id,
-                                      node_id=spec.node_id, from_step=spec.from_step, to_step=spec.to_step,
-                                      kind=kind, error=error, ref=ref))
-
-    def _run(self, d: StageDispatched, emit: Emit) -> None:
-        started = self.clock()
-        first = d.stages[0]
-        base = {"dispatch_id": d.dispatch_id, "plan_key": d.plan_key}
-        try:
-            with tracing.span("checkpoint.load", attributes={"stagetree.ref": d.source.ref if d.source else "fresh"}):
-                session = self._session_for(d)
-        except (CheckpointCorrupt, CheckpointMissing) as exc:
-            kind = "checkpoint_corrupt" if isinstance(exc, CheckpointCorrupt) else "checkpoint_missing"
-            emit([self._failed(d, first, kind, str(exc), d.source.ref if d.source else None)])
-            return
-        except StorageError as exc:
-            emit([self._failed(d, first, "storage", str(exc))])
-            return
-        for spec in d.stages:
-            stage = {"node_id": spec.node_id, "from_step": spec.from_step, "to_step": spec.to_step}
-            attrs = {f"stagetree.{k}": v for k, v in stage.items()}
-            with tracing.span("stage", attributes=attrs):
-                emit([self.stamp(StageStarted(dispatch_id=d.dispatch_id, worker_id=self.worker_id, **stage))])
-                end: list[Event] = []
-                try:
-                    if session.step != spec.from_step:
-                        raise RuntimeError(f"stage starts at step {spec.from_step}, but the weights are at {session.step}")
-                    t0 = self.clock()
-                    with tracing.span("train", attributes=attrs):
-                        session.train(spec.hp, spec.to_step)
-                    train_seconds = self.clock() - t0
-                    if spec.evaluate:
-                        with tracing.span("evaluate", attributes=attrs):
-                            metrics = session.evaluate()
-                        end.append(self.stamp(MetricsReported(**base, node_id=spec.node_id, step=spec.to_step,
-                                                              metrics=metrics)))
-                    if spec.to_step > spec.from_step or self._holding is None:  # eval-only: source kept
-                        with tracing.span("checkpoint.save", attributes=attrs):
-                            data = session.save()
-                            try:
-                                ref = self._stored(lambda: self.store.put(data))
-                            except (StorageError, CheckpointCorrupt) as exc:  # the store's fault
-                                self._session, self._holding = None, None
-                                emit([self._failed(d, spec, "storage", f"{type(exc).__name__}: {exc}")])
-                                return
-                        self._holding = (d.seed, ref.ref)
-                        end.append(self.stamp(CheckpointSaved(**base, node_id=spec.node_id, step=spec.to_step,
-                                                              ref=ref.ref, size=ref.size)))
-                except Exception as exc:  # the trainer's own code failed: report, never crash the worker
-                    self._session, self._holding = None, None
-                    error = "".join(traceback.format_exception_only(exc)).strip()
-                    emit([self._failed(d, spec, "error", error)])
-                    return
-                now = self.clock()
-                end.append(self.stamp(StageFinished(**base, worker_id=self.worker_id, **stage,
-                                                    seconds=now - started, train_seconds=train_seconds)))
-                emit(end)
-                started = now
+            run_path(d, self, emit, self.worker_id, self.stamp)

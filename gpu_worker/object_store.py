@@ -35,7 +35,6 @@ from minio.error import MinioException, S3Error
 
 from gpu_worker.checkpoint import (
     CheckpointCorrupt,
-    CheckpointError,
     CheckpointMissing,
     CheckpointRef,
     CheckpointStore,

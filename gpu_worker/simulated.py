@@ -22,15 +22,9 @@ from typing import Any
 
 import torch
 
-from events.hp import HPConfig
-from events.models import (
-    CheckpointSaved,
-    Event,
-    MetricsReported,
-    StageDispatched,
-    StageFinished,
-    StageStarted,
-)
+from events.execution import run_path
+from events.hp import HPFunction
+from events.models import Event, StageDispatched, StageSpec
 from gpu_worker.trainer import Trainer
 
 
@@ -70,7 +64,7 @@ class CostModel:
             seconds *= (max(value, 1e-12) / ref) ** exponent
         return seconds
 
-    def train_seconds(self, hp: HPConfig, from_step: int, to_step: int) -> float:
+    def train_seconds(self, hp: Mapping[str, HPFunction], from_step: int, to_step: int) -> float:
         """Seconds to train steps ``[from_step, to_step)`` of configuration ``hp``."""
         return sum(self.step_seconds({n: f.value(s) for n, f in hp.items()}) for s in range(from_step, to_step))
 
@@ -127,7 +121,7 @@ class CurveModel:
         """The loss of a freshly initialised model."""
         return float(self.initial_loss)
 
-    def advance(self, loss: float, hp: HPConfig, from_step: int, to_step: int) -> float:
+    def advance(self, loss: float, hp: Mapping[str, HPFunction], from_step: int, to_step: int) -> float:
         """The loss after training steps ``[from_step, to_step)`` from ``loss``."""
         for s in range(from_step, to_step):
             if not math.isfinite(loss) or loss > 1e6:
@@ -143,7 +137,7 @@ class CurveModel:
             loss -= self.rate * min(u, 1.0) ** self.rate_exponent * (loss - floor)
         return loss
 
-    def metrics(self, loss: float, hp: HPConfig, step: int, seed: int) -> dict[str, float]:
+    def metrics(self, loss: float, hp: Mapping[str, HPFunction], step: int, seed: int) -> dict[str, float]:
         """The metrics reported at ``step`` for a model whose loss is ``loss``."""
         if not math.isfinite(loss) or loss > 1e6:
             return {"loss": math.nan, "val_acc": self.chance}
@@ -169,10 +163,10 @@ class FormulaCurve:
     def initial(self) -> float:
         return 0.0
 
-    def advance(self, loss: float, hp: HPConfig, from_step: int, to_step: int) -> float:
+    def advance(self, loss: float, hp: Mapping[str, HPFunction], from_step: int, to_step: int) -> float:
         return loss + (to_step - from_step)
 
-    def metrics(self, loss: float, hp: HPConfig, step: int, seed: int) -> dict[str, float]:
+    def metrics(self, loss: float, hp: Mapping[str, HPFunction], step: int, seed: int) -> dict[str, float]:
         return self.formula({n: f.value(max(step - 1, 0)) for n, f in hp.items()}, step)
 
 
@@ -247,11 +241,19 @@ def checkpoint_ref(plan_key: str, node_id: str, loss: float, step: int) -> str:
 class SimulatedWorker:
     """Turns a dispatch into timed events, keeping simulated checkpoints in ``checkpoints``
     (ref -> loss). Shared by all simulated workers of a cluster (the central checkpoint store).
+
+    It is a :class:`~events.execution.PathBackend` on a virtual clock, so a simulated GPU emits
+    exactly the events, in exactly the batches, of a real one (:func:`events.execution.run_path`).
     """
 
     cost: CostModel
     curve: Curve
     checkpoints: dict[str, float] = field(default_factory=dict)
+    _clock: float = 0.0
+    _loss: float = 0.0
+    _step: int = 0
+    _stored: bool = False
+    _dispatch: StageDispatched | None = None
 
     def execute(self, d: StageDispatched) -> list[tuple[float, list[Event]]]:
         """The events of running ``d``, as ``(seconds after the dispatch, events)`` batches:
@@ -261,41 +263,55 @@ class SimulatedWorker:
         Raises:
             KeyError: the source checkpoint is unknown (never produced by this simulation).
         """
-        base = {"dispatch_id": d.dispatch_id, "plan_key": d.plan_key}
-        if d.source is None:
-            loss, elapsed = self.curve.initial(), 0.0
-        else:
-            loss, elapsed = self.checkpoints[d.source.ref], self.cost.load_seconds
+        self._clock = 0.0
         out: list[tuple[float, list[Event]]] = []
-        started = 0.0
-        pending: list[Event] = []
-        for spec in d.stages:
-            stage = {"node_id": spec.node_id, "from_step": spec.from_step, "to_step": spec.to_step}
-            pending.append(StageStarted(dispatch_id=d.dispatch_id, worker_id=d.worker_id, **stage))
-            out.append((started, pending))
-            pending = []
-            train = self.cost.train_seconds(spec.hp, spec.from_step, spec.to_step)
-            loss = self.curve.advance(loss, spec.hp, spec.from_step, spec.to_step)
-            elapsed += train
-            batch: list[Event] = []
-            if spec.evaluate:
-                elapsed += self.cost.eval_seconds
-                batch.append(MetricsReported(**base, node_id=spec.node_id, step=spec.to_step,
-                                             metrics=self.curve.metrics(loss, spec.hp, spec.to_step, d.seed)))
-            if spec.to_step > spec.from_step or d.source is None:
-                elapsed += self.cost.save_seconds
-                ref = checkpoint_ref(d.plan_key, spec.node_id, loss, spec.to_step)
-                self.checkpoints[ref] = loss
-                batch.append(CheckpointSaved(**base, node_id=spec.node_id, step=spec.to_step, ref=ref, size=64))
-            batch.append(StageFinished(**base, worker_id=d.worker_id, **stage, seconds=elapsed - started,
-                                       train_seconds=train))
-            started = elapsed
-            out.append((elapsed, batch))
-        # Each StageStarted goes out with the previous stage's end, as a real worker emits them.
-        merged: list[tuple[float, list[Event]]] = []
-        for at, events in out:
-            if merged and merged[-1][0] == at:
-                merged[-1][1].extend(events)
+
+        def emit(events: list[Event]) -> None:
+            if out and out[-1][0] == self._clock:  # a StageStarted goes out with the previous end
+                out[-1][1].extend(events)
             else:
-                merged.append((at, list(events)))
-        return merged
+                out.append((self._clock, list(events)))
+
+        run_path(d, self, emit, d.worker_id)
+        return out
+
+    # ------------------------------------------------------------------ PathBackend, virtual
+
+    def begin(self, d: StageDispatched) -> None:
+        self._dispatch = d
+        if d.source is None:
+            self._loss, self._step, self._stored = self.curve.initial(), 0, False
+        else:
+            self._loss, self._step, self._stored = self.checkpoints[d.source.ref], d.source.step, True
+            self._clock += self.cost.load_seconds
+
+    def step(self) -> int:
+        return self._step
+
+    def train(self, spec: StageSpec) -> None:
+        self._clock += self.cost.train_seconds(spec.hp, spec.from_step, spec.to_step)
+        self._loss = self.curve.advance(self._loss, spec.hp, spec.from_step, spec.to_step)
+        self._step = spec.to_step
+        if spec.to_step > spec.from_step:
+            self._stored = False
+
+    def evaluate(self, spec: StageSpec) -> dict[str, float]:
+        assert self._dispatch is not None
+        self._clock += self.cost.eval_seconds
+        return self.curve.metrics(self._loss, spec.hp, spec.to_step, self._dispatch.seed)
+
+    def save(self, spec: StageSpec) -> tuple[str, int] | None:
+        assert self._dispatch is not None
+        if self._stored:
+            return None
+        self._clock += self.cost.save_seconds
+        ref = checkpoint_ref(self._dispatch.plan_key, spec.node_id, self._loss, spec.to_step)
+        self.checkpoints[ref] = self._loss
+        self._stored = True
+        return ref, 64
+
+    def abandon(self) -> None:
+        self._stored = False
+
+    def now(self) -> float:
+        return self._clock

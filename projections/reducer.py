@@ -162,8 +162,8 @@ def _deliver(state: State, trial: Trial, steps: int, metrics: dict[str, float], 
     state.stats.answers += 1
     trial.answered[steps] = state.stats.answers  # the order answers came in (tuners replay it)
     touched.add(("stats",))
-    if steps == trial.steps and trial.status == "pending":
-        trial.status = "done"
+    if trial.status == "pending" and all(s in trial.results for s in trial.requests):
+        trial.status = "done"  # every step asked is answered (an earlier one may come last)
 
 
 def _trial_cancelled(state: State, ev: TrialCancelled, touched: set[Key]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from events.hp import HPConfig, first_divergence, value_key
+from projections.queries import unique_steps
 from projections.state import Node, Plan
 
 
@@ -137,26 +138,6 @@ def insert(plan: Plan, hp: HPConfig, steps: int) -> Node:
     if placement.node_id is not None:
         return plan.nodes[placement.node_id]
     return add_node(plan, placement, hp)
-
-
-def unique_steps(plan: Plan, targets: list[tuple[str, int]]) -> int:
-    """Steps of the union of the trials' prefixes: the unique training steps after merging.
-
-    Args:
-        targets: ``(node_id, steps)`` for each trial: its serving node and its maximum steps.
-
-    Each node contributes ``max end - start_step`` over the trials passing through it.
-    """
-    end: dict[str, int] = {}
-    for node_id, steps in targets:
-        node: Node | None = plan.nodes[node_id]
-        stop = steps
-        while node is not None:
-            if end.get(node.node_id, -1) < stop:
-                end[node.node_id] = stop
-            stop = node.start_step
-            node = plan.nodes[node.parent_id] if node.parent_id is not None else None
-    return sum(stop - plan.nodes[n].start_step for n, stop in end.items())
 
 
 def merged_unique_steps(trials: list[tuple[HPConfig, int]]) -> int:

@@ -168,7 +168,8 @@ class Worker:
     dispatch_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "device": self.device, "alive": self.alive, "dispatch_id": self.dispatch_id}
+        return {"worker_id": self.worker_id, "device": self.device, "alive": self.alive,
+                "dispatch_id": self.dispatch_id}
 
     @classmethod
     def from_json(cls, o: dict[str, Any]) -> Worker:

@@ -14,15 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from rocksdict import Options, Rdict, WriteBatch, WriteOptions
-
 from opentelemetry.trace import SpanKind
+from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 
 from events import topics, tracing
 from events.codec import InvalidEvent, decode, encode
 from events.deadletter import dead_letter
 from events.log import EventLog, Record, chain_next
 from events.models import DeadLettered, Event
+from projections.queries import node_number
 from projections.reducer import Key, Rejected, apply
 from projections.state import Dispatch, Node, Plan, Rejection, State, Stats, Trial, Worker
 
@@ -82,7 +82,9 @@ def all_keys(state: State) -> Iterator[Key]:
         yield ("plan", plan.plan_key)
         for node_id in plan.nodes:
             yield ("node", plan.plan_key, node_id)
-    for kind, table in (("trial", state.trials), ("worker", state.workers), ("dispatch", state.dispatches), ("study", state.studies)):
+    tables = (("trial", state.trials), ("worker", state.workers), ("dispatch", state.dispatches),
+              ("study", state.studies))
+    for kind, table in tables:
         for ident in table:
             yield (kind, ident)
 
@@ -180,7 +182,7 @@ class ProjectionStore:
                 state.dispatches[parts[1]] = Dispatch.from_json(value)
             elif kind == "study":
                 state.studies[parts[1]] = value
-        for node in sorted(nodes, key=lambda n: int(n.node_id[1:])):
+        for node in sorted(nodes, key=lambda n: node_number(n.node_id)):
             state.plans[node.plan_key].nodes[node.node_id] = node
         return state
 

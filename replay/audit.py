@@ -29,7 +29,7 @@ import orjson
 
 from events import topics
 from events.codec import InvalidEvent, decode
-from events.log import KEY_ENV, CHAIN_START, EmbeddedLog, Record, chain_algorithm, chain_next, secret_from  # noqa: F401
+from events.log import CHAIN_START, KEY_ENV, EmbeddedLog, Record, chain_algorithm, chain_next, secret_from  # noqa: F401
 from events.models import CheckpointSaved, LogSealed, StageDispatched
 from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing
 from gpu_worker.object_store import open_checkpoint_store
@@ -397,7 +397,8 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
     elif source.projection_sha256 is not None:
         digest = projection_digest(rebuilt)
         failure = None if digest == source.projection_sha256 else Failure(
-            "projection", None, None, f"the fold's digest {digest} differs from the export's {source.projection_sha256}")
+            "projection", None, None,
+            f"the fold's digest {digest} differs from the export's {source.projection_sha256}")
         result.add("projection", failure, "the fold's digest equals the export's")
 
     if source.checkpoints is None:

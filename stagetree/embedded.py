@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-
 from events import topics, tracing
 from events.codec import InvalidEvent, decode_batch, encode
 from events.deadletter import dead_letter

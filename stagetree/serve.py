@@ -164,7 +164,8 @@ def build_app(log: KafkaLog, state_dir: Path, *, app_id: str, heartbeat_timeout_
                 if not isinstance(worker_id, str) or not worker_id:
                     raise TypeError(f"`worker_id` is {worker_id!r}, but must be a non-empty string")
             except (orjson.JSONDecodeError, KeyError, TypeError) as exc:  # dead-lettered, never skipped silently
-                reason = f"not a heartbeat ({type(exc).__name__}: {exc}); a heartbeat is {{\"worker_id\": ..., \"ts\": ...}}"
+                reason = (f"not a heartbeat ({type(exc).__name__}: {exc}); "
+                          'a heartbeat is {"worker_id": ..., "ts": ...}')
                 letter = dead_letter(topics.HEARTBEAT, event.message.offset, bytes(value), reason, producer="serve")
                 service.log.append(topics.DEADLETTER, "heartbeat", encode(letter))
                 continue

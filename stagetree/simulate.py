@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from events import topics
 from events.log import EmbeddedLog, append_events, event_key
@@ -33,10 +33,10 @@ from gpu_worker.simulated import SimulatedWorker, models_of
 from gpu_worker.trainer import Trainer
 from projections.search_plan import merged_unique_steps
 from projections.store import ProjectionStore, Projector, all_keys
+from projections.summary import build_summary
 from scheduler.service import SchedulerService
 from stagetree.runtime import RuntimeBase, RuntimeError_
 from stagetree.study import Study
-from stagetree.summary import build_summary
 from stagetree.tuners import Tuner, TunerResult
 
 EPOCH = 1.0e9
@@ -247,7 +247,7 @@ def simulate(trainer: Trainer, studies: list[SimStudy], *, workers: int, merge: 
 
 async def _simulate(trainer: Trainer, studies: list[SimStudy], workers: int, merge: bool, policy: str,
                     run_dir: Path, study_file: str) -> SimulationResult:
-    mode = "merged" if merge else "trial"
+    mode: Literal["merged", "trial"] = "merged" if merge else "trial"
     cluster = SimulatedCluster(run_dir, workers, trainer, policy=policy)
     try:
         sdk = [Study(cluster, s.name, trainer, s.seed, merge=merge) for s in studies]
@@ -262,7 +262,7 @@ async def _simulate(trainer: Trainer, studies: list[SimStudy], workers: int, mer
             [s.tuner.run(study) for s, study in zip(studies, sdk)],
             on_done=lambda i, now: done_at.__setitem__(i, now))
         makespan = cluster.now
-        finished = []
+        finished: list[Event] = []
         summaries = []
         for i, (s, result) in enumerate(zip(studies, results)):
             best = result.best
@@ -274,6 +274,7 @@ async def _simulate(trainer: Trainer, studies: list[SimStudy], workers: int, mer
         cluster.append(finished)
         for i, s in enumerate(studies):
             ev = finished[i]
+            assert isinstance(ev, StudyFinished)
             summary = build_summary(cluster.state, s.name, mode=mode, workers=workers, best_trial=ev.best_trial,
                                     best_metric=ev.best_metric, end_to_end_seconds=done_at[i])
             summary["policy"] = policy

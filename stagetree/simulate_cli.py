@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gpu_worker.loader import StudyFileError, load_module, trainer_of
+from projections.summary import summary_path
 from scheduler.decide import POLICIES
 from stagetree.simulate import SimStudy, SimulationResult, simulate
 from stagetree.tuners import Tuner
@@ -87,7 +88,7 @@ def run_simulation(path: str, *, workers: int | None, policy: str, modes: list[s
         rows[mode] = _row(result)
         if out:
             for s in result.summaries:
-                (Path(out) / mode / f"summary-{s['name']}.json").write_bytes(
+                summary_path(Path(out) / mode, s["name"]).write_bytes(
                     orjson.dumps(s, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
     report: dict[str, Any] = {"file": path, "workers": n, "policy": policy, "runs": rows}
     if "merged" in rows and "trial" in rows:

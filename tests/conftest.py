@@ -46,6 +46,7 @@ def wsd_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                "--workers", "2", "--out", str(run), "--quiet", *flags],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
-            pytest.fail(f"stagetree run of the WSD example ({mode}) failed:\n{proc.stdout}\n{proc.stderr}", pytrace=False)
+            pytest.fail(f"stagetree run of the WSD example ({mode}) failed:\n{proc.stdout}\n{proc.stderr}",
+                        pytrace=False)
         out[mode] = run
     return out

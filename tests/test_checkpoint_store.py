@@ -35,10 +35,10 @@ from gpu_worker.checkpoint import (
     CheckpointCorrupt,
     CheckpointError,
     CheckpointMissing,
-    StorageError,
     CheckpointRef,
     CheckpointStore,
     LocalCheckpointStore,
+    StorageError,
     decode_state,
     encode_state,
 )

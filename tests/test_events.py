@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import hashlib
-
 import math
 from pathlib import Path
 
@@ -25,14 +24,14 @@ from hypothesis import strategies as st
 from events import topics
 from events.codec import InvalidEvent, decode, encode, from_dict, to_dict
 from events.hp import Constant, Cosine, CyclicLR, Exponential, Linear, MultiStep, Piecewise, Warmup, hp_to_json
-from events.log import event_key, EmbeddedLog, append_events
+from events.log import EmbeddedLog, append_events, event_key
 from events.models import (
     EVENT_TYPES,
     CheckpointSaved,
     CheckpointSource,
     DeadLettered,
-    LogSealed,
     Event,
+    LogSealed,
     MetricsReported,
     StageDispatched,
     StageFailed,
@@ -65,7 +64,8 @@ HP = {
 
 def sample_events() -> list[Event]:
     """One instance of every event type, with non-default header fields."""
-    header = {"producer": "test", "ts": 1712345678.25, "trace": {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}}
+    header = {"producer": "test", "ts": 1712345678.25,
+              "trace": {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}}
     return [
         StudyStarted(**header, study_id="s", name="digits", plan_key="pk", mode="merged", workers=2, seed=7,
                      trainer="DigitsTrainer@1", metric="val_acc", metric_mode="max"),
@@ -195,7 +195,8 @@ def test_missing_field_is_invalid(field: str) -> None:
         ("hp", {"lr": {"kind": "Nope"}}, "Nope"),
         ("hp", {"lr": {"kind": "MultiStep", "init": 0.1, "milestones": [200, 100], "gamma": 0.1}}, "[200, 100]"),
         ("hp", {"lr": {"kind": "Cosine", "init": 0.1, "min_value": 0.0, "period": 10, "gamma": 0.5}}, "0.5"),
-        ("hp", {"lr": {"kind": "Warmup", "init": 0.0, "period": 0, "then": {"kind": "Constant", "value": 1}}}, "period"),
+        ("hp", {"lr": {"kind": "Warmup", "init": 0.0, "period": 0, "then": {"kind": "Constant", "value": 1}}},
+         "period"),
     ],
 )
 def test_wrong_field_value_is_invalid(field: str, value: object, shown: str) -> None:

@@ -93,9 +93,9 @@ def test_no_merge_runs_share_nothing_and_unknown_studies_are_named(wsd_runs: dic
 
 
 def test_flat_hp_names_each_number_of_a_sequence() -> None:
-    hp = {"lr": {"kind": "Piecewise", "boundaries": [40],
-                 "functions": [{"kind": "Warmup", "init": 0.0, "period": 5, "then": {"kind": "Constant", "value": 0.003}},
-                               {"kind": "PowerRamp", "init": 0.003, "end_value": 0.0, "period": 8, "power": 0.5}]}}
+    warmup = {"kind": "Warmup", "init": 0.0, "period": 5, "then": {"kind": "Constant", "value": 0.003}}
+    cooldown = {"kind": "PowerRamp", "init": 0.003, "end_value": 0.0, "period": 8, "power": 0.5}
+    hp = {"lr": {"kind": "Piecewise", "boundaries": [40], "functions": [warmup, cooldown]}}
     flat = flat_hp(hp)
     assert flat["lr"].startswith("Piecewise(functions=[Warmup(init=0.0, period=5")
     assert flat["lr.boundaries"] == "[40]" and flat["lr.functions.1.power"] == 0.5

@@ -27,6 +27,7 @@ from events.hp import (
     as_hp,
     breakpoints,
     canonical_json,
+    check_computable,
     config_from_json,
     config_to_json,
     config_values,
@@ -36,7 +37,6 @@ from events.hp import (
     same_piece,
     same_value,
     value_key,
-    check_computable,
 )
 
 # --------------------------------------------------------------------------- strategies

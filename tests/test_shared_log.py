@@ -19,7 +19,7 @@ import pytest
 import test_log  # the EventLog contract suite (tests/ is on sys.path)
 from test_log import event_log, stream  # noqa: F401 (its fixtures, on the backend below)
 
-from events.log import EmbeddedLog, chain_next, CHAIN_START
+from events.log import CHAIN_START, EmbeddedLog, chain_next
 from events.shared_log import SharedEmbeddedLog
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,14 +42,14 @@ class TestSharedEmbeddedLogContract(test_log.TestEventLogContract):
         return SharedBackend(tmp_path / "log")
 
 
-def _chain_ok(path: Path, stream: str) -> list[bytes]:
+def _chain_ok(path: Path, name: str) -> list[bytes]:
     """The stream's values, after checking its offsets are dense and its hash chain recomputes."""
     with EmbeddedLog(path, read_only=True) as log:
-        records = list(log.read(stream))
+        records = list(log.read(name))
     head = CHAIN_START
     for i, r in enumerate(records):
         assert r.offset == i
-        head = chain_next(head, stream, r.offset, r.key, r.value)
+        head = chain_next(head, name, r.offset, r.key, r.value)
         assert r.chain == head, f"chain breaks at offset {i}"
     return [r.value for r in records]
 
@@ -120,7 +120,7 @@ def test_the_owner_hands_the_log_over_when_it_closes(tmp_path: Path) -> None:
 def test_bad_items_append_nothing(tmp_path: Path) -> None:
     with SharedEmbeddedLog(tmp_path / "log") as log:
         log.append("s", "k", b"a")
-        with pytest.raises(TypeError, match="item 1: value is int, but must be bytes"):
+        with pytest.raises(TypeError, match="item 1 of the append to 's': value is int, but must be bytes"):
             log.append_many("s", [("k", b"b"), ("k", 5)])  # type: ignore[list-item]
         assert [r.value for r in log.read("s")] == [b"a"]
 

@@ -25,9 +25,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from gpu_worker.simulated import CostModel, CurveModel, SimulatedTrainer
+from stagetree import CostModel, CurveModel, GridSearchSpace, SimulatedTrainer
 from stagetree.hp import Constant, Cosine, CyclicLR, Exponential, Linear, MultiStep, Piecewise, Warmup
-from stagetree.tuners import GridSearchSpace
 
 WORKERS = 40
 """The papers' cluster: 5 x p2.8xlarge, 8 K80 GPUs each (HIPPO_SPEC §8.1)."""
@@ -185,8 +184,7 @@ def product_size(space: GridSearchSpace) -> int:
 def resnet20_studies(k: int) -> list[Any]:
     """The multi-study case S``k``: subspaces 0..k-1, grid search to 100 epochs each, seed 0,
     all on one plan (same trainer and seed)."""
-    from stagetree.simulate import SimStudy
-    from stagetree.tuners import GridSearch
+    from stagetree import GridSearch, SimStudy
 
     return [SimStudy(f"resnet20-study{i}", GridSearch(resnet20_subspace(i), 100, metric="val_acc", mode="max"), 0)
             for i in range(k)]

@@ -31,7 +31,7 @@ from stagetree.export.run import RunView, TrialView, flat_hp
 from stagetree.integration import require
 
 require("mlflow", "mlflow", "stagetree export mlflow")
-from mlflow.entities import Metric, Param, RunTag  # noqa: E402
+from mlflow.entities import Metric, Param  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 STATUS = {"done": "FINISHED", "failed": "FAILED", "cancelled": "KILLED"}

@@ -2,12 +2,12 @@
 metrics by step, and the stages it shares with other trials.
 
 ``read_run`` does the I/O (a run directory, JSONL export or ``kafka://`` source, folded as
-``replay verify`` folds it); everything below it is a pure query over the projected
-:class:`~projections.state.State` (it imports only ``events`` and ``projections``), so it can move
-under ``projections/`` with the other read-side queries.
+``replay verify`` folds it); everything else is a pure query over the projected
+:class:`~projections.state.State` on :mod:`projections.queries` (paths, sharing), importing only
+``events`` and ``projections``.
 
-A trial's *path* is the chain of search-plan segments it trains through (Hippo §3.2): node
-``n`` over ``[start, end)``, from the root to the node of its last request. Its metrics by step
+A trial's *path* is the chain of search-plan segments it trains through (Hippo §3.2,
+:func:`projections.queries.trial_path`), here root first. Its metrics by step
 are every evaluation on that path at steps ``start..end`` of each segment, so in a merged run a
 trial also shows the evaluations other trials asked for on the prefix they share with it (the
 same model state, by DESIGN.md invariant 1); its final metrics are those of ``summary.json``.
@@ -16,6 +16,7 @@ same model state, by DESIGN.md invariant 1); its final metrics are those of ``su
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,9 @@ from events import topics
 from events.codec import InvalidEvent, decode
 from events.hp import config_to_json, hp_from_json
 from events.models import MetricsReported, StudyStarted, TrialSubmitted
+from projections import queries
+from projections.queries import Segment
 from projections.state import State, Trial
-
-Segment = tuple[str, str, int, int]
-"""``(plan_key, node_id, start, end)``: a trial trains node ``node_id`` over steps [start, end)."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class TrialView:
     steps: int
     hp: dict[str, Any]
     metrics: dict[int, dict[str, float | None]]
-    final: dict[str, float | None] | None
+    final: Mapping[str, float | None] | None
     path: list[Segment]
     shared: list[SharedStage]
     times: dict[int, float] = field(default_factory=dict)
@@ -90,27 +90,6 @@ class RunReadError(ValueError):
     """The run cannot be read, or holds no such study (the message names them)."""
 
 
-def trial_path(state: State, trial: Trial) -> list[Segment]:
-    """The segments ``(plan_key, node_id, start, end)`` a trial trains through, from
-    its terminal node ``trial.requests[trial.steps]`` (else its largest request) up to the root;
-    each node covers [node.start_step, end), end being the child's start (or the trial's steps).
-    Empty when the trial has no request or its plan is unknown."""
-    if not trial.requests:
-        return []
-    plan = state.plans.get(trial.plan_key)
-    if plan is None:
-        return []
-    terminal = trial.requests.get(trial.steps) or trial.requests[max(trial.requests)]
-    out, end, node = [], trial.steps, plan.nodes.get(terminal)
-    seen: set[str] = set()
-    while node is not None and node.node_id not in seen:
-        seen.add(node.node_id)
-        out.append((plan.plan_key, node.node_id, node.start_step, end))
-        end = node.start_step
-        node = plan.nodes.get(node.parent_id) if node.parent_id else None
-    return out
-
-
 def path_metrics(state: State, path: list[Segment]) -> dict[int, dict[str, float | None]]:
     """Every evaluation on ``path``: step -> metrics of the node trained there (steps
     ``start..end`` inclusive of each segment; at a boundary both nodes hold the same state)."""
@@ -123,36 +102,34 @@ def path_metrics(state: State, path: list[Segment]) -> dict[int, dict[str, float
     return dict(sorted(out.items()))
 
 
-def shared_stages(paths: dict[str, list[Segment]]) -> dict[str, list[SharedStage]]:
-    """For each trial, the parts of its path other trials train too: per node, the steps where
-    two or more trials' segments overlap, split where the set of trials changes."""
-    by_node: dict[tuple[str, str], list[tuple[int, int, str]]] = defaultdict(list)
-    for trial_id, path in paths.items():
-        for plan_key, node_id, start, end in path:
-            if end > start:
-                by_node[(plan_key, node_id)].append((start, end, trial_id))
-    out: dict[str, list[SharedStage]] = {trial_id: [] for trial_id in paths}
-    for (_, node_id), segments in sorted(by_node.items()):
-        cuts = sorted({s for a, b, _ in segments for s in (a, b)})
+def shared_stages(state: State, trial: Trial) -> list[SharedStage]:
+    """The parts of the trial's path other trials of its plan (of any study) train too
+    (:func:`projections.queries.sharing`), per node split where the set of those trials
+    changes, by start step."""
+    by_node: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
+    for other, segments in queries.sharing(state, trial).items():
+        for s in segments:
+            by_node[s.node_id].append((s.start, s.end, other))
+    out: list[SharedStage] = []
+    for node_id, spans in by_node.items():
+        cuts = sorted({x for a, b, _ in spans for x in (a, b)})
         for lo, hi in zip(cuts, cuts[1:]):
-            here = tuple(sorted(t for a, b, t in segments if a <= lo and hi <= b))
-            for trial_id in here if len(here) > 1 else ():
-                stages = out[trial_id]
-                others = tuple(t for t in here if t != trial_id)
-                if stages and stages[-1].node_id == node_id and stages[-1].to_step == lo and stages[-1].trials == others:
-                    stages[-1] = SharedStage(node_id, stages[-1].from_step, hi, others)
-                else:
-                    stages.append(SharedStage(node_id, lo, hi, others))
-    for stages in out.values():
-        stages.sort(key=lambda s: (s.from_step, s.node_id))
-    return out
+            others = tuple(sorted(t for a, b, t in spans if a <= lo and hi <= b))
+            if not others:
+                continue
+            last = out[-1] if out else None
+            if last is not None and last.node_id == node_id and last.to_step == lo and last.trials == others:
+                out[-1] = SharedStage(node_id, last.from_step, hi, others)
+            else:
+                out.append(SharedStage(node_id, lo, hi, others))
+    return sorted(out, key=lambda s: (s.from_step, s.node_id))
 
 
 def study_view(state: State, study_id: str, *, source: str = "", times: dict[tuple[str, str, int], float] | None = None,
                submitted: dict[str, float] | None = None) -> RunView:
-    """The :class:`RunView` of ``study_id`` in ``state``. Sharing is counted among the study's own
-    trials. ``times`` maps ``(plan_key, node_id, step)`` to an evaluation's epoch seconds and
-    ``submitted`` trial ids to theirs (both optional, from the log).
+    """The :class:`RunView` of ``study_id`` in ``state``. ``times`` maps ``(plan_key, node_id,
+    step)`` to an evaluation's epoch seconds and ``submitted`` trial ids to theirs (both
+    optional, from the log).
 
     Raises:
         RunReadError: ``state`` holds no trial of ``study_id``.
@@ -162,11 +139,9 @@ def study_view(state: State, study_id: str, *, source: str = "", times: dict[tup
         known = sorted({t.study_id for t in state.trials.values()})
         raise RunReadError(f"study {study_id!r} has no trials in {source or 'the run'} (studies: {known})")
     study = state.studies.get(study_id, {})
-    paths = {t.trial_id: trial_path(state, t)[::-1] for t in trials}  # root first
-    shared = shared_stages(paths)
     views = []
     for t in trials:
-        path = paths[t.trial_id]
+        path = queries.trial_path(state, t)[::-1]  # root first
         metrics = path_metrics(state, path)
         when: dict[int, float] = {}
         for plan_key, node_id, start, end in path:
@@ -174,7 +149,7 @@ def study_view(state: State, study_id: str, *, source: str = "", times: dict[tup
                 if start <= step <= end and step not in when and times and (plan_key, node_id, step) in times:
                     when[step] = times[(plan_key, node_id, step)]
         views.append(TrialView(t.trial_id, t.study_id, t.plan_key, t.status, t.steps, config_to_json(t.hp), metrics,
-                               t.results.get(t.steps), path, shared[t.trial_id], dict(sorted(when.items())),
+                               t.results.get(t.steps), path, shared_stages(state, t), dict(sorted(when.items())),
                                (submitted or {}).get(t.trial_id)))
     return RunView(source, study_id, study.get("mode", "merged"), study.get("metric"), study.get("metric_mode"), views)
 

@@ -10,8 +10,11 @@ much the other studies on its plan gave it.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from events import topics
@@ -19,10 +22,23 @@ from events.codec import InvalidEvent, decode
 from events.hp import config_to_json
 from events.log import EventLog
 from events.models import Event, StageFinished, StudyFinished, StudyStarted
+from projections.queries import study_needs
 from projections.search_plan import merged_unique_steps
 from projections.state import State, Trial
 
 TRIAL_PLAN_SEPARATOR = "/trial/"  # mode "trial": every trial's plan key is <key>/trial/<trial id>
+
+_FILE_SAFE = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def summary_path(run_dir: Path, study_id: str) -> Path:
+    """Where a study's summary lives in a run directory: ``summary-<study>.json``, one per study
+    (a name that is not file-safe becomes ``_``-separated plus 8 hex characters of its sha256,
+    so two names never share a file)."""
+    if _FILE_SAFE.fullmatch(study_id) and study_id not in (".", ".."):
+        return run_dir / f"summary-{study_id}.json"
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", study_id).strip("._") or "study"
+    return run_dir / f"summary-{safe}-{hashlib.sha256(study_id.encode()).hexdigest()[:8]}.json"
 
 
 def elapsed(events: Iterable[Event], study_id: str) -> float:
@@ -96,26 +112,6 @@ def k_wise_merge_rate(state: State, study_ids: Iterable[str]) -> float | None:
     return total / unique if unique else None
 
 
-def needed_ranges(state: State, study_id: str) -> dict[tuple[str, str], tuple[int, int]]:
-    """The steps the study's trials need, per ``(plan_key, node_id)``: ``[node.start_step, end)``
-    with ``end`` the largest step a trial of the study asks on or below that node (steps). Their
-    lengths sum to the unique steps of the study's trials in its plan (thesis §4.2.1)."""
-    end: dict[tuple[str, str], int] = {}
-    for trial in state.trials.values():
-        if trial.study_id != study_id or trial.steps not in trial.requests:
-            continue
-        plan = state.plans[trial.plan_key]
-        node = plan.nodes.get(trial.requests[trial.steps])
-        stop = trial.steps
-        while node is not None:
-            key = (plan.plan_key, node.node_id)
-            if end.get(key, -1) < stop:
-                end[key] = stop
-            stop = node.start_step
-            node = plan.nodes[node.parent_id] if node.parent_id is not None else None
-    return {key: (state.plans[key[0]].nodes[key[1]].start_step, stop) for key, stop in end.items()}
-
-
 def _covered(ranges: list[tuple[int, int]], lo: int, hi: int) -> int:
     """Length of ``[lo, hi)`` covered by the union of ``ranges`` (steps)."""
     covered, reach = 0, lo
@@ -133,7 +129,7 @@ def sharing_steps(state: State, events: Iterable[Event], study_id: str) -> tuple
     ``events`` is the plan stream in log order. The study's first StudyStarted splits it: the
     StageFinished events before it on the study's plans give, per node, the step ranges already
     trained (nodes are never split, so a node's step s is the same prefix for every trial through
-    it); ``steps_from_earlier_studies`` is how many steps of :func:`needed_ranges` they cover (a
+    it); ``steps_from_earlier_studies`` is how many steps of :func:`projections.queries.study_needs` they cover (a
     union, so a range trained twice counts once). ``executed_steps_since_start`` sums
     ``to_step - from_step`` of the StageFinished events on the study's plans after it (retrained
     steps count again). Without a StudyStarted of the study, nothing is earlier: (0, all).
@@ -151,7 +147,7 @@ def sharing_steps(state: State, events: Iterable[Event], study_id: str) -> tuple
                 trained[(event.plan_key, event.node_id)].append((event.from_step, event.to_step))
     if not started:
         return 0, sum(b - a for ranges in trained.values() for a, b in ranges)  # all of it is "since"
-    earlier = sum(_covered(trained.get(key, []), lo, hi) for key, (lo, hi) in needed_ranges(state, study_id).items())
+    earlier = sum(_covered(trained.get(key, []), lo, hi) for key, (lo, hi) in study_needs(state, study_id).items())
     return earlier, since
 
 
@@ -208,6 +204,7 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
                 "steps": t.steps,
                 "metrics": t.results.get(t.steps),
                 "status": t.status,
+                **({"error": t.error} if t.status == "failed" else {}),
             }
             for t in trials
         ],
