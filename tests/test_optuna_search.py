@@ -15,7 +15,7 @@ optuna = pytest.importorskip("optuna", reason="the Optuna searcher needs `pip in
 from events.hp import MultiStep, Warmup  # noqa: E402
 from replay.tuner import check_study  # noqa: E402
 from stagetree import ASHA, Hyperband, SimulatedTrainer, SuccessiveHalving, hp  # noqa: E402
-from stagetree.integration.optuna.searcher import OptunaSearch, OptunaSpace  # noqa: E402
+from stagetree.integration.optuna import OptunaSearch, OptunaSpace  # noqa: E402
 from stagetree.simulate import SimStudy, SimulationResult, simulate  # noqa: E402
 from stagetree.spaces import Choice, IntUniform, LogUniform, Milestones, Sampled, Uniform  # noqa: E402
 

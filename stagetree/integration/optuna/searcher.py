@@ -1,6 +1,6 @@
 """Optuna's samplers propose, stagetree merges (issue 13 item 2).
 
-Two ways to let any ``optuna.samplers.BaseSampler`` (TPE, CMA-ES, GP, QMC, random, ...) choose
+Two ways to let any ``BaseSampler`` (TPE, CMA-ES, GP, QMC, random, ...) choose
 configurations through Optuna's ask-and-tell interface, over the same space language as
 :class:`~stagetree.spaces.RandomSearchSpace` (fixed values, candidate lists, :class:`Choice`,
 :class:`Uniform`, :class:`LogUniform`, :class:`IntUniform`, :class:`Milestones` and
@@ -21,7 +21,7 @@ The configurations are stagetree trials like any others: proposals that share a 
 warm-up, the same decay up to a milestone) are merged in the search plan and trained once. Every
 configuration asked is a ``draw`` decision in the log (:mod:`events.decisions`) naming the
 sampler and its seed; the Optuna study lives in any Optuna storage (``storage=``: a URL or an
-``optuna.storages.BaseStorage``; default in memory), named after the stagetree study unless
+``BaseStorage``; default in memory), named after the stagetree study unless
 ``study_name`` is given.
 
 Determinism: a sampler given a seed (``TPESampler(seed=3)``; pass the same ``seed=`` so the
@@ -39,15 +39,22 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import optuna
-from optuna.trial import TrialState
-
 from events.decisions import Continue, Decision, Pruned, Stop
 from events.hp import HPConfig
+from stagetree.integration import require
 from stagetree.spaces import ask_config, space_specs
 from stagetree.study import Study
 from stagetree.tuners import Mode, TrialResult, Tuner, TunerResult
 from stagetree.tuners._base import positive_int
+
+require("optuna", "optuna", "stagetree.integration.optuna")
+from optuna import Study as OptunaStudy  # noqa: E402
+from optuna import create_study  # noqa: E402
+from optuna.pruners import BasePruner, NopPruner  # noqa: E402
+from optuna.samplers import BaseSampler, TPESampler  # noqa: E402
+from optuna.storages import BaseStorage, InMemoryStorage  # noqa: E402
+from optuna.trial import Trial as OptunaTrial  # noqa: E402
+from optuna.trial import TrialState  # noqa: E402
 
 __all__ = ["OptunaSearch", "OptunaSpace"]
 
@@ -65,7 +72,7 @@ class OptunaSpace:
         hp_dict: name -> a fixed value, a list of candidates or a sampler
             (:func:`stagetree.spaces.space_specs`).
         n: how many configurations the tuner gets (positive int).
-        sampler: any ``optuna.samplers.BaseSampler``; default ``TPESampler(seed=seed)``.
+        sampler: any ``BaseSampler``; default ``TPESampler(seed=seed)``.
         seed: the sampler's seed, recorded in every draw decision.
         storage: where the Optuna study lives (URL or ``BaseStorage``); None: in memory.
         study_name: the Optuna study's name; default the stagetree study's.
@@ -76,28 +83,28 @@ class OptunaSpace:
             ``seed``, ``sampler`` or ``pruner``.
     """
 
-    def __init__(self, hp_dict: Mapping[str, Any], n: int, *, sampler: optuna.samplers.BaseSampler | None = None,
-                 seed: int | None = None, storage: str | optuna.storages.BaseStorage | None = None,
-                 study_name: str | None = None, pruner: optuna.pruners.BasePruner | None = None) -> None:
+    def __init__(self, hp_dict: Mapping[str, Any], n: int, *, sampler: BaseSampler | None = None,
+                 seed: int | None = None, storage: str | BaseStorage | None = None,
+                 study_name: str | None = None, pruner: BasePruner | None = None) -> None:
         self.specs = space_specs(hp_dict)
         self.n = positive_int("n", n)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
             raise ValueError(f"`seed` is {seed!r}, but must be an int in [0, 2**63) or None")
-        if sampler is not None and not isinstance(sampler, optuna.samplers.BaseSampler):
-            raise ValueError(f"`sampler` is {sampler!r}, but must be an optuna.samplers.BaseSampler")
-        if pruner is not None and not isinstance(pruner, optuna.pruners.BasePruner):
-            raise ValueError(f"`pruner` is {pruner!r}, but must be an optuna.pruners.BasePruner")
-        self.sampler = sampler if sampler is not None else optuna.samplers.TPESampler(seed=seed)
+        if sampler is not None and not isinstance(sampler, BaseSampler):
+            raise ValueError(f"`sampler` is {sampler!r}, but must be an BaseSampler")
+        if pruner is not None and not isinstance(pruner, BasePruner):
+            raise ValueError(f"`pruner` is {pruner!r}, but must be an BasePruner")
+        self.sampler = sampler if sampler is not None else TPESampler(seed=seed)
         self.seed = seed if seed is not None else getattr(self.sampler, "_seed", None)
         self.sampler_name = type(self.sampler).__name__
         self.storage = storage
         self.study_name = study_name
-        self.pruner = pruner if pruner is not None else optuna.pruners.NopPruner()
-        self._optuna: optuna.Study | None = None
+        self.pruner = pruner if pruner is not None else NopPruner()
+        self._optuna: OptunaStudy | None = None
         self._for: Study | None = None
         self._tuner: Tuner | None = None
         self._configs: list[HPConfig] = []
-        self._trials: dict[str, list[optuna.trial.Trial]] = {}  # stagetree trial id -> its Optuna trials
+        self._trials: dict[str, list[OptunaTrial]] = {}  # stagetree trial id -> its Optuna trials
         self._reported: set[tuple[int, int]] = set()  # (Optuna trial number, step)
         self._told: set[int] = set()
 
@@ -110,12 +117,12 @@ class OptunaSpace:
 
     # ------------------------------------------------------------------ the Optuna study
 
-    def optuna_study(self, study: Study, tuner: Tuner) -> optuna.Study:
+    def optuna_study(self, study: Study, tuner: Tuner) -> OptunaStudy:
         """The Optuna study of ``study`` (created at the first call: maximising when the tuner
         maximises; in memory in a replay of the log)."""
         if self._optuna is None or self._for is not study:
-            storage = optuna.storages.InMemoryStorage() if study.replaying else self.storage
-            self._optuna = optuna.create_study(
+            storage = InMemoryStorage() if study.replaying else self.storage
+            self._optuna = create_study(
                 storage=storage, sampler=self.sampler, pruner=self.pruner, study_name=self.study_name or study.name,
                 direction="maximize" if tuner.mode == "max" else "minimize", load_if_exists=True)
             self._for, self._tuner, self._configs = study, tuner, []
@@ -225,9 +232,9 @@ class OptunaSearch(Tuner):
     """
 
     def __init__(self, hp_dict: Mapping[str, Any], metric: str, mode: Mode = "max", *, n_trials: int, steps: int,
-                 batch: int = 1, sampler: optuna.samplers.BaseSampler | None = None, seed: int | None = None,
-                 storage: str | optuna.storages.BaseStorage | None = None, study_name: str | None = None,
-                 pruner: optuna.pruners.BasePruner | None = None, report_every: int | None = None) -> None:
+                 batch: int = 1, sampler: BaseSampler | None = None, seed: int | None = None,
+                 storage: str | BaseStorage | None = None, study_name: str | None = None,
+                 pruner: BasePruner | None = None, report_every: int | None = None) -> None:
         space = OptunaSpace(hp_dict, n_trials, sampler=sampler, seed=seed, storage=storage, study_name=study_name,
                             pruner=pruner)
         super().__init__(space, metric, mode)
