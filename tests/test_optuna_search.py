@@ -165,3 +165,14 @@ def test_bad_arguments_name_the_field(make: Any, needle: str) -> None:
     with pytest.raises(ValueError) as info:
         make()
     assert needle in str(info.value)
+
+
+def test_the_optuna_study_can_live_in_stagetrees_own_log(tmp_path: Path) -> None:
+    """The journal storage of stagetree.integration.optuna: the searcher's Optuna study is
+    written to a stagetree log and read back by another storage object on the same directory."""
+    from stagetree.integration.optuna import journal_storage
+
+    result = run(search("tpe", storage=journal_storage(tmp_path / "optuna")), 2)
+    again = optuna.load_study(study_name="o", storage=journal_storage(tmp_path / "optuna"))
+    assert {t.user_attrs["stagetree_trial"]: t.value for t in again.trials} == \
+        {t["trial_id"]: t["metrics"]["val_acc"] for t in result.summaries[0]["trials"]}
