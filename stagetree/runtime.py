@@ -14,7 +14,7 @@ from collections.abc import Callable
 from events.models import Event
 from projections.state import State
 from projections.store import Projector
-from stagetree.study import TrialFailed
+from stagetree.errors import RuntimeError_, TrialFailed
 
 
 async def settle() -> None:
@@ -27,10 +27,6 @@ async def settle() -> None:
         await asyncio.sleep(0)
         if ready is not None and not ready:
             return
-
-
-class RuntimeError_(RuntimeError):
-    """The runtime cannot continue; every waiting trial gets this error."""
 
 
 class RuntimeBase:
