@@ -19,6 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
+from events.decisions import Decision, ReleasedResult
 from events.hp import HP, check_computable
 
 HEADER_FIELDS = ("event_id", "producer", "ts", "trace")
@@ -369,6 +370,29 @@ class WorkerLost(Event):
     reason: str
 
 
+# --------------------------------------------------------------------------- tuner decisions
+
+
+class TunerDecided(Event):
+    """A tuner's decision (:mod:`events.decisions`: draw, promote, continue, stop, exploit,
+    keep, retune, answer), appended by the SDK before the requests it causes.
+
+    ``decided_at`` is the offset of the last ``stagetree.plan`` event the study's runtime had
+    folded when its tuner decided (as in StageDispatched), so ``replay verify --study`` re-runs
+    the tuner and recomputes the decision from exactly that prefix. ``released`` lists the
+    results handed to an asynchronous tuner since its previous decision, in the order it was
+    given them (arrival or causal order; empty for synchronous tuners). ``tuner`` is the tuner's
+    class name.
+    """
+
+    type: ClassVar[str] = "TunerDecided"
+    study_id: Ident
+    tuner: str
+    decided_at: int = Field(ge=-1)
+    decision: Decision
+    released: list[ReleasedResult] = Field(default_factory=list)
+
+
 class LogSealed(Event):
     """The hash chain of ``stream`` after the record at ``offset`` (hex; sha256 or HMAC-SHA256 per
     ``algorithm``), written by the one process that folds the stream (on Kafka: the serve
@@ -421,5 +445,6 @@ EVENT_TYPES: dict[str, type[Event]] = {
         PathPreempted,
         CheckpointRequested,
         CheckpointEvicted,
+        TunerDecided,
     )
 }

@@ -2,7 +2,9 @@
 
 Everything here is a pure function of a :class:`~projections.state.State` (or one
 :class:`~projections.state.Plan`): the summary, the HTML report, ``replay explain``, the
-dashboard and the CLI ask these questions instead of walking the plan themselves.
+dashboard and the CLI ask these questions instead of walking the plan themselves. One
+trial's story (``replay explain``): :func:`find_trial`, :func:`divergences`, :func:`on_path`,
+:func:`checkpoints_on_path`, :func:`metrics_on_path`, :func:`decisions_about`.
 
 Terms (DESIGN.md): a *segment* ``(plan_key, node_id, start, end)`` is the step range
 ``[start, end)`` of one node that a request trains through; the *path* of a request
@@ -17,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
-from projections.state import Node, Plan, State, Trial
+from events.hp import first_divergence
+from projections.state import Checkpoint, Decided, Node, Plan, State, Trial
 
 
 class Segment(NamedTuple):
@@ -128,3 +131,100 @@ def sharing(state: State, trial: Trial) -> dict[str, list[Segment]]:
         if common:
             out[other.trial_id] = sorted(common, key=lambda s: s.start)
     return out
+
+
+# ----------------------------------------------------------------------------- one trial's story (replay explain)
+
+
+def find_trial(state: State, prefix: str) -> Trial:
+    """The trial whose id is ``prefix`` or starts with it.
+
+    Raises:
+        KeyError: no trial matches, or several do (the message lists up to 8 of them).
+    """
+    if prefix in state.trials:
+        return state.trials[prefix]
+    matches = sorted(t for t in state.trials if t.startswith(prefix)) if prefix else []
+    if len(matches) == 1:
+        return state.trials[matches[0]]
+    if not matches:
+        raise KeyError(f"no trial id starts with {prefix!r} ({len(state.trials)} trials in the log)")
+    shown = ", ".join(matches[:8]) + (f", ... ({len(matches)} in all)" if len(matches) > 8 else "")
+    raise KeyError(f"trial id prefix {prefix!r} is not unique: {shown}")
+
+
+def plan_family(plan_key: str) -> str:
+    """The plan key a trial's plan belongs to: ``<key>`` for ``<key>/trial/<id>`` (the plans of
+    a ``--no-merge`` run, one per trial) and for ``<key>`` itself."""
+    return plan_key.split("/trial/", 1)[0]
+
+
+def divergences(state: State, trial: Trial) -> dict[str, int]:
+    """For each other trial of the same plan key whose hyper-parameters agree with the trial's
+    at step 0, the first step at which they differ (:func:`events.hp.first_divergence`), capped
+    at the smaller of the two trials' steps (a cap means: no difference within them). These are
+    the trials it shares a prefix with (in a ``--no-merge`` run too, where nothing is shared)."""
+    out = {}
+    family = plan_family(trial.plan_key)
+    for other in state.trials.values():
+        if other.trial_id == trial.trial_id or plan_family(other.plan_key) != family \
+                or other.hp.keys() != trial.hp.keys():
+            continue
+        step = first_divergence(trial.hp, other.hp, 0, min(trial.steps, other.steps))
+        if step > 0:
+            out[other.trial_id] = step
+    return out
+
+
+def on_path(segments: Iterable[Segment], node_id: str, from_step: int, to_step: int) -> bool:
+    """Whether the stage ``[from_step, to_step)`` of ``node_id`` trains some of ``segments`` (a
+    trial's path, :func:`trial_path`), or evaluates at the end of one (``from_step == to_step``)."""
+    return any(s.node_id == node_id and (from_step < s.end and to_step > s.start
+                                         or from_step == to_step and s.start < from_step <= s.end)
+               for s in segments)
+
+
+def checkpoints_on_path(state: State, trial: Trial) -> list[tuple[str, int, Checkpoint]]:
+    """``(node_id, step, checkpoint)`` of the checkpoints on the trial's path (steps in each
+    segment's ``(start, end]``), by step."""
+    plan = state.plans.get(trial.plan_key)
+    if plan is None:
+        return []
+    out = []
+    for seg in trial_path(state, trial):
+        for step, ckpt in plan.nodes[seg.node_id].ckpt.items():
+            if seg.start < step <= seg.end:
+                out.append((seg.node_id, step, ckpt))
+    return sorted(out, key=lambda c: c[1])
+
+
+def metrics_on_path(state: State, trial: Trial) -> list[tuple[int, str, dict[str, float]]]:
+    """``(step, node_id, metrics)`` reported on the trial's path (any trial's request there: the
+    same prefix), by step."""
+    plan = state.plans.get(trial.plan_key)
+    if plan is None:
+        return []
+    out = []
+    for seg in trial_path(state, trial):
+        for step, metrics in plan.nodes[seg.node_id].metrics.items():
+            if seg.start < step <= seg.end:
+                out.append((step, seg.node_id, metrics))
+    return sorted(out, key=lambda m: m[0])
+
+
+def decisions_about(state: State, trial_id: str) -> list[Decided]:
+    """The tuner decisions naming the trial (TunerDecided events, in log order)."""
+    return list(state.decided.get(trial_id, []))
+
+
+def final_decision(state: State, trial_id: str) -> Decided | None:
+    """The last tuner decision about the trial itself (its own role, not as a donor or the main
+    line a branch left), or None when no decision names it."""
+    return next((d for d in reversed(state.decided.get(trial_id, [])) if d.role in ("trial", "new")), None)
+
+
+def decision_marks(state: State, trial_id: str) -> list[tuple[str, int]]:
+    """``(kind, step)`` of the trial's promote and stop decisions (and exploits, which stop a
+    PBT member), in log order: what the report marks on its learning curve."""
+    return [(d.decision["kind"], d.decision["step"]) for d in state.decided.get(trial_id, [])
+            if d.role == "trial" and d.decision["kind"] in ("promote", "stop", "exploit")]

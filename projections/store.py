@@ -24,7 +24,7 @@ from events.log import EventLog, Record, chain_next
 from events.models import DeadLettered, Event
 from projections.queries import node_number
 from projections.reducer import Key, Rejected, apply
-from projections.state import Dispatch, Node, Plan, Rejection, State, Stats, StoredObject, Trial, Worker
+from projections.state import Decided, Dispatch, Node, Plan, Rejection, State, Stats, StoredObject, Trial, Worker
 
 
 def _dumps(obj: Any) -> bytes:
@@ -70,6 +70,9 @@ def record_of(state: State, key: Key) -> bytes | None:
     if kind == "study":
         study = state.studies.get(key[1])
         return None if study is None else _dumps(study)
+    if kind == "decided":  # the tuner decisions naming a trial (TunerDecided)
+        decided = state.decided.get(key[1])
+        return None if not decided else _dumps([d.to_json() for d in decided])
     raise KeyError(key)
 
 
@@ -92,6 +95,8 @@ def all_keys(state: State) -> Iterator[Key]:
     for kind, table in tables:
         for ident in table:
             yield (kind, ident)
+    for trial_id in state.decided:
+        yield ("decided", trial_id)
 
 
 def snapshot(state: State) -> dict[bytes, bytes]:
@@ -189,6 +194,8 @@ class ProjectionStore:
                 state.dispatches[parts[1]] = Dispatch.from_json(value)
             elif kind == "study":
                 state.studies[parts[1]] = value
+            elif kind == "decided":
+                state.decided[parts[1]] = [Decided.from_json(d) for d in value]
         for node in sorted(nodes, key=lambda n: node_number(n.node_id)):
             state.plans[node.plan_key].nodes[node.node_id] = node
         return state

@@ -1,5 +1,5 @@
-"""The audit commands of the ``stagetree`` CLI: ``log export|import``, ``replay verify|reexecute``,
-``report``.
+"""The audit commands of the ``stagetree`` CLI: ``log export|import``, ``replay
+verify|explain|reexecute``, ``report``.
 
 Each handler takes the parsed arguments and a console and returns an exit code: 0 when
 everything matched, 1 when a check failed or a stage diverged (the message names the first
@@ -48,14 +48,15 @@ def cmd_import(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, console: Console) -> int:
-    from replay.audit import open_source, verify
+    from replay.audit import open_source
+    from replay.tuner import verify_all
 
     secret = secret_from(args.log_key)
     source = open_source(args.source, secret, args.checkpoints)
     total = len(source.streams.get(topics.PLAN, []))
     with _progress(console, args.quiet) as progress:
         task = progress.add_task("verify", total=total)
-        result = verify(source, secret, progress=lambda n: progress.advance(task, n))
+        result = verify_all(source, secret, progress=lambda n: progress.advance(task, n), study_file=args.study)
     for check in result.checks:
         mark = "[green]ok[/green]" if check["ok"] else "[red]FAILED[/red]"
         console.print(f"{mark} {check['name']}: {escape(check['detail'])}")
@@ -66,6 +67,18 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
         return 0
     console.print(f"[red]verification failed[/red]: {escape(str(result.first_failure))}")
     return 1
+
+
+def cmd_explain(args: argparse.Namespace, console: Console) -> int:
+    from replay.explain import explain
+
+    story = explain(args.source, args.trial, secret=secret_from(args.log_key))
+    if args.json:
+        console.print_json(orjson.dumps(story.as_dict()).decode())
+    else:
+        for line in story.lines():
+            console.print(escape(line), highlight=False)
+    return 0
 
 
 def cmd_reexecute(args: argparse.Namespace, console: Console) -> int:
@@ -107,13 +120,21 @@ def register(sub: argparse._SubParsersAction, positive: type | object) -> None: 
 
     replay = sub.add_parser("replay", help="audit a finished study").add_subparsers(dest="replay_command",
                                                                                      required=True)
-    ver = replay.add_parser("verify", help="check hash chain, decisions, projections and checkpoints")
+    ver = replay.add_parser("verify", help="check hash chain, decisions, projections, checkpoints and tuner decisions")
     ver.add_argument("source", help="run directory, JSONL export, or kafka://HOST:PORT[/TOPIC]")
+    ver.add_argument("--study", help="study file whose tuners recompute the tuner decisions (default: the one each "
+                                     "study's StudyStarted records; without one they are not recomputed)")
     ver.add_argument("--checkpoints", help="checkpoint directory (default: the run directory's)")
     ver.add_argument("--log-key", help=key_help)
     ver.add_argument("--json", help="also write the audit result as JSON to this file")
     ver.add_argument("--quiet", action="store_true", help="no progress bar")
     ver.set_defaults(func=cmd_verify)
+    exp_ = replay.add_parser("explain", help="a trial's whole story from the log, with every decision about it")
+    exp_.add_argument("source", help="run directory, JSONL export, or kafka://HOST:PORT[/TOPIC]")
+    exp_.add_argument("trial", help="trial id, or a unique prefix of one")
+    exp_.add_argument("--json", action="store_true", help="print the story as JSON")
+    exp_.add_argument("--log-key", help=key_help)
+    exp_.set_defaults(func=cmd_explain)
     rex = replay.add_parser("reexecute", help="re-run recorded stages and compare bit for bit")
     rex.add_argument("source", help="run directory or JSONL export")
     rex.add_argument("--workers", type=positive, default=1, help="fresh worker processes (default 1)")

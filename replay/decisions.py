@@ -14,6 +14,9 @@ event, in order. Deciders (one entry each in :data:`DECIDERS`):
 
 A group recomputed at a prefix must match the recorded group completely: a decision edited,
 dropped, added or moved is named by its offset.
+
+Tuner decisions (``TunerDecided``) are recomputed by :mod:`replay.tuner` instead: their decider
+is the study file's tuner, run again over the log (``replay verify --study``).
 """
 
 from __future__ import annotations

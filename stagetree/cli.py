@@ -95,6 +95,7 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
     runtime.on_fold.append(progress.on_fold)
     with progress:
         result: TunerResult = await tuner.run(study)
+        study.flush()  # its last decision (the answer) before StudyFinished
         await runtime.drain()
     e2e = before + (time.monotonic() - started)
     best = result.best

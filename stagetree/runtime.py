@@ -17,6 +17,18 @@ from projections.store import Projector
 from stagetree.errors import RuntimeError_, TrialFailed
 
 
+async def settle() -> None:
+    """Let every runnable coroutine of the running loop run until all of them wait (on results
+    or on nothing): what the simulator does before advancing its clock and a replay of the log
+    before folding the next records."""
+    loop = asyncio.get_running_loop()
+    ready = getattr(loop, "_ready", None)  # CPython's queue of runnable callbacks
+    for _ in range(100 if ready is None else 1_000_000):
+        await asyncio.sleep(0)
+        if ready is not None and not ready:
+            return
+
+
 class RuntimeBase:
     """Futures and draining over ``projector``'s state (subclasses append and fold)."""
 

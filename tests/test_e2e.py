@@ -140,6 +140,12 @@ def test_kill_and_resume_finishes_with_the_same_results(merged: dict, tmp_path: 
             for step in node.metrics:
                 assert step in node.ckpt or (parent is not None and step == node.start_step and step in parent.ckpt), \
                     f"{node.node_id} has metrics at step {step} but no checkpoint there"
+    # both runs' tuner decisions recompute from the log: the killed run up to where it ended,
+    # the resumed one (a fresh tuner, answered from stored metrics) to the end
+    verified = subprocess.run([*STAGETREE, "replay", "verify", str(out), "--quiet"], capture_output=True, text=True,
+                              timeout=600)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert "tuner decisions of 1 study recomputed" in verified.stdout and "ended (killed)" in verified.stdout
     after = _events(out)[len(before):]
     for e in after:
         if isinstance(e, StageDispatched):
@@ -176,6 +182,12 @@ def test_a_failing_trainer_fails_its_trial_with_the_error(tmp_path: Path) -> Non
     assert statuses[0.05] == ("done", None)
     best = next(t for t in summary["trials"] if t["trial_id"] == summary["best_trial"])
     assert best["hp"]["lr"]["value"] == 0.05
+    # the tuner's decision about the failed trial is in the log and recomputes
+    stops = [e.decision for e in _events(out) if e.type == "TunerDecided" and e.decision.kind == "stop"]
+    assert [(d.reason, d.step) for d in stops if d.reason == "failed"] == [("failed", 20)]
+    verified = subprocess.run([*STAGETREE, "replay", "verify", str(out), "--quiet"], capture_output=True, text=True,
+                              timeout=600)
+    assert verified.returncode == 0 and "tuner decisions of 1 study recomputed" in verified.stdout, verified.stdout
 
 
 DIES = Path(__file__).parent / "studies" / "dies_at_startup.py"

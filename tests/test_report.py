@@ -305,3 +305,34 @@ def test_report_of_a_simulated_run_shows_idle_worker_time(tmp_path: Path) -> Non
     doc = build_report(run, tmp_path / "out2").read_text(encoding="utf-8")
     assert "from summary-sim.json" in doc
     assert table(doc)["idle_worker_seconds"] == expected["idle_worker_seconds"]
+
+
+def test_the_trial_table_gives_each_final_decision_and_the_curves_mark_them(tmp_path: Path) -> None:
+    """Issue 12: the table names each trial's last decision with its reason; the learning curves
+    mark every promotion and stop where it was decided."""
+    from events.decisions import decision_from_json
+    from projections.queries import decision_marks
+    from replay.audit import fold, open_source
+    from replay.report.pictures import plot_curves
+    from stagetree.simulate import simulate
+    from stagetree.simulate_cli import load_simulation
+
+    trainer, studies, _ = load_simulation(str(ROOT / "tests" / "studies" / "decisions.py"))
+    run = tmp_path / "run"
+    simulate(trainer, [s for s in studies if s.name == "sha"], workers=2, run_dir=run)
+    doc = build_report(run, tmp_path / "out").read_text(encoding="utf-8")
+    state = fold(open_source(run).streams["stagetree.plan"])
+    rows = dict(re.findall(r"<tr(?: class=\"best\")?><td>([0-9a-f]{16})</td>(.*?)</tr>", doc))
+    assert len(rows) == len(state.trials) == 10
+    stops = promotions = 0
+    for trial_id, decided in state.decided.items():
+        last = decided[-1]
+        assert html.escape(decision_from_json(last.decision).describe(last.tuner), quote=True) in rows[trial_id]
+        stops += sum(1 for d in decided if d.decision["kind"] == "stop")
+        promotions += sum(1 for d in decided if d.decision["kind"] == "promote")
+    assert "stopped by SuccessiveHalving, rung 0: rank" in doc and "chosen as the answer by SuccessiveHalving" in doc
+    assert "a green triangle where a trial was promoted" in doc
+    trials = list(state.trials.values())
+    marks = {t.trial_id: decision_marks(state, t.trial_id) for t in trials}
+    assert plot_curves(trials, "val_acc", None, tmp_path / "c.png", marks) == {"promote": promotions, "stop": stops}
+    assert (stops, promotions) == (9, 8)  # rungs 2, 4, 8, 16 keep 10 -> 5 -> 2 -> 1: 5 + 3 + 1 stop, 5 + 2 + 1 go on
