@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
+from events.models import TrialSubmitted
 from projections.state import Node, Plan, State, Trial
 
 
@@ -127,4 +128,47 @@ def sharing(state: State, trial: Trial) -> dict[str, list[Segment]]:
                 common.append(Segment(s.plan_key, s.node_id, max(m.start, s.start), min(m.end, s.end)))
         if common:
             out[other.trial_id] = sorted(common, key=lambda s: s.start)
+    return out
+
+
+class TrialDecision(NamedTuple):
+    """A tuner's decision about a trial: ``kind`` ("promote" or "stop"), the ``step`` of the
+    result it was taken on (steps), ``to_steps`` (a promotion: the steps asked next, else None),
+    and ``source``: where it was read ("requests": the trial asked for more steps after it had
+    results, see :func:`promotion`; "study end": the study finished without asking the trial for
+    more steps)."""
+
+    kind: str
+    step: int
+    to_steps: int | None
+    source: str
+
+
+def promotion(state: State, event: TrialSubmitted) -> tuple[str, int, int] | None:
+    """``(trial_id, from_step, to_steps)`` when ``event``, about to be folded into ``state``, asks
+    a trial that already has results for more steps than the largest of them (a rung's promotion
+    in successive halving, the next interval of median stopping or PBT); None for a new trial, a
+    request asked again, or requests submitted together before any result (steps)."""
+    trial = state.trials.get(event.trial_id)
+    if trial is None or not trial.results or event.steps in trial.requests or event.steps <= max(trial.results):
+        return None
+    return trial.trial_id, max(trial.results), event.steps
+
+
+def trial_decisions(state: State, trial: Trial, promotions: Iterable[tuple[int, int]] = ()) -> list[TrialDecision]:
+    """The decisions of the tuner about ``trial``, in order: the one read of them (the
+    dashboard's "final decision" column and the marks on its curves).
+
+    Read from what the log holds: ``promotions`` are the trial's ``(from_step, to_steps)`` found
+    by :func:`promotion` while folding, in log order; a trial that is done when its study has
+    finished, with fewer steps than the study's largest request, was stopped at its last result.
+    A failed or cancelled trial ends without a decision. (Typed tuner-decision events, once
+    recorded, are read here instead.)
+    """
+    out = [TrialDecision("promote", a, b, "requests") for a, b in promotions]
+    study = state.studies.get(trial.study_id) or {}
+    if study.get("finished") and trial.status == "done" and trial.requests:
+        largest = max((t.steps for t in state.trials.values() if t.study_id == trial.study_id), default=0)
+        if trial.steps < largest:
+            out.append(TrialDecision("stop", trial.steps, None, "study end"))
     return out
