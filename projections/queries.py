@@ -14,7 +14,7 @@ so step ``s`` of a node is the same prefix for every trial through it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import NamedTuple
 
 from events.models import TrialSubmitted
@@ -155,20 +155,25 @@ def promotion(state: State, event: TrialSubmitted) -> tuple[str, int, int] | Non
     return trial.trial_id, max(trial.results), event.steps
 
 
-def trial_decisions(state: State, trial: Trial, promotions: Iterable[tuple[int, int]] = ()) -> list[TrialDecision]:
-    """The decisions of the tuner about ``trial``, in order: the one read of them (the
-    dashboard's "final decision" column and the marks on its curves).
+def study_decisions(state: State, study_id: str, promotions: Mapping[str, Iterable[tuple[int, int]]]
+                    ) -> dict[str, list[TrialDecision]]:
+    """The decisions of the tuner about each trial of ``study_id`` (trial id -> decisions in
+    order): the one read of them (the dashboard's "final decision" column and the marks on its
+    curves).
 
-    Read from what the log holds: ``promotions`` are the trial's ``(from_step, to_steps)`` found
-    by :func:`promotion` while folding, in log order; a trial that is done when its study has
-    finished, with fewer steps than the study's largest request, was stopped at its last result.
-    A failed or cancelled trial ends without a decision. (Typed tuner-decision events, once
-    recorded, are read here instead.)
+    Read from what the log holds: ``promotions`` maps a trial id to the ``(from_step, to_steps)``
+    pairs :func:`promotion` found while folding, in log order; a trial that is done when its
+    study has finished, with fewer steps than the study's largest request, was stopped at its
+    last result. A failed or cancelled trial ends without a decision. (Typed tuner-decision
+    events, once recorded, are read here instead.)
     """
-    out = [TrialDecision("promote", a, b, "requests") for a, b in promotions]
-    study = state.studies.get(trial.study_id) or {}
-    if study.get("finished") and trial.status == "done" and trial.requests:
-        largest = max((t.steps for t in state.trials.values() if t.study_id == trial.study_id), default=0)
-        if trial.steps < largest:
-            out.append(TrialDecision("stop", trial.steps, None, "study end"))
+    trials = [t for t in state.trials.values() if t.study_id == study_id]
+    finished = bool((state.studies.get(study_id) or {}).get("finished"))
+    largest = max((t.steps for t in trials), default=0)
+    out = {}
+    for trial in trials:
+        decisions = [TrialDecision("promote", a, b, "requests") for a, b in promotions.get(trial.trial_id, ())]
+        if finished and trial.status == "done" and trial.requests and trial.steps < largest:
+            decisions.append(TrialDecision("stop", trial.steps, None, "study end"))
+        out[trial.trial_id] = decisions
     return out

@@ -218,7 +218,10 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
         "end_to_end_seconds": end_to_end_seconds,
         "idle_worker_seconds": max(0.0, workers * end_to_end_seconds - worker_seconds),
         "studies_sharing_plan": sharing,
-        "k_wise_merge_rate": k_wise_merge_rate(state, sharing),
+        # One study alone: its trials are the K = 1 union, merged as for ``merge_rate`` (merging
+        # the same trials again costs as much as the whole summary).
+        "k_wise_merge_rate": (total / unique if unique else None) if sharing == [study_id]
+        else k_wise_merge_rate(state, sharing),
         "steps_from_earlier_studies": earlier,
         "executed_steps_since_start": since,
     }

@@ -42,7 +42,7 @@ from selenium.webdriver.chrome.service import Service
 
 from events.hp import Constant, MultiStep
 from gpu_worker.simulated import CostModel, FormulaCurve, SimulatedTrainer
-from projections.queries import trial_decisions
+from projections.queries import study_decisions
 from stagetree.dashboard import LiveProjection, open_dashboard_source, study_view
 from stagetree.simulate import SimStudy, simulate
 from stagetree.tuners import ASHA, GridSearch, GridSearchSpace
@@ -495,8 +495,7 @@ def test_decisions_read_from_the_log_equal_the_tuners_own(tmp_path: Path) -> Non
     finally:
         source.close()
     state = projection.state
-    decisions = {t.trial_id: trial_decisions(state, t, projection.promotions.get(t.trial_id, ()))
-                 for t in state.trials.values()}
+    decisions = study_decisions(state, "asha", projection.promotions)
     promotions = {("promote", trial, d.step, d.to_steps) for trial, ds in decisions.items() for d in ds
                   if d.kind == "promote"}
     assert promotions == {d for d in tuner.decisions if d[0] == "promote"}
@@ -508,3 +507,85 @@ def test_decisions_read_from_the_log_equal_the_tuners_own(tmp_path: Path) -> Non
     assert {m["kind"] for m in view["curves"]["marks"]} == {"promote", "stop"}
     decision = {r["id"]: r["decision"] for r in view["trials"]}
     assert decision[tuner.best.trial_id].startswith(f"promoted to {largest} steps")
+
+
+# ----------------------------------------------------------------------------- studies, sorting, selecting, verify
+
+
+@pytest.fixture(scope="module")
+def two_studies(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two simulated studies on one plan in one run directory (the second shares the first's steps)."""
+    trainer = SimulatedTrainer("toy", ("lr",), cost=CostModel(1.0))
+    space = GridSearchSpace({"lr": [Constant(0.1), MultiStep(0.1, (8,), 0.1), MultiStep(0.1, (16,), 0.5),
+                                    Constant(0.05)]})
+    out = tmp_path_factory.mktemp("two-studies") / "run"
+    simulate(trainer, [SimStudy("alpha", ASHA(space, "val_acc", min_steps=4, max_steps=32, reduction=2)),
+                       SimStudy("beta", GridSearch(space, 24, "val_acc"))], workers=2, run_dir=out)
+    return out
+
+
+def test_studies_are_selectable_and_trials_sortable_clickable_and_verifiable(two_studies: Path,
+                                                                            browser: webdriver.Chrome) -> None:
+    with dashboard(two_studies) as (_, url):
+        browser.get(url)
+        wait(browser, lambda s: s["rows"] == 4 and s["curves"] == 4, what="the last study started")
+        browser.execute_script("window.__stagetreeNotReloaded = true;")
+        options = browser.execute_script(
+            "return [...document.querySelectorAll('#study-select option')].map((o) => [o.value, o.textContent]);")
+        assert [value for value, _ in options] == ["alpha", "beta"]
+        assert browser.execute_script("return document.getElementById('study-select').value") == "beta"
+        assert browser.execute_script("return document.getElementById('study-name').textContent") == "beta"
+
+        # Pick the other study: the stream is reopened, the page is not.
+        browser.execute_script("""
+            const select = document.getElementById('study-select');
+            select.value = 'alpha';
+            select.dispatchEvent(new Event('change'));""")
+        wait(browser, lambda s: s["rows"] == 4 and s["marker"], what="study alpha")
+        deadline = time.monotonic() + 30
+        while browser.execute_script("return document.getElementById('study-name').textContent") != "alpha":
+            assert time.monotonic() < deadline, "the page never showed study alpha"
+            time.sleep(0.2)
+        assert browser.execute_script("return window.location.search") == "?study=alpha"
+        assert page(browser)["navigations"] == 1 and page(browser)["marker"]
+        marks = browser.execute_script(
+            "return document.getElementById('curves').data.filter((t) => t.mode === 'markers')"
+            ".map((t) => [t.name, t.x.length]);")
+        assert dict(marks)["promoted"] > 0 and dict(marks)["stopped"] > 0  # ASHA promoted and stopped
+
+        # Sort by trial id, both ways.
+        ids = "return [...document.querySelectorAll('#trials-table tbody tr')].map((tr) => tr.dataset.trial);"
+        browser.execute_script("document.querySelector('th[data-col=\"id\"]').click();")
+        ascending = browser.execute_script(ids)
+        assert ascending == sorted(ascending)
+        browser.execute_script("document.querySelector('th[data-col=\"id\"]').click();")
+        assert browser.execute_script(ids) == sorted(ascending, reverse=True)
+        browser.execute_script("document.querySelector('th[data-col=\"steps\"]').click();")
+        steps = browser.execute_script(
+            "return [...document.querySelectorAll('#trials-table tbody td[data-col=\"steps\"]')]"
+            ".map((td) => +td.textContent);")
+        assert steps == sorted(steps, reverse=True) and steps[0] > steps[-1]
+
+        # Click a trial's curve: it is selected everywhere.
+        chosen = ascending[1]
+        browser.execute_script("document.getElementById('curves').emit('plotly_click', "
+                               "{points: [{customdata: arguments[0]}]});", chosen)
+        selected = browser.execute_script("""return {
+            panel: document.querySelector('#selected .id').textContent,
+            row: document.querySelector('#trials-table tr.selected').dataset.trial,
+            outlined: document.getElementById('tree').data[1].marker.line.width.filter((w) => w > 1).length,
+            path: [...document.querySelectorAll('#selected div')].pop().textContent};""")
+        assert selected["panel"] == selected["row"] == chosen
+        assert selected["outlined"] > 0 and selected["path"].startswith("path: n")
+
+        # replay verify on demand.
+        browser.execute_script("document.getElementById('verify-button').click();")
+        deadline = time.monotonic() + 120
+        while not browser.execute_script("return document.getElementById('audit-status').textContent")\
+                .startswith("passed"):
+            assert time.monotonic() < deadline, browser.execute_script(
+                "return document.getElementById('audit').textContent")
+            time.sleep(0.3)
+        checks = browser.execute_script("return document.getElementById('audit-checks').textContent")
+        assert "ok chain" in checks and "ok decision" in checks and "ok projection" in checks
+        assert not console_errors(browser)

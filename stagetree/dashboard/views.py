@@ -20,7 +20,7 @@ from typing import Any
 
 from events.log import Record
 from events.models import Event, StudyStarted, TrialSubmitted
-from projections.queries import promotion, trial_decisions, trial_path
+from projections.queries import promotion, study_decisions, trial_path
 from projections.state import State, Trial
 from projections.store import fold_records
 from projections.summary import trial_based_estimate
@@ -164,11 +164,15 @@ def study_view(live: LiveProjection, study_id: str, source: Path | str = "", now
     multi_plan = len({s.plan_key for s in stages}) > 1
     shared_keys = {key for key, row in row_of.items() if stages[row].shared}
 
+    decided = study_decisions(state, study_id, live.promotions)
+    rows_of: dict[str, list[int]] = {}
+    for st in stages:
+        for trial_id in st.trials:
+            rows_of.setdefault(trial_id, []).append(st.row)
     table = []
     for t in trials:
-        decisions = trial_decisions(state, t, live.promotions.get(t.trial_id, ()))
+        decisions = decided.get(t.trial_id, [])
         path_nodes = {(s.plan_key, s.node_id, s.start, s.end) for s in trial_path(state, t)}
-        rows = sorted(st.row for st in stages if t.trial_id in st.trials)
         table.append({
             "id": t.trial_id,
             "status": t.status,
@@ -179,7 +183,7 @@ def study_view(live: LiveProjection, study_id: str, source: Path | str = "", now
             "metric": _final(t, metric),
             "best": t.trial_id == best,
             "hp": {name: str(fn) for name, fn in sorted(t.hp.items())},
-            "stages": rows,
+            "stages": rows_of.get(t.trial_id, []),
             "path": [[node, start, end] for _, node, start, end in sorted(path_nodes, key=lambda p: p[2])],
         })
 
@@ -191,7 +195,7 @@ def study_view(live: LiveProjection, study_id: str, source: Path | str = "", now
         curves.append({"id": t.trial_id, "steps": [s for s, _ in points], "values": [v for _, v in points],
                        "status": t.status})
         at = dict(points)
-        for d in trial_decisions(state, t, live.promotions.get(t.trial_id, ())):
+        for d in decided.get(t.trial_id, []):
             if d.step in at:
                 marks.append({"trial": t.trial_id, "kind": d.kind, "step": d.step, "value": at[d.step],
                               "to_steps": d.to_steps, "source": d.source})

@@ -11,6 +11,7 @@
   const PALETTE = ['#4c78a8', '#72b7b2', '#54a24b', '#b279a2', '#9d755d', '#79706e', '#eeca3b', '#ff9da6',
                    '#439894', '#83bcb6', '#88d27a', '#d6a5c9'];
   const PLOT_CONFIG = {responsive: true, displaylogo: false, scrollZoom: false};
+  const LAYOUT = {legend: {orientation: 'h', y: 1.02, yanchor: 'bottom', x: 0}, hoverlabel: {align: 'left'}};
 
   const ui = {
     study: new URLSearchParams(window.location.search).get('study'),
@@ -325,7 +326,7 @@
       lx.push(p.to < s.from ? p.to : s.from, s.from, s.from, null);
       ly.push(p.row, p.row, s.row, null);
     }
-    const height = Math.min(1400, Math.max(320, 90 + 22 * stages.length));
+    const height = Math.min(1200, Math.max(320, 90 + 16 * stages.length));
     if (div.style.height !== height + 'px') div.style.height = height + 'px';
     const links = {type: 'scatter', mode: 'lines', x: lx, y: ly, hoverinfo: 'skip', showlegend: false,
                    line: {color: '#8a8a8a', width: 1}};
@@ -337,8 +338,7 @@
       yaxis: {autorange: 'reversed', tickvals: stages.map((s) => s.row),
               ticktext: stages.map((s) => plotText(s.label + ' [' + s.from + ',' + s.to + ')')),
               tickfont: {size: stages.length > 40 ? 8 : 10}},
-      legend: {orientation: 'h', y: 1.02, yanchor: 'bottom', x: 0},
-      hoverlabel: {align: 'left'},
+      ...LAYOUT,
     }, PLOT_CONFIG);
     onClick(div, (row) => {
       const stage = ui.payload.view.tree[row];
@@ -386,8 +386,7 @@
       xaxis: {title: {text: view.study.simulated ? 'virtual seconds since the first event' : 'seconds since the first event'},
               rangemode: 'tozero'},
       yaxis: {type: 'category', categoryorder: 'array', categoryarray: workers.map(plotText), autorange: 'reversed'},
-      legend: {orientation: 'h', y: 1.02, yanchor: 'bottom', x: 0},
-      hoverlabel: {align: 'left'},
+      ...LAYOUT,
     }, PLOT_CONFIG);
     onClick(div, (i) => {
       const run = ui.payload.view.gantt[i];
@@ -435,10 +434,11 @@
     const logScale = steps.length >= 3 && steps[0] > 0 && steps[steps.length - 1] / steps[0] >= 16;
     Plotly.react(div, traces, {
       uirevision: view.study.id, margin: {l: 60, r: 20, t: 10, b: 40}, hovermode: 'closest',
-      xaxis: {title: {text: logScale ? 'step (log scale)' : 'step'}, type: logScale ? 'log' : 'linear'},
+      xaxis: {title: {text: logScale ? 'step (log scale)' : 'step'}, type: logScale ? 'log' : 'linear',
+              ...(logScale ? {tickmode: 'array', tickvals: steps.length <= 12 ? steps
+                : steps.filter((_, i) => i % Math.ceil(steps.length / 12) === 0), ticktext: undefined} : {})},
       yaxis: {title: {text: plotText(curves.metric || '')}},
-      legend: {orientation: 'h', y: 1.02, yanchor: 'bottom', x: 0},
-      hoverlabel: {align: 'left'},
+      ...LAYOUT,
     }, PLOT_CONFIG);
     onClick(div, (id) => id);
     $('curves-caption').textContent = (curves.metric ? curves.metric + ' (' + curves.mode + ' is better) of ' : '') +
