@@ -43,6 +43,7 @@ from selenium.webdriver.chrome.service import Service
 from events.hp import Constant, MultiStep
 from gpu_worker.simulated import CostModel, FormulaCurve, SimulatedTrainer
 from projections.queries import study_decisions
+from replay.audit import export_log, open_source
 from stagetree.dashboard import LiveProjection, open_dashboard_source, study_view
 from stagetree.simulate import SimStudy, simulate
 from stagetree.tuners import ASHA, GridSearch, GridSearchSpace
@@ -317,9 +318,7 @@ def test_finished_run_table_equals_its_summary(run_dir_table: list[list[tuple[st
 def test_export_dashboard_shows_the_same_table(run_dir_table: list[list[tuple[str, str]]], live: dict[str, Any],
                                                browser: webdriver.Chrome, tmp_path: Path) -> None:
     export = tmp_path / "dash.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "log", "export", str(live["out"]), "--out",
-                           str(export)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    export_log(open_source(live["out"]), export)  # what `stagetree log export` writes
     with dashboard(export) as (_, url):
         assert table(browser, url, TRIALS) == run_dir_table
         assert page(browser)["live"].startswith("export")
@@ -333,10 +332,22 @@ def test_kafka_deployment_dashboard_shows_the_same_table(run_dir_table: list[lis
     env = {**os.environ, **infra_env, "STAGETREE_TOPIC_PREFIX": prefix,
            "STAGETREE_CHECKPOINT_STORE": f"s3://stagetree/test-dashboard-{tag}"}
     try:
-        run = run_study(tmp_path / "kafka", env)
+        # The study on the deployment, with its dashboard beside it (a plain consumer of the topics).
+        run = run_study(tmp_path / "kafka", env, "--dashboard", "0")
+        beside = run.wait_for(r"dashboard: (http://127\.0\.0\.1:\d+/)", timeout=300).group(1)
+        progress = []
+        while run.popen.poll() is None:
+            try:
+                view = json.loads(fetch(beside, "/api/view")[2])["view"]
+            except OSError:
+                break  # it stops with the run
+            if view is not None:
+                progress.append(view["figures"]["finished_trials"])
+            time.sleep(0.5)
         run.popen.wait(timeout=900)
         run.stop()
         assert run.popen.returncode == 0, run.output
+        assert any(0 < n for n in progress), progress  # the deployment's trials showed up as they finished
         with dashboard(f"kafka://{env['STAGETREE_BOOTSTRAP_SERVERS']}/{prefix}", env) as (_, url):
             assert table(browser, url, TRIALS) == run_dir_table
     finally:
@@ -589,3 +600,39 @@ def test_studies_are_selectable_and_trials_sortable_clickable_and_verifiable(two
         checks = browser.execute_script("return document.getElementById('audit-checks').textContent")
         assert "ok chain" in checks and "ok decision" in checks and "ok projection" in checks
         assert not console_errors(browser)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_a_busy_dashboard_port_is_refused_before_the_run_creates_anything(tmp_path: Path) -> None:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        out = tmp_path / "run"
+        proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "run", str(STUDY), "--out", str(out),
+                               "--quiet", "--dashboard", str(port)], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"--dashboard {port}" in proc.stderr and "cannot listen" in proc.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("source", "why"), [
+    ("kafka://user:hunter2@127.0.0.1:9092", "credentials"),
+    ("kafka://127.0.0.1", "HOST:PORT"),
+    ("not-an-export.txt", "line 1: not JSON"),
+    ("a-directory", "not a run directory"),
+])
+def test_a_source_that_is_not_a_study_is_refused_by_name(source: str, why: str, tmp_path: Path) -> None:
+    if source == "not-an-export.txt":
+        (tmp_path / source).write_text("hello\n")
+    if source == "a-directory":
+        (tmp_path / source).mkdir()
+        (tmp_path / source / "notes.txt").write_text("not a run\n")
+    proc = subprocess.run([sys.executable, "-m", "stagetree.dashboard", source, "--port", "0"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert why in proc.stderr and "hunter2" not in proc.stderr
+    assert proc.stdout == ""  # it never listened
