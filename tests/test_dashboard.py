@@ -589,6 +589,16 @@ def test_studies_are_selectable_and_trials_sortable_clickable_and_verifiable(two
         assert selected["panel"] == selected["row"] == chosen
         assert selected["outlined"] > 0 and selected["path"].startswith("path: n")
 
+        # Hover shows the values; a zoom survives the updates that follow (here: the audit's).
+        hover = browser.execute_script("""
+            const tree = document.getElementById('tree');
+            Plotly.Fx.hover(tree, [{curveNumber: 1, pointNumber: 0}]);
+            const label = tree.querySelector('.hoverlayer .hovertext');
+            return label ? label.textContent : null;""")
+        first = browser.execute_script("return document.getElementById('tree').data[1].hovertext[0]")
+        assert hover and hover.startswith(first.split(" · ")[0]) and "steps [" in hover, (hover, first)
+        browser.execute_script("Plotly.relayout('curves', {'xaxis.range': [5, 9]});")
+
         # replay verify on demand.
         browser.execute_script("document.getElementById('verify-button').click();")
         deadline = time.monotonic() + 120
@@ -599,6 +609,7 @@ def test_studies_are_selectable_and_trials_sortable_clickable_and_verifiable(two
             time.sleep(0.3)
         checks = browser.execute_script("return document.getElementById('audit-checks').textContent")
         assert "ok chain" in checks and "ok decision" in checks and "ok projection" in checks
+        assert browser.execute_script("return document.getElementById('curves').layout.xaxis.range") == [5, 9]
         assert not console_errors(browser)
 
 
