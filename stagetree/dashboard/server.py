@@ -147,7 +147,7 @@ class DashboardServer:
                     await self._bump()
                 if self.live.fold(records):
                     await self._bump()
-            if not self.source.live and self.error is None and self.live.version:
+            if not self.source.live and self.error is None:
                 return  # an export: everything is folded
             await asyncio.sleep(pause)
 

@@ -191,5 +191,6 @@ def open_dashboard_source(where: str, secret: bytes | None = None) -> DashboardS
     if path.exists() and not path.is_dir():
         raise SourceError(f"source {where!r} is neither a run directory nor a JSONL export")
     if path.is_dir() and not (path / "log").exists() and any(path.iterdir()):
-        raise SourceError(f"source {where!r} is a directory without a log/: not a run directory")
+        raise SourceError(f"source {where!r} is a directory without a log/: not a run directory (a study run on "
+                          "Kafka is read from its deployment: kafka://BOOTSTRAP/PREFIX)")
     return RunDirSource(path, secret)
