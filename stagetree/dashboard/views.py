@@ -107,7 +107,8 @@ def _final(trial: Trial, metric: str | None) -> float | None:
     return _number(trial.results[max(trial.results)].get(metric)) if trial.results and metric else None
 
 
-def _decision_text(trial: Trial, decisions: list[Any]) -> str:
+def _decision_text(decisions: list[Any]) -> str:
+    """The last decision in words (the table's "final decision"); "" without one."""
     if not decisions:
         return ""
     last = decisions[-1]
@@ -130,8 +131,8 @@ def study_view(live: LiveProjection, study_id: str, source: Path | str = "", now
     summary's figures: trials finished / running / total, merge rate p, total / unique /
     executed steps, worker-seconds, the trial-based estimate and the worker-seconds saved,
     idle worker-seconds and ratio, end-to-end seconds, best trial and metric), ``trials`` (the
-    table: id, status, final decision, steps asked, steps with metrics, final metric, the
-    hyper-parameters as text, the stage rows of its path), ``tree`` (executed and running
+    table: id, status, final decision, steps asked, steps with metrics, the metric at its last
+    result, the hyper-parameters as text, its path from the root), ``tree`` (executed and running
     stages in drawing order, with their parent row, shared / running flags and trials),
     ``gantt`` (every stage run per worker in seconds since the first event: finished, failed,
     running or lost), ``curves`` (metric against steps per trial, promotion and stop marks).
@@ -165,26 +166,19 @@ def study_view(live: LiveProjection, study_id: str, source: Path | str = "", now
     shared_keys = {key for key, row in row_of.items() if stages[row].shared}
 
     decided = study_decisions(state, study_id, live.promotions)
-    rows_of: dict[str, list[int]] = {}
-    for st in stages:
-        for trial_id in st.trials:
-            rows_of.setdefault(trial_id, []).append(st.row)
     table = []
     for t in trials:
-        decisions = decided.get(t.trial_id, [])
-        path_nodes = {(s.plan_key, s.node_id, s.start, s.end) for s in trial_path(state, t)}
         table.append({
             "id": t.trial_id,
             "status": t.status,
             "error": t.error,
-            "decision": _decision_text(t, decisions),
+            "decision": _decision_text(decided.get(t.trial_id, [])),
             "steps": t.steps,
             "trained": max(t.results, default=0),
             "metric": _final(t, metric),
             "best": t.trial_id == best,
             "hp": {name: str(fn) for name, fn in sorted(t.hp.items())},
-            "stages": rows_of.get(t.trial_id, []),
-            "path": [[node, start, end] for _, node, start, end in sorted(path_nodes, key=lambda p: p[2])],
+            "path": [[s.node_id, s.start, s.end] for s in reversed(trial_path(state, t))],  # from the root
         })
 
     curves = []
@@ -218,7 +212,7 @@ def study_view(live: LiveProjection, study_id: str, source: Path | str = "", now
         "study": {"id": study_id, "name": record.get("name", study_id), "mode": record.get("mode"),
                   "workers": record.get("workers"), "metric": metric, "metric_mode": mode,
                   "finished": bool(record.get("finished")), "simulated": data.simulated},
-        "figures": _figures(data, trials, stages, best),
+        "figures": _figures(data, trials, stages, metric, best),
         "trials": table,
         "tree": [{"row": s.row, "plan": s.plan_key, "node": s.node_id, "from": s.from_step, "to": s.to_step,
                   "label": stage_label(s, multi_plan), "parent": s.parent, "shared": s.shared,
@@ -230,12 +224,13 @@ def study_view(live: LiveProjection, study_id: str, source: Path | str = "", now
     }
 
 
-def _figures(data: RunData, trials: list[Trial], stages: list[Any], best: str | None) -> dict[str, Any]:
+def _figures(data: RunData, trials: list[Trial], stages: list[Any], metric: str | None, best: str | None
+             ) -> dict[str, Any]:
+    """The figures row: the summary's (computed from the log), with counts of trials and stages."""
     summary = data.summary or {}
     idle, idle_ratio = idle_figures(summary)
     estimate = trial_based_estimate(data.state, data.study_id or "", summary)
     best_trial = next((t for t in trials if t.trial_id == best), None)
-    metric, _ = curve_metric(data, trials)
     return {
         "trials": len(trials),
         "finished_trials": sum(t.status in FINISHED for t in trials),
