@@ -40,6 +40,17 @@ def port_number(value: str) -> int:
     return port
 
 
+def poll_seconds(value: str) -> float:
+    """An argparse type: seconds between polls, 0.05 to 60."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be seconds between 0.05 and 60, got {value!r}") from None
+    if not 0.05 <= seconds <= 60:
+        raise argparse.ArgumentTypeError(f"must be seconds between 0.05 and 60, got {value!r}")
+    return seconds
+
+
 def listen(host: str, port: int, flag: str = "--port") -> socket.socket:
     """A listening TCP socket on ``host``:``port`` (port 0: any free port).
 
@@ -110,7 +121,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=port_number, default=DEFAULT_PORT,
                    help=f"port to listen on (default {DEFAULT_PORT}; 0: any free port)")
     p.add_argument("--log-key", help="HMAC secret of the log's hash chain, for verify (default: $STAGETREE_LOG_KEY)")
-    p.add_argument("--poll", type=float, default=0.5, help="seconds between reads of the source (default 0.5)")
+    p.add_argument("--poll", type=poll_seconds, default=0.5,
+                   help="seconds between reads of the source (default 0.5; 0.05 to 60)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
