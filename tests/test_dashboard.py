@@ -433,7 +433,16 @@ def fetch(url: str, path: str, method: str = "GET", headers: dict[str, str] | No
         conn.close()
 
 
+def tree_digest(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root`` (path -> hex digest)."""
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
 def test_secure_defaults(live: dict[str, Any]) -> None:
+    before = tree_digest(live["out"])
     secrets = {"STAGETREE_LOG_KEY": "log-key-" + uuid.uuid4().hex,
                "STAGETREE_KAFKA_SASL_PASSWORD": "sasl-" + uuid.uuid4().hex,
                "STAGETREE_S3_SECRET_KEY": "s3-" + uuid.uuid4().hex}
@@ -461,6 +470,7 @@ def test_secure_defaults(live: dict[str, Any]) -> None:
         for value in secrets.values():
             assert value.encode() not in served
             assert value not in proc.output
+    assert tree_digest(live["out"]) == before  # read-only: not a byte of the run directory changed
 
 
 # ----------------------------------------------------------------------------- the views, without a browser
