@@ -17,6 +17,15 @@ moves weights (real training, a cost model, or nothing at all):
    :class:`StageFault` a backend raised (a corrupt or missing source, a failing store), else
    "error" with the exception (the trainer's own code raised).
 
+Decisions about a running path reach it through a :class:`Control` and are acted on at step
+boundaries (``scheduler.inflight``):
+
+* CheckpointRequested (save at step ``s`` of a stage, evaluating when asked): on reaching ``s``
+  inside the stage the weights are stored and ``[MetricsReported?, CheckpointSaved]`` goes out;
+  a step already passed is ignored;
+* PathPreempted: training goes on to its ``until`` point (if not passed), then the weights are
+  stored (if not stored yet) and ``[CheckpointSaved?, StageStopped]`` ends the path.
+
 ``StageFinished.seconds`` is the time the worker was held by the stage (loading the source counts
 to the first stage), ``train_seconds`` the part spent training; both are read from the backend's
 clock, at the edge (a simulated backend's clock is virtual).
@@ -25,19 +34,23 @@ clock, at the edge (a simulated backend's clock is virtual).
 from __future__ import annotations
 
 import traceback
+from collections import deque
 from collections.abc import Callable
 from typing import Literal, Protocol
 
 from events import tracing
 from events.models import (
+    CheckpointRequested,
     CheckpointSaved,
     Event,
     MetricsReported,
+    PathPreempted,
     StageDispatched,
     StageFailed,
     StageFinished,
     StageSpec,
     StageStarted,
+    StageStopped,
 )
 
 FaultKind = Literal["error", "checkpoint_corrupt", "checkpoint_missing", "storage"]
@@ -72,17 +85,20 @@ class PathBackend(Protocol):
         """The step the weights in hand are at (steps trained)."""
         ...
 
-    def train(self, spec: StageSpec) -> None:
-        """Train the weights in hand over ``[spec.from_step, spec.to_step)`` under ``spec.hp``."""
+    def train(self, spec: StageSpec, until: int, interrupt: Callable[[], bool]) -> None:
+        """Train the weights in hand from :meth:`step` up to ``until`` (``<= spec.to_step``) under
+        ``spec.hp``, stopping early at a step boundary where ``interrupt()`` is true."""
         ...
 
-    def evaluate(self, spec: StageSpec) -> dict[str, float]:
-        """Metrics of the weights in hand (at ``spec.to_step``)."""
+    def evaluate(self, spec: StageSpec, step: int) -> dict[str, float]:
+        """Metrics of the weights in hand (at ``step`` of ``spec``'s node)."""
         ...
 
-    def save(self, spec: StageSpec) -> tuple[str, int] | None:
-        """Store the weights in hand if they are not stored yet: ``(sha256 ref, size in bytes)``
-        of the verified object, or None when nothing new needs storing."""
+    def save(self) -> SaveHandle | None:
+        """Store the weights in hand if they are not stored yet, or None when they are (an
+        evaluation-only stage, say). The handle gives ``(sha256 ref, size in bytes)`` of the
+        verified object once written; a backend may write in the background while the next
+        stage trains (the weights are snapshotted before this returns)."""
         ...
 
     def abandon(self) -> None:
@@ -94,17 +110,144 @@ class PathBackend(Protocol):
         ...
 
 
+class SaveHandle(Protocol):
+    """A checkpoint being stored: :meth:`result` blocks until it is written and verified and
+    returns ``(ref, size)``, or raises :class:`StageFault` (kind "storage")."""
+
+    def done(self) -> bool:
+        ...
+
+    def result(self) -> tuple[str, int]:
+        ...
+
+
+class Saved:
+    """A :class:`SaveHandle` already written (backends that store synchronously)."""
+
+    def __init__(self, ref: str, size: int) -> None:
+        self.value = (ref, size)
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> tuple[str, int]:
+        return self.value
+
+
+class Control(Protocol):
+    """Decisions about the running path that arrive while it runs (PathPreempted,
+    CheckpointRequested for its dispatch)."""
+
+    def poll(self) -> list[Event]:
+        """The control events that arrived since the last poll."""
+        ...
+
+    def waiting(self) -> bool:
+        """Whether a control event has arrived that :meth:`poll` would return (cheap: asked
+        before every step)."""
+        ...
+
+
+class NoControl:
+    """A path nobody steers."""
+
+    def poll(self) -> list[Event]:
+        return []
+
+    def waiting(self) -> bool:
+        return False
+
+
+class _Steering:
+    """What the control events said so far: steps to save at, and where to stop."""
+
+    def __init__(self, d: StageDispatched, control: Control) -> None:
+        self.d, self.control = d, control
+        self.saves: dict[tuple[str, int], bool] = {}
+        self.until: tuple[int, int] | None = None  # (stage, step); (-1, -1): stop at once
+
+    def update(self) -> None:
+        for event in self.control.poll():
+            if getattr(event, "dispatch_id", None) != self.d.dispatch_id:
+                continue
+            if isinstance(event, CheckpointRequested):
+                key = (event.node_id, event.step)
+                self.saves[key] = self.saves.get(key, False) or event.evaluate
+            elif isinstance(event, PathPreempted) and self.until is None:
+                self.until = (event.until_stage, event.until_step) \
+                    if event.until_stage is not None and event.until_step is not None else (-1, -1)
+
+    def stop_in(self, i: int, spec: StageSpec) -> int | None:
+        """The step of stage ``i`` at which the path stops (None: it runs to the stage's end)."""
+        if self.until is None or (self.until[0] > i):
+            return None
+        if self.until[0] == i and self.until[1] >= spec.to_step:
+            return None
+        return spec.from_step if self.until[0] < i else self.until[1]
+
+    def next_save(self, spec: StageSpec, after: int) -> int | None:
+        steps = [s for (n, s) in self.saves if n == spec.node_id and after < s < spec.to_step]
+        return min(steps) if steps else None
+
+
+class _Pending:
+    """An end batch waiting for its checkpoint's write: the events before CheckpointSaved, and
+    ``after()``, the events after it, made when the batch goes out (a path's last StageFinished
+    counts the time its worker waited for the writes)."""
+
+    def __init__(self, spec: StageSpec, step: int, handle: SaveHandle | None, before: list[Event],
+                 after: Callable[[], list[Event]]) -> None:
+        self.spec, self.step, self.handle, self.before, self.after = spec, step, handle, before, after
+
+
 def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: str,
-             stamp: Callable[[Event], Event] = lambda e: e) -> None:
+             stamp: Callable[[Event], Event] = lambda e: e, control: Control | None = None) -> None:
     """Execute every stage of ``d`` in order on ``backend``, emitting the event batches described
     in the module docstring through ``emit`` (each event passed through ``stamp`` first: producer,
-    timestamp, trace context). Never raises for a failing stage. Records spans when tracing."""
+    timestamp, trace context), acting on what ``control`` says at step boundaries. Never raises
+    for a failing stage. Records spans when tracing.
+
+    Checkpoint writes may finish after the next stage has started training: a stage's end batch
+    goes out, in stage order, once its write is verified (checked at step boundaries, and waited
+    for before the path ends); its ``seconds`` end when the checkpoint was handed to the writer,
+    so the time a write overlaps the next stage counts once.
+    """
     base = {"dispatch_id": d.dispatch_id, "plan_key": d.plan_key}
     first = d.stages[0]
+    steering = _Steering(d, control if control is not None else NoControl())
+    pending: deque[_Pending] = deque()
 
     def failed(spec: StageSpec, kind: FaultKind, error: str, ref: str | None = None) -> None:
         emit([stamp(StageFailed(**base, worker_id=worker_id, node_id=spec.node_id, from_step=spec.from_step,
                                 to_step=spec.to_step, kind=kind, error=error, ref=ref))])
+
+    def save(spec: StageSpec, step: int) -> SaveHandle | None:
+        with tracing.span("checkpoint.save", attributes={"stagetree.node_id": spec.node_id, "stagetree.step": step}):
+            return backend.save()
+
+    def release(block: bool) -> bool:
+        """Emit the end batches whose writes are done (all of them with ``block``), in order;
+        False when a write failed (its stage's StageFailed is emitted; the path ends)."""
+        while pending and (block or pending[0].handle is None or pending[0].handle.done()):
+            entry = pending.popleft()
+            saved: list[Event] = []
+            if entry.handle is not None:
+                try:
+                    ref, size = entry.handle.result()
+                except StageFault as fault:
+                    pending.clear()
+                    backend.abandon()
+                    failed(entry.spec, fault.kind, fault.error, fault.ref)
+                    return False
+                saved = [stamp(CheckpointSaved(**base, node_id=entry.spec.node_id, step=entry.step, ref=ref,
+                                               size=size))]
+            batch = [*entry.before, *saved, *entry.after()]
+            if batch:
+                emit(batch)
+        return True
+
+    def interrupt() -> bool:
+        return steering.control.waiting() or bool(pending and (pending[0].handle is None or pending[0].handle.done()))
 
     started = backend.now()
     try:
@@ -113,40 +256,71 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
     except StageFault as fault:
         failed(first, fault.kind, fault.error, fault.ref)
         return
-    for spec in d.stages:
+    for i, spec in enumerate(d.stages):
         stage = {"node_id": spec.node_id, "from_step": spec.from_step, "to_step": spec.to_step}
         attrs = {f"stagetree.{k}": v for k, v in stage.items()}
         with tracing.span("stage", attributes=attrs):
             emit([stamp(StageStarted(dispatch_id=d.dispatch_id, worker_id=worker_id, **stage))])
-            end: list[Event] = []
             try:
                 if backend.step() != spec.from_step:
                     raise RuntimeError(f"stage starts at step {spec.from_step}, "
                                        f"but the weights are at {backend.step()}")
-                t0 = backend.now()
-                with tracing.span("train", attributes=attrs):
-                    backend.train(spec)
-                train_seconds = backend.now() - t0
+                train_seconds = 0.0
+                while True:
+                    if not release(False):
+                        return
+                    steering.update()
+                    at = backend.step()
+                    stop = steering.stop_in(i, spec)
+                    if stop is not None and at >= stop:
+                        handle = save(spec, at)
+                        now = backend.now()
+                        stopped = stamp(StageStopped(**base, worker_id=worker_id, **stage, step=at,
+                                                     seconds=now - started, train_seconds=train_seconds))
+                        pending.append(_Pending(spec, at, handle, [], lambda e=stopped: [e]))
+                        release(True)
+                        return
+                    if at >= spec.to_step:
+                        break
+                    target = min(x for x in (spec.to_step, stop, steering.next_save(spec, at)) if x is not None)
+                    t0 = backend.now()
+                    with tracing.span("train", attributes=attrs):
+                        backend.train(spec, target, interrupt)
+                    train_seconds += backend.now() - t0
+                    at = backend.step()
+                    if at < spec.to_step and (spec.node_id, at) in steering.saves:  # a split inside the stage
+                        evaluate = steering.saves.pop((spec.node_id, at))
+                        before: list[Event] = []
+                        if evaluate:
+                            before.append(stamp(MetricsReported(**base, node_id=spec.node_id, step=at,
+                                                                metrics=dict(backend.evaluate(spec, at)))))
+                        pending.append(_Pending(spec, at, save(spec, at), before, list))
+                end: list[Event] = []
                 if spec.evaluate:
                     with tracing.span("evaluate", attributes=attrs):
-                        metrics = backend.evaluate(spec)
+                        metrics = backend.evaluate(spec, spec.to_step)
                     end.append(stamp(MetricsReported(**base, node_id=spec.node_id, step=spec.to_step,
                                                      metrics=dict(metrics))))
-                with tracing.span("checkpoint.save", attributes=attrs):
-                    saved = backend.save(spec)
-                if saved is not None:
-                    end.append(stamp(CheckpointSaved(**base, node_id=spec.node_id, step=spec.to_step, ref=saved[0],
-                                                     size=saved[1])))
+                handle = save(spec, spec.to_step)
             except StageFault as fault:
-                backend.abandon()
-                failed(spec, fault.kind, fault.error, fault.ref)
+                if release(True):
+                    backend.abandon()
+                    failed(spec, fault.kind, fault.error, fault.ref)
                 return
             except Exception as exc:  # the trainer's own code failed: report, never crash the worker
-                backend.abandon()
-                failed(spec, "error", "".join(traceback.format_exception_only(exc)).strip())
+                if release(True):
+                    backend.abandon()
+                    failed(spec, "error", "".join(traceback.format_exception_only(exc)).strip())
                 return
             now = backend.now()
-            end.append(stamp(StageFinished(**base, worker_id=worker_id, **stage, seconds=now - started,
-                                           train_seconds=train_seconds)))
-            emit(end)
-            started = now
+            finish = StageFinished(**base, worker_id=worker_id, **stage, seconds=now - started,
+                                   train_seconds=train_seconds)
+            if i + 1 < len(d.stages):
+                stamped = stamp(finish)
+                pending.append(_Pending(spec, spec.to_step, handle, end, lambda e=stamped: [e]))
+                started = now
+            else:  # the last stage holds the worker until every write of the path is verified
+                t0 = started
+                pending.append(_Pending(spec, spec.to_step, handle, end, lambda f=finish, t0=t0: [
+                    stamp(f.model_copy(update={"seconds": backend.now() - t0}))]))
+                release(True)

@@ -265,6 +265,93 @@ class StageFailed(Event):
     ref: Sha256 | None = None
 
 
+class StageStopped(Event):
+    """A stage ended before its ``to_step`` because its path was preempted (:class:`PathPreempted`):
+    the weights reached ``step`` (``from_step <= step < to_step``); a CheckpointSaved at ``step``
+    precedes it when the worker kept them. It ends the dispatch. ``seconds`` / ``train_seconds``
+    as in :class:`StageFinished`; the steps trained are ``step - from_step``."""
+
+    type: ClassVar[str] = "StageStopped"
+    dispatch_id: Ident
+    worker_id: Ident
+    plan_key: Ident
+    node_id: Ident
+    from_step: Steps
+    to_step: Steps
+    step: Steps
+    seconds: float = Field(ge=0)
+    train_seconds: float = Field(ge=0)
+
+
+# --------------------------------------------------------------------------- in-flight and storage decisions
+
+
+class PathPreempted(Event):
+    """A scheduling decision: no trial needs the rest of the running path ``dispatch_id`` (a
+    cancellation, a stop by the tuner). Its worker trains on up to ``until_step`` of stage
+    ``until_stage`` (an index into the dispatch's stages) when some trial still needs those
+    steps, else (``until_stage`` None) stops at its next step boundary; it keeps a checkpoint of
+    what it trained and reports :class:`StageStopped` (or finishes normally if it had got there).
+
+    ``decided_at``: the offset of the last plan-stream event the scheduler had folded (a replay
+    recomputes the decision from that prefix).
+    """
+
+    type: ClassVar[str] = "PathPreempted"
+    dispatch_id: Ident
+    worker_id: Ident
+    plan_key: Ident
+    decided_at: int = Field(ge=-1)
+    until_stage: NonNegativeInt | None = None
+    until_step: Steps | None = None
+    reason: str = ""
+    checkpoint_budget: PositiveInt | None = None
+    """The checkpoint budget of the scheduling pass that decided it (None: unbounded)."""
+
+
+class CheckpointRequested(Event):
+    """A scheduling decision: a request puts a boundary inside a stage of the running path
+    ``dispatch_id``; its worker saves a checkpoint of ``node_id`` at ``step`` when it reaches it
+    (and reports the metrics there when ``evaluate``), so the new branch resumes from it instead
+    of retraining the prefix (the split-during-execution case, HIPPO_SPEC §10.1). A worker that
+    has passed ``step`` ignores it and the branch is trained from the nearest checkpoint.
+
+    ``checkpoint_budget`` is the budget it was decided under (None: unbounded), ``decided_at`` as
+    in :class:`PathPreempted`.
+    """
+
+    type: ClassVar[str] = "CheckpointRequested"
+    dispatch_id: Ident
+    worker_id: Ident
+    plan_key: Ident
+    node_id: Ident
+    step: Steps
+    evaluate: bool = False
+    decided_at: int = Field(ge=-1)
+    checkpoint_budget: PositiveInt | None = None
+
+
+class CheckpointEvicted(Event):
+    """A storage decision: the checkpoint ``ref`` of ``node_id`` at ``step`` leaves the plan to keep
+    the checkpoint bytes within ``checkpoint_budget`` (bytes), chosen by the cost-benefit rule of
+    ``scheduler.eviction`` (TreeML thesis §4.2.2, after Nectar); ``reason`` is its evidence. The
+    object is deleted from the store only after this event is durable; requests that needed it
+    are trained again from the nearest kept checkpoint. ``decided_at`` as in
+    :class:`PathPreempted`; the evictions of one decision are appended together."""
+
+    type: ClassVar[str] = "CheckpointEvicted"
+    plan_key: Ident
+    node_id: Ident
+    step: Steps
+    ref: Sha256
+    size: PositiveInt
+    decided_at: int = Field(ge=-1)
+    checkpoint_budget: PositiveInt
+    reason: str = ""
+    policy: Literal["critical-path", "bfs", "most-children"] = "critical-path"
+    """The scheduling policy of the dispatch it made room for."""
+
+
 class WorkerJoined(Event):
     """A worker (one per device) is ready for dispatches."""
 
@@ -330,5 +417,9 @@ EVENT_TYPES: dict[str, type[Event]] = {
         WorkerLost,
         DeadLettered,
         LogSealed,
+        StageStopped,
+        PathPreempted,
+        CheckpointRequested,
+        CheckpointEvicted,
     )
 }

@@ -14,3 +14,8 @@ HEARTBEAT = "stagetree.heartbeat"
 serve process turns a missed beat into a WorkerLost event on the plan stream."""
 
 ALL = (PLAN, DISPATCH, DEADLETTER, HEARTBEAT)
+
+OPTUNA = "stagetree.optuna"
+"""Optuna's journal (``stagetree.integration.optuna``): one record per journal operation, keyed
+by a unique request id; not part of a plan's history, not read by the projector. In a run
+directory it is hash-chained like every stream; on Kafka its topic is ``<prefix>stagetree.optuna``."""

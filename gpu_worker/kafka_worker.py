@@ -23,7 +23,7 @@ from events import topics
 from events.codec import InvalidEvent, decode, encode
 from events.deadletter import dead_letter
 from events.log import EventLog, event_key
-from events.models import Event, StageDispatched, StudyStarted, WorkerJoined
+from events.models import CheckpointRequested, Event, PathPreempted, StageDispatched, StudyStarted, WorkerJoined
 from gpu_worker.checkpoint import CheckpointStore
 from gpu_worker.executor import PathExecutor, resolve_device
 from gpu_worker.loader import load_trainer
@@ -33,6 +33,38 @@ from gpu_worker.process import warm_up
 def base_plan_key(plan_key: str) -> str:
     """The study's plan key of a trial-mode plan (``<key>/trial/<id>``), else the key itself."""
     return plan_key.split("/trial/", 1)[0]
+
+
+class TopicControl:
+    """The :class:`~events.execution.Control` of a path on a Kafka worker: decisions about it
+    arrive on the worker's dispatch records; they are read at most every ``every_s`` seconds
+    (a read costs a fetch), from the offset after the dispatch."""
+
+    def __init__(self, log: EventLog, worker_id: str, start: int, every_s: float = 0.5) -> None:
+        self.log, self.worker_id, self.position, self.every_s = log, worker_id, start, every_s
+        self.checked = time.monotonic()
+        self.arrived: list[Event] = []
+
+    def _read(self) -> None:
+        self.checked = time.monotonic()
+        for record in self.log.read(topics.DISPATCH, self.position):
+            self.position = record.offset + 1
+            if record.key != self.worker_id or (b'"PathPreempted"' not in record.value
+                                                and b'"CheckpointRequested"' not in record.value):
+                continue
+            try:
+                self.arrived.append(decode(record.value))
+            except InvalidEvent:
+                continue  # the worker's loop dead-letters it when it reads the record
+
+    def waiting(self) -> bool:
+        if not self.arrived and time.monotonic() - self.checked >= self.every_s:
+            self._read()
+        return bool(self.arrived)
+
+    def poll(self) -> list[Event]:
+        out, self.arrived = self.arrived, []
+        return out
 
 
 class KafkaWorker:
@@ -147,14 +179,18 @@ class KafkaWorker:
                         continue
                     try:
                         dispatch = decode(record.value)
+                        if isinstance(dispatch, (PathPreempted, CheckpointRequested)):
+                            continue  # about a path that has ended (it finished first): nothing to do
                         if not isinstance(dispatch, StageDispatched):
-                            raise InvalidEvent(f"the dispatch stream holds StageDispatched events, not {dispatch.type}")
+                            raise InvalidEvent(f"the dispatch stream holds StageDispatched, PathPreempted and "
+                                               f"CheckpointRequested events, not {dispatch.type}")
                     except InvalidEvent as exc:  # one rule: dead-letter with the reason, never skip silently
                         letter = dead_letter(topics.DISPATCH, record.offset, record.value, exc.reason,
                                              producer=f"worker:{self.worker_id}")
                         self.log.append(topics.DEADLETTER, record.key, encode(letter))
                         continue
-                    self._executor_for(dispatch).run(dispatch, self._emit)
+                    control = TopicControl(self.log, self.worker_id, start)
+                    self._executor_for(dispatch).run(dispatch, self._emit, control)
                     if self.stop.is_set():
                         break
                 if not got:

@@ -10,6 +10,8 @@ log itself: in embedded mode the coordinator is the only writer (DESIGN.md "Proc
 from __future__ import annotations
 
 import os
+from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import torch
 from events import tracing
 from events.codec import InvalidEvent, decode, encode_batch
 from events.deadletter import dead_letter
-from events.models import Event, StageDispatched, WorkerJoined
+from events.models import CheckpointRequested, Event, PathPreempted, StageDispatched, WorkerJoined
 from gpu_worker.checkpoint import LocalCheckpointStore
 from gpu_worker.executor import PathExecutor, resolve_device
 from gpu_worker.loader import load_trainer
@@ -67,18 +69,59 @@ def _serve(conn: Connection, worker_id: str, index: int, study_file: str, checkp
         conn.send_bytes(encode_batch(events))
 
     emit([executor.stamp(WorkerJoined(worker_id=worker_id, device=str(dev)))])
+    backlog: deque[bytes] = deque()
     while True:
-        try:
-            msg = conn.recv_bytes()
-        except EOFError:
-            return
+        if backlog:
+            msg = backlog.popleft()
+        else:
+            try:
+                msg = conn.recv_bytes()
+            except EOFError:
+                return
         if msg == STOP:
             return
-        try:
-            dispatch = decode(msg)
-            if not isinstance(dispatch, StageDispatched):
-                raise InvalidEvent(f"a worker is sent StageDispatched events, not {dispatch.type}")
-        except InvalidEvent as exc:  # one rule: dead-letter with the reason, never crash, never drop
-            emit([dead_letter(f"pipe:coordinator->{worker_id}", -1, msg, exc.reason, producer=f"worker:{worker_id}")])
-            continue
-        executor.run(dispatch, emit)
+        event = _decode(msg, worker_id, emit)
+        if isinstance(event, StageDispatched):
+            executor.run(event, emit, PipeControl(conn, backlog, worker_id, emit))
+        # a decision about a path that has ended already (it finished first) needs nothing
+
+
+def _decode(msg: bytes, worker_id: str, emit: Callable[[list[Event]], None]) -> Event | None:
+    """The event of a coordinator message; a message that is not a worker's event is
+    dead-lettered (one rule: never crash, never drop silently) and None returned."""
+    try:
+        event = decode(msg)
+        if not isinstance(event, (StageDispatched, PathPreempted, CheckpointRequested)):
+            raise InvalidEvent(f"a worker is sent StageDispatched, PathPreempted and CheckpointRequested events, "
+                               f"not {event.type}")
+        return event
+    except InvalidEvent as exc:
+        emit([dead_letter(f"pipe:coordinator->{worker_id}", -1, msg, exc.reason, producer=f"worker:{worker_id}")])
+        return None
+
+
+class PipeControl:
+    """The :class:`~events.execution.Control` of a path on an embedded worker: decisions about
+    it (PathPreempted, CheckpointRequested) arrive on the coordinator's pipe while it trains;
+    anything else read meanwhile waits in ``backlog`` for the worker's loop."""
+
+    def __init__(self, conn: Connection, backlog: deque[bytes], worker_id: str,
+                 emit: Callable[[list[Event]], None]) -> None:
+        self.conn, self.backlog, self.worker_id, self.emit = conn, backlog, worker_id, emit
+
+    def waiting(self) -> bool:
+        return self.conn.poll(0)
+
+    def poll(self) -> list[Event]:
+        out: list[Event] = []
+        while self.conn.poll(0):
+            try:
+                msg = self.conn.recv_bytes()
+            except EOFError:
+                break
+            event = None if msg == STOP else _decode(msg, self.worker_id, self.emit)
+            if isinstance(event, (PathPreempted, CheckpointRequested)):
+                out.append(event)
+            elif msg == STOP or isinstance(event, StageDispatched):
+                self.backlog.append(msg)
+        return out

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
+from collections.abc import Callable
 
 import torch
 
@@ -27,12 +29,24 @@ CHECKPOINT_FORMAT = 1
 def set_determinism() -> None:
     """Make torch choose deterministic kernels, process-wide.
 
-    Sets ``torch.use_deterministic_algorithms(True)`` and disables cuDNN
-    autotuning; when CUDA is available also sets (if unset)
-    ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, which must happen before the first
-    cuBLAS call of the process.
+    The effect of ``torch.use_deterministic_algorithms(True)`` without its cost: that function
+    imports torch's compiler stack (``torch._inductor``, ``torch._dynamo``: seconds of start-up and
+    hundreds of MB per worker) only to set inductor's ``deterministic`` flag. Here the flag is set
+    through ``TORCHINDUCTOR_DETERMINISTIC=1`` (read when inductor is imported, as a trainer using
+    ``torch.compile`` does later) or directly when inductor is loaded already, and the kernels'
+    switch through ``torch._C._set_deterministic_algorithms`` (falling back to the public call on
+    a torch without it). Also disables cuDNN autotuning; when CUDA is available sets (if unset)
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, which must happen before the first cuBLAS call.
     """
-    torch.use_deterministic_algorithms(True)
+    os.environ.setdefault("TORCHINDUCTOR_DETERMINISTIC", "1")
+    inductor = sys.modules.get("torch._inductor.config")
+    if inductor is not None:
+        inductor.deterministic = True  # type: ignore[attr-defined]
+    switch = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if switch is None:
+        torch.use_deterministic_algorithms(True)
+    else:
+        switch(True, warn_only=False)
     torch.backends.cudnn.benchmark = False
     if torch.cuda.is_available():
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -154,8 +168,10 @@ class TrainingSession:
         }
         return encode_state(state)
 
-    def train(self, config: HPConfig, to_step: int) -> None:
-        """Train global steps ``[step, to_step)`` under ``config``; afterwards ``step == to_step``.
+    def train(self, config: HPConfig, to_step: int, interrupt: Callable[[], bool] | None = None) -> None:
+        """Train global steps ``[step, to_step)`` under ``config``; afterwards ``step == to_step``,
+        unless ``interrupt()`` (asked before every step) was true: then it returns at that step
+        boundary (a decision about the running path arrived; see events.execution).
 
         ``config`` maps hyper-parameter names (a subset of
         ``trainer.hyperparameters``) to functions of the global step. The
@@ -182,6 +198,8 @@ class TrainingSession:
                 f"{sorted(self._hp)}"
             )
         for s in range(self._step, to_step):
+            if interrupt is not None and interrupt():
+                return  # at a step boundary: self.step says where
             torch.manual_seed(step_seed(self.seed, s))
             values = config_values(config, s)
             batch_size = self._batch_size(values, s)

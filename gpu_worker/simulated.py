@@ -16,13 +16,13 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from events.execution import run_path
+from events.execution import Saved, run_path
 from events.hp import HPFunction
 from events.models import Event, StageDispatched, StageSpec
 from gpu_worker.trainer import Trainer
@@ -38,7 +38,8 @@ class CostModel:
     ``{"seq_len": (384, 1.3)}`` makes longer BERT sequences cost more. A name missing from a
     configuration counts at its ``ref``.
 
-    Units: seconds; a step is whatever the trainer counts (an epoch in the paper studies).
+    Units: seconds; a step is whatever the trainer counts (an epoch in the paper studies);
+    ``checkpoint_bytes`` in bytes.
     """
 
     base_seconds: float = 1.0
@@ -46,8 +47,13 @@ class CostModel:
     load_seconds: float = 0.0
     save_seconds: float = 0.0
     eval_seconds: float = 0.0
+    checkpoint_bytes: int = 64
+    """Bytes of one checkpoint (model and optimizer state): what a checkpoint budget counts."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.checkpoint_bytes, bool) or not isinstance(self.checkpoint_bytes, int) \
+                or self.checkpoint_bytes < 1:
+            raise ValueError(f"`CostModel.checkpoint_bytes` is {self.checkpoint_bytes!r}, but must be an int >= 1")
         for name in ("base_seconds", "load_seconds", "save_seconds", "eval_seconds"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -237,6 +243,23 @@ def checkpoint_ref(plan_key: str, node_id: str, loss: float, step: int) -> str:
     return hashlib.sha256(f"{plan_key}\0{node_id}\0{loss.hex()}\0{step}".encode()).hexdigest()
 
 
+class _ScheduleControl:
+    """Control events arriving at given virtual times (seconds after the dispatch)."""
+
+    def __init__(self, controls: Sequence[tuple[float, Event]], clock: Callable[[], float]) -> None:
+        self.pending = sorted(controls, key=lambda c: c[0])
+        self.clock = clock
+
+    def waiting(self) -> bool:
+        return bool(self.pending) and self.pending[0][0] <= self.clock()
+
+    def poll(self) -> list[Event]:
+        now = self.clock()
+        arrived = [event for at, event in self.pending if at <= now]
+        self.pending = [(at, event) for at, event in self.pending if at > now]
+        return arrived
+
+
 @dataclass
 class SimulatedWorker:
     """Turns a dispatch into timed events, keeping simulated checkpoints in ``checkpoints``
@@ -253,12 +276,18 @@ class SimulatedWorker:
     _loss: float = 0.0
     _step: int = 0
     _stored: bool = False
+    _node: str = ""
     _dispatch: StageDispatched | None = None
 
-    def execute(self, d: StageDispatched) -> list[tuple[float, list[Event]]]:
+    def execute(self, d: StageDispatched, controls: Sequence[tuple[float, Event]] = ()
+                ) -> list[tuple[float, list[Event]]]:
         """The events of running ``d``, as ``(seconds after the dispatch, events)`` batches:
         the first StageStarted at 0, then at each stage end its MetricsReported (when it
         evaluates), CheckpointSaved and StageFinished, with the next stage's StageStarted.
+
+        ``controls``: decisions about the path (PathPreempted, CheckpointRequested) and the
+        seconds after the dispatch they reach the worker; it acts on each at its first step
+        boundary from then on, as a GPU worker does.
 
         Raises:
             KeyError: the source checkpoint is unknown (never produced by this simulation).
@@ -272,13 +301,13 @@ class SimulatedWorker:
             else:
                 out.append((self._clock, list(events)))
 
-        run_path(d, self, emit, d.worker_id)
+        run_path(d, self, emit, d.worker_id, control=_ScheduleControl(controls, lambda: self._clock))
         return out
 
     # ------------------------------------------------------------------ PathBackend, virtual
 
     def begin(self, d: StageDispatched) -> None:
-        self._dispatch = d
+        self._dispatch, self._node = d, d.stages[0].node_id
         if d.source is None:
             self._loss, self._step, self._stored = self.curve.initial(), 0, False
         else:
@@ -288,27 +317,30 @@ class SimulatedWorker:
     def step(self) -> int:
         return self._step
 
-    def train(self, spec: StageSpec) -> None:
-        self._clock += self.cost.train_seconds(spec.hp, spec.from_step, spec.to_step)
-        self._loss = self.curve.advance(self._loss, spec.hp, spec.from_step, spec.to_step)
-        self._step = spec.to_step
-        if spec.to_step > spec.from_step:
+    def train(self, spec: StageSpec, until: int, interrupt: Callable[[], bool]) -> None:
+        self._node = spec.node_id
+        while self._step < until:
+            if interrupt():
+                return
+            self._clock += self.cost.train_seconds(spec.hp, self._step, self._step + 1)
+            self._loss = self.curve.advance(self._loss, spec.hp, self._step, self._step + 1)
+            self._step += 1
             self._stored = False
 
-    def evaluate(self, spec: StageSpec) -> dict[str, float]:
+    def evaluate(self, spec: StageSpec, step: int) -> dict[str, float]:
         assert self._dispatch is not None
         self._clock += self.cost.eval_seconds
-        return self.curve.metrics(self._loss, spec.hp, spec.to_step, self._dispatch.seed)
+        return self.curve.metrics(self._loss, spec.hp, step, self._dispatch.seed)
 
-    def save(self, spec: StageSpec) -> tuple[str, int] | None:
+    def save(self) -> Saved | None:
         assert self._dispatch is not None
         if self._stored:
             return None
         self._clock += self.cost.save_seconds
-        ref = checkpoint_ref(self._dispatch.plan_key, spec.node_id, self._loss, spec.to_step)
+        ref = checkpoint_ref(self._dispatch.plan_key, self._node, self._loss, self._step)
         self.checkpoints[ref] = self._loss
         self._stored = True
-        return ref, 64
+        return Saved(ref, self.cost.checkpoint_bytes)
 
     def abandon(self) -> None:
         self._stored = False

@@ -24,7 +24,7 @@ from events.log import EventLog, Record, chain_next
 from events.models import DeadLettered, Event
 from projections.queries import node_number
 from projections.reducer import Key, Rejected, apply
-from projections.state import Dispatch, Node, Plan, Rejection, State, Stats, Trial, Worker
+from projections.state import Dispatch, Node, Plan, Rejection, State, Stats, StoredObject, Trial, Worker
 
 
 def _dumps(obj: Any) -> bytes:
@@ -50,6 +50,9 @@ def record_of(state: State, key: Key) -> bytes | None:
     if kind == "rejected":
         rejection = state.rejected.get(int(key[1]))
         return None if rejection is None else _dumps(rejection.to_json())
+    if kind == "object":
+        obj = state.objects.get(key[1])
+        return None if obj is None else _dumps(obj.to_json())
     if kind == "plan":
         plan = state.plans.get(key[1])
         return None if plan is None else _dumps(plan.meta_json())
@@ -78,6 +81,8 @@ def all_keys(state: State) -> Iterator[Key]:
         yield ("seen", event_id)
     for offset in state.rejected:
         yield ("rejected", f"{offset:016d}")
+    for ref in state.objects:
+        yield ("object", ref)
     for plan in state.plans.values():
         yield ("plan", plan.plan_key)
         for node_id in plan.nodes:
@@ -181,6 +186,8 @@ class ProjectionStore:
                 state.seen.add(parts[1])
             elif kind == "rejected":
                 state.rejected[int(parts[1])] = Rejection.from_json(value)
+            elif kind == "object":
+                state.objects[parts[1]] = StoredObject(value["size"], value["references"])
             elif kind == "plan":
                 state.plans[value["plan_key"]] = Plan(value["plan_key"], value["seed"], list(value["roots"]),
                                                       executed_steps=value["executed_steps"],

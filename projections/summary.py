@@ -176,6 +176,10 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
     count the study's own plans, so studies on other plans of the same log do not mix in; but a
     plan shared with other studies (Hippo §7) counts every study's steps and seconds on it.
 
+    Checkpoints (of the whole run directory or deployment, every study's): ``checkpoint_bytes``
+    the bytes of the checkpoint objects kept at the end, ``peak_checkpoint_bytes`` the most ever
+    kept at once, ``checkpoints_evicted`` how many a checkpoint budget evicted.
+
     Sharing between studies (thesis §4.2.2): ``studies_sharing_plan`` lists the studies with
     trials on the study's plan key (itself included, see :func:`studies_sharing_plan`);
     ``k_wise_merge_rate`` is q of those K studies (Hippo §8.2, :func:`k_wise_merge_rate`; with
@@ -217,6 +221,9 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
         "worker_seconds": worker_seconds,
         "end_to_end_seconds": end_to_end_seconds,
         "idle_worker_seconds": max(0.0, workers * end_to_end_seconds - worker_seconds),
+        "checkpoint_bytes": state.stats.checkpoint_bytes,
+        "peak_checkpoint_bytes": state.stats.peak_checkpoint_bytes,
+        "checkpoints_evicted": state.stats.evictions,
         "studies_sharing_plan": sharing,
         # One study alone: its trials are the K = 1 union, merged as for ``merge_rate`` (merging
         # the same trials again costs as much as the whole summary).

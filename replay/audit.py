@@ -9,18 +9,20 @@ cannot be re-sealed without the key.
 ``verify`` checks, and names the first failing offset, event and check:
 
 1. ``chain``: every stream's records are dense from offset 0 and their chain values recompute;
-2. ``decision``: every StageDispatched equals the scheduler's decision recomputed from the log
-   prefix it records (``decided_at``), DESIGN.md invariant 3;
+2. ``decision``: every decision (StageDispatched, CheckpointEvicted, PathPreempted,
+   CheckpointRequested) equals what its decider recomputes from the log prefix it records
+   (``decided_at``), DESIGN.md invariant 3 (replay/decisions.py);
 3. ``projection``: the projection rebuilt by folding the plan stream equals the stored one byte
    for byte (run dir: ``state/``; export: the digest in its header);
-4. ``checkpoint``: every checkpoint referenced by a CheckpointSaved exists and matches its sha256.
+4. ``checkpoint``: every checkpoint referenced by a CheckpointSaved exists and matches its sha256,
+   except those the plans no longer reference (evicted under a budget, or dropped as corrupt),
+   which are expected missing.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
-import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -31,29 +33,30 @@ import orjson
 
 from events import topics
 from events.codec import InvalidEvent, decode
-from events.log import CHAIN_START, EmbeddedLog, Record, chain_algorithm, chain_next
-from events.models import CheckpointSaved, LogSealed, StageDispatched
+from events.log import (  # noqa: F401 (KEY_ENV, secret_from: re-exported from their old home)
+    CHAIN_START,
+    KEY_ENV,
+    EmbeddedLog,
+    Record,
+    chain_algorithm,
+    chain_next,
+    secret_from,
+)
+from events.models import CheckpointSaved, LogSealed
 from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing
 from gpu_worker.object_store import open_checkpoint_store
 from projections.state import State
 from projections.store import ProjectionStore, all_keys, fold_records, snapshot
-from scheduler.decide import decide, same_decision
+from replay.decisions import DecisionCheck
 
 EXPORT_FORMAT = "stagetree-log"
 EXPORT_VERSION = 2
 """Version 2 writes a record whose bytes are not UTF-8 (a dead-lettered record) as ``value_b64``
 (base64) instead of ``value``; version 1 exports (``value`` only) still read."""
-KEY_ENV = "STAGETREE_LOG_KEY"
 
 
 class AuditError(ValueError):
     """A source cannot be read (missing, not a run dir or export, malformed export)."""
-
-
-def secret_from(flag: str | None) -> bytes | None:
-    """The chain's HMAC secret: the flag's value, else ``$STAGETREE_LOG_KEY``, else None."""
-    value = flag if flag is not None else os.environ.get(KEY_ENV)
-    return value.encode() if value else None
 
 
 def projection_digest(records: dict[bytes, bytes]) -> str:
@@ -382,54 +385,26 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
     result.add("chain", failure, f"{result.events} records in {len(source.streams)} streams chain correctly "
                                  f"({source.chain})")
 
-    decision_failure: list[Failure] = []
     saved: list[tuple[Record, CheckpointSaved]] = []
-    checked = 0
     # A decision records the offset of the last event its decider had folded (``decided_at``);
-    # on Kafka other producers may append before the decision's own record, so the scheduler
-    # is re-run on exactly that prefix, remembered while folding, with the policy the decision
-    # records (HIPPO_SPEC §3.7).
-    prefixes: dict[int, set[str]] = {}
-    for r in plan:
-        if b'"StageDispatched"' in r.value:
-            try:
-                event = decode(r.value)
-            except InvalidEvent:
-                continue
-            if isinstance(event, StageDispatched):
-                prefixes.setdefault(event.decided_at, set()).add(event.policy)
-    recomputed: dict[tuple[int, str], StageDispatched | None] = {}
-
-    def after(offset: int, state: State) -> None:
-        for policy in sorted(prefixes.get(offset, ())):
-            recomputed[(offset, policy)] = decide(state, policy)
+    # on Kafka other producers may append before the decision's own record, so each decider is
+    # re-run on exactly that prefix, remembered while folding, with the parameters the decision
+    # records (policy, checkpoint budget): replay/decisions.py.
+    decisions = DecisionCheck(plan)
 
     def on_event(r: Record, event: Any, state: State) -> None:
-        nonlocal checked
         if progress is not None:
             progress(1)
         if isinstance(event, CheckpointSaved):
             saved.append((r, event))
-        if isinstance(event, StageDispatched) and not decision_failure:
-            checked += 1
-            if (event.decided_at, event.policy) not in recomputed:
-                decision_failure.append(Failure("decision", r.offset, event.type,
-                                                f"decided at offset {event.decided_at}, which is not before it"))
-                return
-            again = recomputed.pop((event.decided_at, event.policy))
-            if again is None or not same_decision(again, event):
-                what = "no dispatch" if again is None else (
-                    f"{again.dispatch_id} to {again.worker_id}: "
-                    f"{[(s.node_id, s.from_step, s.to_step) for s in again.stages]}")
-                decision_failure.append(Failure(
-                    "decision", r.offset, event.type,
-                    f"recorded {event.dispatch_id} to {event.worker_id}: "
-                    f"{[(s.node_id, s.from_step, s.to_step) for s in event.stages]}; the scheduler computes {what} "
-                    f"from the prefix up to offset {event.decided_at} with policy {event.policy!r}"))
+        decisions.on_event(r, event)
 
-    state = fold(plan, on_event, after, secret=secret)
-    result.add("decision", decision_failure[0] if decision_failure else None,
-               f"{checked} dispatch decisions recomputed from their log prefixes")
+    state = fold(plan, on_event, decisions.after, secret=secret)
+    mismatch = decisions.finish()
+    counts = ", ".join(f"{n} {name}" for name, n in sorted(decisions.checked.items())) or "no"
+    result.add("decision", None if mismatch is None else Failure("decision", mismatch.offset, mismatch.event,
+                                                                 mismatch.detail),
+               f"{counts} decisions recomputed from their log prefixes")
 
     rebuilt = snapshot(state)
     if source.stored_projection is not None:
@@ -453,8 +428,9 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
         failure = None
         store = open_checkpoint_store(source.checkpoints)
         seen: set[str] = set()
+        gone = {ref for ref, obj in state.objects.items() if obj.references == 0}  # evicted or dropped: deleted
         for r, ev in saved:
-            if ev.ref in seen:
+            if ev.ref in seen or ev.ref in gone:
                 continue
             seen.add(ev.ref)
             try:
@@ -464,5 +440,6 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
                 failure = Failure("checkpoint", r.offset, ev.type,
                                   f"checkpoint {ev.ref} of node {ev.node_id} at step {ev.step} {why}")
                 break
-        result.add("checkpoint", failure, f"{len(seen)} checkpoint objects exist and match their sha256")
+        result.add("checkpoint", failure, f"{len(seen)} checkpoint objects exist and match their sha256"
+                                          + (f"; {len(gone)} evicted ones are expected missing" if gone else ""))
     return result

@@ -17,41 +17,70 @@ from collections.abc import Callable
 from opentelemetry.trace import SpanKind
 
 from events import topics, tracing
-from events.log import EventLog, append_events
-from events.models import StageDispatched, TrialSubmitted
+from events.faults import fault_point
+from events.log import EventLog, append_events, event_key
+from events.models import CheckpointRequested, Event, StageDispatched, TrialSubmitted
 from projections.store import Projector
-from scheduler.decide import check_policy, decide
+from scheduler.decide import best_path, check_policy, decide
+from scheduler.eviction import evictions_for_dispatch, fits
+from scheduler.inflight import inflight_decisions
 
-Deliver = Callable[[StageDispatched], None]
+Deliver = Callable[[Event], None]
+"""Hands a decision for a worker (StageDispatched, PathPreempted, CheckpointRequested) to it."""
+Delete = Callable[[list[str]], None]
+"""Deletes checkpoint objects (refs) from the checkpoint store."""
 
 
 class SchedulerService:
     """Runs scheduling passes for ``projector``'s state, appending to ``log``.
 
+    A pass decides, in order, each decision recorded with the prefix it was decided from:
+
+    1. about running paths (``scheduler.inflight``): preemptions of paths no trial needs any
+       more, and checkpoints to save where a new request put a boundary inside a running stage;
+    2. then, until no worker is idle or nothing is ready: with a ``checkpoint_budget``, the
+       evictions that make room for the next path (``scheduler.eviction``; the objects are
+       deleted from the store through ``delete`` once the events are durable), and the dispatch
+       itself (``scheduler.decide``).
+
     Args:
         log: where decisions are appended (the projector's log).
         projector: folds the plan stream; its listeners also see the decisions.
-        deliver: optional callback per appended decision (the embedded coordinator's pipes).
+        deliver: optional callback per decision addressed to a worker (the embedded
+            coordinator's pipes, the simulator's workers).
         max_rejections: consecutive rejected decisions tolerated in one pass before giving up
             until the next trigger (a rejection means the state moved on under the decision).
         policy: the scheduling policy, one of ``scheduler.decide.POLICIES`` (HIPPO_SPEC §3.7;
             default Hippo's critical path); recorded in every decision.
         clock: the time stamped on decisions, in seconds since the epoch (the simulator passes
             its virtual clock).
+        checkpoint_budget: bytes of checkpoints the run may keep (None: unbounded).
+        delete: deletes evicted objects from the checkpoint store (None: nothing to delete).
+        splits: decide CheckpointRequested (saves at a boundary inside a running stage). Off only
+            for the ablation of ``benchmarks/checkpoint_budget.py``: a log made without them does
+            not verify its in-flight decisions, which assume them.
 
     Raises:
-        ValueError: ``policy`` is not one of ``scheduler.decide.POLICIES``.
+        ValueError: ``policy`` is not one of ``scheduler.decide.POLICIES``, or the budget is not
+            a positive int.
     """
 
     def __init__(self, log: EventLog, projector: Projector, deliver: Deliver | None = None,
                  max_rejections: int = 3, policy: str = "critical-path",
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, checkpoint_budget: int | None = None,
+                 delete: Delete | None = None, splits: bool = True) -> None:
+        if checkpoint_budget is not None and (isinstance(checkpoint_budget, bool)
+                                              or not isinstance(checkpoint_budget, int) or checkpoint_budget < 1):
+            raise ValueError(f"`checkpoint_budget` is {checkpoint_budget!r}, but must be a positive int (bytes)")
         self.log = log
         self.projector = projector
         self.deliver = deliver
         self.max_rejections = max_rejections
         self.policy = check_policy(policy)
         self.clock = clock
+        self.checkpoint_budget = checkpoint_budget
+        self.delete = delete
+        self.splits = splits
         self.trial_traces: dict[str, dict[str, str]] = {}  # trial id -> trace header of its latest submission
         projector.listeners.append(self._remember_trace)
 
@@ -59,16 +88,48 @@ class SchedulerService:
         if isinstance(event, TrialSubmitted) and event.trace:
             self.trial_traces[event.trial_id] = event.trace
 
+    def _append(self, decisions: list[Event], to_workers: bool = False) -> list[int]:
+        """Append decisions to the plan stream (one atomic batch; for workers also to the
+        dispatch stream, keyed by worker) and fold them; their plan-stream offsets."""
+        now = self.clock()
+        decisions = [d.model_copy(update={"ts": now}) for d in decisions]
+        offsets = append_events(self.log, topics.PLAN, [(event_key(d), d) for d in decisions])
+        if to_workers:
+            append_events(self.log, topics.DISPATCH, [(d.worker_id, d) for d in decisions])  # type: ignore[attr-defined]
+        self.projector.catch_up()
+        if to_workers and self.deliver is not None:
+            for offset, decision in zip(offsets, decisions):
+                if offset not in self.projector.state.rejected:
+                    self.deliver(decision)
+        return offsets
+
     def run_pass(self) -> list[StageDispatched]:
-        """Decide and append until no worker is idle or nothing is ready; returns the decisions."""
+        """Decide and append: decisions about running paths, then evictions and dispatches until
+        no worker is idle or nothing is ready; returns the dispatches."""
         state = self.projector.state
+        control = inflight_decisions(state, self.checkpoint_budget)
+        if not self.splits:
+            control = [c for c in control if not isinstance(c, CheckpointRequested)]
+        if control:
+            self._append(control, to_workers=True)
         out: list[StageDispatched] = []
         rejections = 0
         while True:
+            if self.checkpoint_budget is not None:
+                evictions = evictions_for_dispatch(state, self.checkpoint_budget, self.policy)
+                if evictions:
+                    fault_point("before-eviction-event")
+                    self._append(list(evictions))
+                    fault_point("after-eviction-event")
+                    self._delete_garbage([e.ref for e in evictions])
             started_ns = time.time_ns()
             decision = decide(state, self.policy)
             if decision is None:
                 return out
+            if self.checkpoint_budget is not None:
+                path = best_path(state, self.policy)
+                if path is not None and not fits(state, self.checkpoint_budget, path):
+                    return out  # no room even after evicting: wait for a running path to end
             decision = decision.model_copy(update={"ts": self.clock()})
             if tracing.enabled():
                 decision = self._traced(decision, started_ns)
@@ -84,6 +145,20 @@ class SchedulerService:
             out.append(decision)
             if self.deliver is not None:
                 self.deliver(decision)
+
+    def _delete_garbage(self, refs: list[str]) -> None:
+        """Delete the objects among ``refs`` that no plan place references any more (evicted, and
+        not saved again since), now that the decisions that released them are durable."""
+        objects = self.projector.state.objects
+        garbage = sorted({r for r in refs if r in objects and objects[r].references == 0})
+        if garbage and self.delete is not None:
+            self.delete(garbage)
+
+    def collect_garbage(self) -> None:
+        """Delete every object no plan place references (at start: a run killed between an
+        eviction event and its deletion leaves its objects behind). Safe only while no worker of
+        this run is writing: call it before workers start."""
+        self._delete_garbage(list(self.projector.state.objects))
 
     def _traced(self, decision: StageDispatched, started_ns: int) -> StageDispatched:
         """Record the pass and the dispatch in the trace of the first trial the path serves

@@ -10,9 +10,10 @@ trained step range, so the scheduling logic runs exactly as in production withou
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from events.execution import run_path
+from events.execution import Saved, run_path
 from events.hp import HPConfig
 from events.models import Event, StageDispatched, StageSpec, TrialSubmitted, WorkerJoined
 from projections.reducer import apply
@@ -27,11 +28,11 @@ def fake_ref(plan_key: str, node_id: str, step: int) -> str:
 
 class _Instant:
     """A :class:`~events.execution.PathBackend` that trains nothing: a step takes one second of
-    a virtual clock, a checkpoint is :func:`fake_ref`, the metrics are ``{"step": to_step}``."""
+    a virtual clock, a checkpoint is :func:`fake_ref`, the metrics are ``{"step": step}``."""
 
     def __init__(self, sim: Simulation, dispatch: StageDispatched) -> None:
         self.sim, self.d = sim, dispatch
-        self.at, self.clock, self.stored = 0, 0.0, False
+        self.at, self.clock, self.stored, self.node = 0, 0.0, False, dispatch.stages[0].node_id
 
     def begin(self, d: StageDispatched) -> None:
         self.at, self.stored = (d.source.step, True) if d.source is not None else (0, False)
@@ -39,20 +40,20 @@ class _Instant:
     def step(self) -> int:
         return self.at
 
-    def train(self, spec: StageSpec) -> None:
-        self.sim.trained.append((self.d.plan_key, spec.node_id, spec.from_step, spec.to_step))
-        self.clock += spec.to_step - spec.from_step
-        self.stored = self.stored and spec.to_step == spec.from_step
-        self.at = spec.to_step
+    def train(self, spec: StageSpec, until: int, interrupt: Callable[[], bool]) -> None:
+        self.sim.trained.append((self.d.plan_key, spec.node_id, self.at, until))
+        self.clock += until - self.at
+        self.stored = self.stored and until == self.at
+        self.at, self.node = until, spec.node_id
 
-    def evaluate(self, spec: StageSpec) -> dict[str, float]:
-        return {"step": float(spec.to_step)}
+    def evaluate(self, spec: StageSpec, step: int) -> dict[str, float]:
+        return {"step": float(step)}
 
-    def save(self, spec: StageSpec) -> tuple[str, int] | None:
+    def save(self) -> Saved | None:
         if self.stored:
             return None
         self.stored = True
-        return fake_ref(self.d.plan_key, spec.node_id, spec.to_step), 1
+        return Saved(fake_ref(self.d.plan_key, self.node, self.at), 1)
 
     def abandon(self) -> None:
         self.stored = False

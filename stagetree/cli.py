@@ -43,11 +43,13 @@ from stagetree.dashboard import Beside, reserve
 from stagetree.dashboard import register as register_dashboard
 from stagetree.dashboard.cli import DashboardError, port_number
 from stagetree.embedded import EmbeddedCoordinator
+from stagetree.export.commands import register as register_export
 from stagetree.kafka_runtime import KafkaRuntime
 from stagetree.progress import Progress
 from stagetree.runtime import RuntimeError_
 from stagetree.serve import serve
 from stagetree.simulate_cli import register as register_simulate
+from stagetree.sizes import parse_size
 from stagetree.study import Study, TrialFailed, validate_config
 from stagetree.tuners import Tuner, TunerResult
 
@@ -186,11 +188,12 @@ async def _run_embedded(args: argparse.Namespace, console: Console) -> dict[str,
             raise UsageError(f"--out {str(out)!r} already holds a run that never started a study; pass --resume "
                              "to start it there, or choose another --out")
     mode = "trial" if args.no_merge else "merged"
+    budget = args.checkpoint_budget if args.checkpoint_budget is not None else _budget_default()
     port = reserve(args.dashboard) if args.dashboard is not None else None
     dashboard = None
     try:
         async with EmbeddedCoordinator(out, args.file, args.workers, device=args.device,
-                                       secret=secret_from(args.log_key)) as coord:
+                                       secret=secret_from(args.log_key), checkpoint_budget=budget) as coord:
             if port is not None:  # the log exists now: the dashboard follows it while workers start
                 dashboard = await asyncio.get_running_loop().run_in_executor(
                     None, _start_dashboard, str(out), port, secret_from(args.log_key), console)
@@ -292,6 +295,22 @@ def _print_summary(summary: dict[str, Any], console: Console) -> None:
                       + "; ".join(f"{t['trial_id']}: {escape(str(t.get('error')))}" for t in failed))
 
 
+def _budget_default() -> int | None:
+    value = os.environ.get("STAGETREE_CHECKPOINT_BUDGET")
+    if not value:
+        return None
+    try:
+        return parse_size(value)
+    except argparse.ArgumentTypeError as exc:
+        raise UsageError(f"$STAGETREE_CHECKPOINT_BUDGET {exc}") from None
+
+
+def _budget_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint-budget", type=parse_size, default=None, metavar="SIZE",
+                   help="bytes of checkpoints to keep at most (500MB, 2GiB, ...; default: "
+                        "$STAGETREE_CHECKPOINT_BUDGET, else unbounded); evicted by cost and benefit")
+
+
 def _int_at_least(minimum: int, what: str):  # type: ignore[no-untyped-def]
     """An argparse type: an int >= ``minimum``, else an error naming the value."""
 
@@ -339,6 +358,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--dashboard", nargs="?", type=port_number, const=8080, default=None, metavar="PORT",
                      help="also serve the live dashboard on 127.0.0.1:PORT (default 8080; 0: any free port) "
                           "while the study runs, and print its address")
+    _budget_flag(run)
     _kafka_flags(run)
     run.add_argument("--checkpoint-store", default=os.environ.get("STAGETREE_CHECKPOINT_STORE"),
                      help="s3://BUCKET/PREFIX or a directory, for Kafka-mode workers "
@@ -353,6 +373,10 @@ def parser() -> argparse.ArgumentParser:
     srv.add_argument("--heartbeat-timeout", type=float, default=10.0,
                      help="seconds of worker silence before it is declared lost (default 10)")
     srv.add_argument("--log-key", help="HMAC secret of the plan stream's seals (default: $STAGETREE_LOG_KEY)")
+    _budget_flag(srv)
+    srv.add_argument("--checkpoint-store", default=os.environ.get("STAGETREE_CHECKPOINT_STORE"),
+                     help="s3://BUCKET/PREFIX or a directory: where evicted checkpoints are deleted "
+                          "(needed with --checkpoint-budget; default: $STAGETREE_CHECKPOINT_STORE)")
     srv.set_defaults(func=cmd_serve)
 
     wrk = sub.add_parser("worker", help="Kafka mode: one worker per device")
@@ -367,6 +391,7 @@ def parser() -> argparse.ArgumentParser:
     wrk.set_defaults(func=cmd_worker)
     register(sub, _positive)
     register_simulate(sub, _positive)
+    register_export(sub)
     register_dashboard(sub)
     return p
 
@@ -380,10 +405,15 @@ def _kafka_flags(p: argparse.ArgumentParser, required: bool = False) -> None:
 
 
 def cmd_serve(args: argparse.Namespace, console: Console) -> int:
+    budget = args.checkpoint_budget if args.checkpoint_budget is not None else _budget_default()
+    if budget is not None and not args.checkpoint_store:
+        raise UsageError("--checkpoint-budget needs --checkpoint-store (or $STAGETREE_CHECKPOINT_STORE): evicted "
+                         "checkpoints are deleted there")
+    store = open_checkpoint_store(args.checkpoint_store) if budget is not None else None
     log = KafkaLog(args.bootstrap_servers, topic_prefix=args.topic_prefix, security=security_from_env())
     try:
         serve(log, Path(args.state_dir), app_id=args.app_id, heartbeat_timeout_s=args.heartbeat_timeout,
-              secret=secret_from(args.log_key))
+              secret=secret_from(args.log_key), checkpoint_budget=budget, store=store)
     finally:
         log.close()
     return 0

@@ -29,6 +29,7 @@ from events.codec import InvalidEvent, decode_batch, encode
 from events.deadletter import dead_letter
 from events.log import EmbeddedLog, append_events, event_key
 from events.models import DeadLettered, Event, StageDispatched, WorkerJoined, WorkerLost
+from gpu_worker.checkpoint import LocalCheckpointStore
 from gpu_worker.process import STOP, embedded_worker_main
 from projections.store import ProjectionStore, Projector
 from scheduler.service import SchedulerService
@@ -82,6 +83,8 @@ class EmbeddedCoordinator(RuntimeBase):
         max_restarts: times a worker slot is started again after its process exited
             unexpectedly (at start-up or later); its path is dispatched again meanwhile.
         say: where notices go (a worker exited, is started again); default: standard error.
+        checkpoint_budget: bytes of checkpoints the run may keep (None: unbounded); see
+            ``scheduler.eviction``.
 
     Use as an async context manager inside a running loop.
     """
@@ -90,7 +93,7 @@ class EmbeddedCoordinator(RuntimeBase):
 
     def __init__(self, run_dir: str | Path, study_file: str | Path, workers: int, *, device: str = "auto",
                  threads: int = 1, secret: bytes | None = None, max_restarts: int = MAX_RESTARTS,
-                 say: Callable[[str], None] | None = None) -> None:
+                 say: Callable[[str], None] | None = None, checkpoint_budget: int | None = None) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"`workers` is {workers!r}, but must be an int >= 1 in embedded mode")
         self.run_dir = Path(run_dir)
@@ -110,7 +113,9 @@ class EmbeddedCoordinator(RuntimeBase):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inbox: asyncio.Queue[tuple[str, int, bytes | None]] | None = None
         self._pump_task: asyncio.Task[None] | None = None
-        self.scheduler = SchedulerService(self.log, self.projector, deliver=self._send)
+        self.checkpoints = LocalCheckpointStore(self.checkpoint_dir)
+        self.scheduler = SchedulerService(self.log, self.projector, deliver=self._send,
+                                          checkpoint_budget=checkpoint_budget, delete=self._delete)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -129,6 +134,7 @@ class EmbeddedCoordinator(RuntimeBase):
         if stale:
             self.append([WorkerLost(producer="coordinator", worker_id=w, reason="coordinator restarted")
                          for w in stale])
+        self.scheduler.collect_garbage()  # objects of evictions a crash left undeleted; no worker writes yet
         for slot in self._slots.values():
             self._spawn(slot)
         self._pump_task = asyncio.create_task(self._pump())
@@ -297,13 +303,19 @@ class EmbeddedCoordinator(RuntimeBase):
         worker = self.state.workers.get(worker_id)
         return self._slots[worker_id].joined and worker is not None and worker.alive
 
-    def _send(self, decision: StageDispatched) -> None:
-        slot = self._slots.get(decision.worker_id)
+    def _delete(self, refs: list[str]) -> None:
+        for ref in refs:
+            self.checkpoints.delete(ref)
+
+    def _send(self, decision: Event) -> None:
+        slot = self._slots.get(decision.worker_id)  # type: ignore[attr-defined]
         try:
             if slot is None or slot.conn is None:
                 raise OSError("no process")
             slot.conn.send_bytes(encode(decision))
         except OSError:
+            if not isinstance(decision, StageDispatched):
+                return  # a decision about a path of a worker that is gone: its loss is handled
             # The process is gone; its pipe's end is handled by the pump (lost, started again).
             # Until then the dispatch waits on a worker that cannot run it: declare it lost now.
             self.append([WorkerLost(producer="coordinator", worker_id=decision.worker_id,

@@ -38,6 +38,7 @@ from events.deadletter import dead_letter
 from events.kafka_log import KafkaLog
 from events.log import chain_algorithm
 from events.models import LogSealed, WorkerLost
+from gpu_worker.checkpoint import CheckpointStore
 from projections.state import State
 from projections.store import ProjectionStore, Projector
 from scheduler.service import SchedulerService
@@ -77,18 +78,26 @@ class Service:
 
     def __init__(self, log: KafkaLog, state_dir: Path, heartbeat_timeout_s: float,
                  clock: Callable[[], float] = time.monotonic, startup_grace_s: float = 20.0,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None, checkpoint_budget: int | None = None,
+                 store: CheckpointStore | None = None) -> None:
         self.log = log
         self.store = ProjectionStore(state_dir)
         self.secret = secret
         self.projector = Projector(log, store=self.store, secret=secret)
         self.sealed_through = -1
-        self.scheduler = SchedulerService(log, self.projector)
+        self.store = store
+        self.scheduler = SchedulerService(log, self.projector, checkpoint_budget=checkpoint_budget,
+                                          delete=self._delete if store is not None else None)
         self.monitor = HeartbeatMonitor(heartbeat_timeout_s)
         self.clock = clock
         # No worker is judged before the heartbeat consumer had time to join its group and
         # catch up: a restarted app must not declare every worker lost at once.
         self.judging_from = clock() + startup_grace_s
+
+    def _delete(self, refs: list[str]) -> None:
+        assert self.store is not None
+        for ref in refs:
+            self.store.delete(ref)
 
     def step(self) -> None:
         """Fold what is new, schedule, and seal."""
@@ -126,12 +135,14 @@ class Service:
 
 
 def build_app(log: KafkaLog, state_dir: Path, *, app_id: str, heartbeat_timeout_s: float = 10.0,
-              liveness_interval_s: float = 0.5, secret: bytes | None = None) -> tuple[faust.App, Service]:
+              liveness_interval_s: float = 0.5, secret: bytes | None = None, checkpoint_budget: int | None = None,
+              store: CheckpointStore | None = None) -> tuple[faust.App, Service]:
     """The faust app of ``stagetree serve`` over ``log``'s broker and topics.
 
     Topics must exist before the app starts (the KafkaLog creates them on first append).
     """
-    service = Service(log, state_dir, heartbeat_timeout_s, secret=secret)
+    service = Service(log, state_dir, heartbeat_timeout_s, secret=secret, checkpoint_budget=checkpoint_budget,
+                      store=store)
     app = faust.App(
         app_id,
         broker=f"kafka://{log.bootstrap_servers.split(',')[0]}",
@@ -189,12 +200,14 @@ def ensure_topics(log: KafkaLog) -> None:
 
 
 def serve(log: KafkaLog, state_dir: Path, *, app_id: str, heartbeat_timeout_s: float = 10.0,
-          secret: bytes | None = None) -> None:
+          secret: bytes | None = None, checkpoint_budget: int | None = None,
+          store: CheckpointStore | None = None) -> None:
     """Run the serve app until it is stopped (SIGTERM / SIGINT)."""
     from faust.worker import Worker
 
     ensure_topics(log)
-    app, service = build_app(log, state_dir, app_id=app_id, heartbeat_timeout_s=heartbeat_timeout_s, secret=secret)
+    app, service = build_app(log, state_dir, app_id=app_id, heartbeat_timeout_s=heartbeat_timeout_s, secret=secret,
+                             checkpoint_budget=checkpoint_budget, store=store)
     try:
         Worker(app, loglevel="warning", quiet=True).execute_from_commandline()
     finally:

@@ -27,17 +27,21 @@ from events.hp import Constant, Cosine, CyclicLR, Exponential, Linear, MultiStep
 from events.log import EmbeddedLog, append_events, event_key
 from events.models import (
     EVENT_TYPES,
+    CheckpointEvicted,
+    CheckpointRequested,
     CheckpointSaved,
     CheckpointSource,
     DeadLettered,
     Event,
     LogSealed,
     MetricsReported,
+    PathPreempted,
     StageDispatched,
     StageFailed,
     StageFinished,
     StageSpec,
     StageStarted,
+    StageStopped,
     StudyFinished,
     StudyStarted,
     TrialCancelled,
@@ -95,6 +99,15 @@ def sample_events() -> list[Event]:
         WorkerLost(**header, worker_id="w0", reason="heartbeat timeout"),
         DeadLettered(**header, stream=topics.PLAN, offset=3, reason="not JSON", raw="\x00garbage\ufffd"),
         LogSealed(**header, stream=topics.PLAN, offset=41, chain="ab" * 32, algorithm="hmac-sha256"),
+        StageStopped(**header, dispatch_id="d0", worker_id="w0", plan_key="pk", node_id="n0", from_step=100,
+                     to_step=150, step=120, seconds=1.5, train_seconds=1.25),
+        PathPreempted(**header, dispatch_id="d0", worker_id="w0", plan_key="pk", decided_at=44, until_stage=0,
+                      until_step=130, reason="no trial needs steps after 130"),
+        PathPreempted(dispatch_id="d1", worker_id="w1", plan_key="pk", decided_at=45),
+        CheckpointRequested(**header, dispatch_id="d0", worker_id="w0", plan_key="pk", node_id="n0", step=125,
+                            evaluate=True, decided_at=46, checkpoint_budget=10**9),
+        CheckpointEvicted(**header, plan_key="pk", node_id="n0", step=100, ref=SHA, size=123456, decided_at=47,
+                          checkpoint_budget=500_000, reason="recompute 100 steps x 0.01 s, reuse 0.5"),
     ]
 
 

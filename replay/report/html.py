@@ -94,6 +94,9 @@ SAVINGS_ROWS: tuple[tuple[str, str, str], ...] = (
     ("merge_rate", "Merge rate p", "total / unique (Hippo §6.2)"),
     ("worker_seconds", "Worker-seconds", "time workers were held by stages (the papers' GPU-hours)"),
     ("end_to_end_seconds", "End-to-end seconds", "wall time from a ready cluster to the answer"),
+    ("checkpoint_bytes", "Checkpoint bytes kept", "checkpoint objects the run keeps at the end (all studies)"),
+    ("peak_checkpoint_bytes", "Peak checkpoint bytes", "the most checkpoint bytes kept at once"),
+    ("checkpoints_evicted", "Checkpoints evicted", "evicted to stay within a checkpoint budget"),
 )
 
 

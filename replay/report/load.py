@@ -18,6 +18,7 @@ from events.models import (
     StageFailed,
     StageFinished,
     StageStarted,
+    StageStopped,
     StudyFinished,
     StudyStarted,
     WorkerLost,
@@ -38,8 +39,9 @@ class ReportError(ValueError):
 class StageRun:
     """One execution of a stage by a worker, from its StageStarted to its end event.
 
-    ``status``: "finished" (StageFinished), "failed" (StageFailed) or "unfinished" (no end event:
-    the worker was lost or the run was killed; ``end_ts`` is then the WorkerLost or last event).
+    ``status``: "finished" (StageFinished), "failed" (StageFailed), "stopped" (StageStopped: its
+    path was preempted; it trained up to ``stopped_at``) or "unfinished" (no end event: the worker
+    was lost or the run was killed; ``end_ts`` is then the WorkerLost or last event).
     Times are epoch seconds from the events' ``ts`` (informational, as in the log).
     """
 
@@ -53,6 +55,7 @@ class StageRun:
     end_ts: float | None
     status: str
     seconds: float = 0.0
+    stopped_at: int | None = None  # a stopped run: the step its weights reached
 
     @property
     def key(self) -> tuple[str, str, int, int]:
@@ -183,7 +186,7 @@ def stage_runs(events: Sequence[tuple[int, Event]]) -> list[StageRun]:
                            ev.worker_id, ev.ts or None, None, "unfinished")
             open_runs[(ev.dispatch_id, ev.node_id, ev.from_step, ev.to_step)] = run
             runs.append(run)
-        elif isinstance(ev, (StageFinished, StageFailed)):
+        elif isinstance(ev, (StageFinished, StageFailed, StageStopped)):
             run = open_runs.pop((ev.dispatch_id, ev.node_id, ev.from_step, ev.to_step), None)
             if run is None:
                 run = StageRun(ev.plan_key, ev.node_id, ev.from_step, ev.to_step, ev.dispatch_id, ev.worker_id,
@@ -191,8 +194,10 @@ def stage_runs(events: Sequence[tuple[int, Event]]) -> list[StageRun]:
                 runs.append(run)
             run.plan_key = ev.plan_key
             run.end_ts = ev.ts or None
-            if isinstance(ev, StageFinished):
+            if isinstance(ev, (StageFinished, StageStopped)):
                 run.status, run.seconds = "finished", ev.seconds
+                if isinstance(ev, StageStopped):
+                    run.status, run.stopped_at = "stopped", ev.step
                 if run.start_ts is None and run.end_ts is not None:
                     run.start_ts = run.end_ts - ev.seconds
             else:

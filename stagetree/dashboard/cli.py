@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from replay.audit import KEY_ENV, secret_from
+from events.log import KEY_ENV, secret_from
 from stagetree.dashboard.server import DashboardServer, is_loopback
 from stagetree.dashboard.source import SourceError, open_dashboard_source
 

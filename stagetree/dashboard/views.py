@@ -135,7 +135,8 @@ def study_view(live: LiveProjection, study_id: str, source: Path | str = "", now
     result, the hyper-parameters as text, its path from the root), ``tree`` (executed and running
     stages in drawing order, with their parent row, shared / running flags and trials),
     ``gantt`` (every stage run per worker in seconds since the first event: finished, failed,
-    running or lost), ``curves`` (metric against steps per trial, promotion and stop marks).
+    stopped (its path preempted), running, preempted (no end yet) or lost), ``curves`` (metric
+    against steps per trial, promotion and stop marks).
     ``now`` (epoch seconds, a live source only): running stages are drawn up to it, as long as
     the log's last event is at most :data:`RUNNING_HORIZON_SECONDS` older (else up to that
     event: a run killed without an end event does not grow for ever).
@@ -158,7 +159,8 @@ def study_view(live: LiveProjection, study_id: str, source: Path | str = "", now
     for run in runs:
         if run.status == "unfinished":
             dispatch = state.dispatches.get(run.dispatch_id)
-            run.status = "running" if dispatch is not None and dispatch.status == "running" else "lost"
+            run.status = dispatch.status if dispatch is not None and dispatch.status in ("running", "preempted") \
+                else "lost"
     stages = stage_tree(state, runs, statuses=("finished", "running"))
     running_keys = {r.key for r in runs if r.status == "running"}
     row_of = {(s.plan_key, s.node_id, s.from_step, s.to_step): s.row for s in stages}
@@ -204,7 +206,8 @@ def study_view(live: LiveProjection, study_id: str, source: Path | str = "", now
         row = row_of.get(r.key)
         end = max(r.end_ts, horizon or 0.0) if r.status == "running" else r.end_ts
         gantt.append({"worker": r.worker_id, "start": r.start_ts - t0, "end": max(end, r.start_ts) - t0,
-                      "status": r.status, "label": stage_label(r, multi_plan), "node": r.node_id,
+                      "status": r.status, "stopped_at": r.stopped_at, "label": stage_label(r, multi_plan),
+                      "node": r.node_id,
                       "from": r.from_step, "to": r.to_step, "shared": r.key in shared_keys, "stage": row,
                       "trials": sorted(stages[row].trials) if row is not None else []})
 

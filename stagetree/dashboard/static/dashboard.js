@@ -360,6 +360,7 @@
       ['shared stage', (r) => r.status === 'finished' && r.shared, COLORS.shared, ''],
       ['one trial', (r) => r.status === 'finished' && !r.shared, COLORS.unique, ''],
       ['running', (r) => r.status === 'running', COLORS.running, '/'],
+      ['stopped (preempted)', (r) => r.status === 'stopped' || r.status === 'preempted', COLORS.stop, '.'],
       ['failed', (r) => r.status === 'failed', COLORS.failed, ''],
       ['lost', (r) => r.status === 'lost', COLORS.lost, 'x'],
     ];
@@ -369,7 +370,8 @@
         type: 'bar', orientation: 'h', name, showlegend: idx.length > 0,
         y: idx.map(([r]) => plotText(r.worker)), base: idx.map(([r]) => r.start),
         x: idx.map(([r]) => Math.max(r.end - r.start, 0.001)), customdata: idx.map(([, i]) => i),
-        hovertext: idx.map(([r]) => plotText(r.worker + ': ' + r.label + ' [' + r.from + ', ' + r.to + ') · ' + r.status) +
+        hovertext: idx.map(([r]) => plotText(r.worker + ': ' + r.label + ' [' + r.from + ', ' + r.to + ') · ' + r.status +
+          (r.stopped_at !== null && r.stopped_at !== undefined ? ' at step ' + r.stopped_at : '')) +
           '<br>' + (r.end - r.start).toFixed(2) + ' s from ' + r.start.toFixed(2) + ' s<br>' +
           plotText(r.trials.length + ' trial(s)' + (r.trials.length ? ': ' + r.trials.slice(0, 8).join(', ') : ''))),
         hoverinfo: 'text',
