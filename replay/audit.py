@@ -43,8 +43,6 @@ from events.log import (  # noqa: F401 (KEY_ENV, secret_from: re-exported from t
     secret_from,
 )
 from events.models import CheckpointSaved, LogSealed
-from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing
-from gpu_worker.object_store import open_checkpoint_store
 from projections.state import State
 from projections.store import ProjectionStore, all_keys, fold_records, snapshot
 from replay.decisions import DecisionCheck
@@ -425,6 +423,9 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
     if source.checkpoints is None:
         result.add("checkpoint", None, "not checked: no checkpoint directory given")
     else:
+        from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing  # torch: only for this check
+        from gpu_worker.object_store import open_checkpoint_store
+
         failure = None
         store = open_checkpoint_store(source.checkpoints)
         seen: set[str] = set()

@@ -17,10 +17,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from events import topics
-from projections.queries import trials_through
-from replay import report
-from replay.audit import AuditError, export_log, fold, import_log, open_source, secret_from, verify
-from replay.reexecute import reexecute
+from events.log import secret_from
 
 
 def _progress(console: Console, quiet: bool) -> Progress:
@@ -28,7 +25,13 @@ def _progress(console: Console, quiet: bool) -> Progress:
                     console=console, disable=quiet, transient=True)
 
 
+# Handlers import what they use when they run: building the parser (every command, and every
+# spawned worker process re-importing the CLI) must not import torch, matplotlib or the audit.
+
+
 def cmd_export(args: argparse.Namespace, console: Console) -> int:
+    from replay.audit import export_log, open_source
+
     source = open_source(args.source, secret_from(args.log_key))
     n = export_log(source, Path(args.out), secret_from(args.log_key))
     console.print(f"exported {n} records ({source.chain} chain) to {escape(args.out)}")
@@ -36,6 +39,8 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_import(args: argparse.Namespace, console: Console) -> int:
+    from replay.audit import import_log, open_source
+
     source = open_source(args.file)
     import_log(source, Path(args.out), secret_from(args.log_key))
     console.print(f"imported {sum(len(v) for v in source.streams.values())} records into {escape(args.out)}")
@@ -43,6 +48,8 @@ def cmd_import(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, console: Console) -> int:
+    from replay.audit import open_source, verify
+
     secret = secret_from(args.log_key)
     source = open_source(args.source, secret, args.checkpoints)
     total = len(source.streams.get(topics.PLAN, []))
@@ -62,6 +69,10 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_reexecute(args: argparse.Namespace, console: Console) -> int:
+    from projections.queries import trials_through
+    from replay.audit import fold, open_source
+    from replay.reexecute import reexecute
+
     source = open_source(args.source, secret_from(args.log_key), args.checkpoints)
     state = fold(source.streams.get(topics.PLAN, []))
     with _progress(console, args.quiet) as progress:
@@ -113,7 +124,6 @@ def register(sub: argparse._SubParsersAction, positive: type | object) -> None: 
     rex.add_argument("--log-key", help=key_help)
     rex.add_argument("--quiet", action="store_true", help="no progress bar")
     rex.set_defaults(func=cmd_reexecute)
-    report.register(sub)
+    from replay.report.cli import register as register_report
 
-
-HANDLED_ERRORS = (AuditError,)
+    register_report(sub)

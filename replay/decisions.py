@@ -51,7 +51,8 @@ def _dispatch(state: State, params: Params) -> list[Event]:
 
 
 def _describe_dispatch(e: StageDispatched) -> str:
-    return f"{e.dispatch_id} to {e.worker_id}: {[(s.node_id, s.from_step, s.to_step) for s in e.stages]}"
+    return (f"{e.dispatch_id} to {e.worker_id}: {[(s.node_id, s.from_step, s.to_step) for s in e.stages]} "
+            f"with policy {e.policy!r}")
 
 
 def _describe_eviction(e: CheckpointEvicted) -> str:

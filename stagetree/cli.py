@@ -22,47 +22,35 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from rich.console import Console
 from rich.markup import escape
 
 from events import tracing
-from events.kafka_log import KafkaLog, security_from_env
-from events.log import EmbeddedLog, LogError
-from events.models import StudyFinished, StudyStarted
-from gpu_worker.executor import resolve_device
-from gpu_worker.kafka_worker import KafkaWorker
-from gpu_worker.loader import StudyFileError, load_module, trainer_of
-from gpu_worker.object_store import open_checkpoint_store
-from projections.summary import build_summary, elapsed_before, plan_events, summary_path
-from replay.audit import AuditError, secret_from
+from events.log import LogError, secret_from
+
+if TYPE_CHECKING:
+    from stagetree.tuners import Tuner, TunerResult
 from replay.commands import register
-from stagetree.dashboard import Beside, reserve
-from stagetree.dashboard import register as register_dashboard
-from stagetree.dashboard.cli import DashboardError, port_number
-from stagetree.embedded import EmbeddedCoordinator
+from stagetree.dashboard.cli import Beside, DashboardError, port_number, reserve
+from stagetree.dashboard.cli import register as register_dashboard
+from stagetree.errors import RuntimeError_, TrialFailed, TrialsFailed, UsageError
 from stagetree.export.commands import register as register_export
-from stagetree.kafka_runtime import KafkaRuntime
-from stagetree.progress import Progress
-from stagetree.runtime import RuntimeError_
-from stagetree.serve import serve
 from stagetree.simulate_cli import register as register_simulate
 from stagetree.sizes import parse_size
-from stagetree.study import Study, TrialFailed, validate_config
-from stagetree.tuners import Tuner, TunerResult
 
-
-class UsageError(ValueError):
-    """Bad command-line input; reported with exit code 2."""
-
-
-class TrialsFailed(RuntimeError):
-    """The study finished and wrote its summary, but some trials failed; exit code 1."""
+# Everything else is imported by the command that uses it: building the parser must stay cheap,
+# for every command and for every worker process (multiprocessing's spawn imports this module
+# again in each of them).
 
 
 def _study_file(path: str) -> tuple[Any, Any, Tuner, int, str]:
+    from gpu_worker.loader import StudyFileError, load_module, trainer_of
+    from stagetree.study import validate_config
+    from stagetree.tuners import Tuner
+
     module = load_module(path)
     trainer = trainer_of(module, path)
     tuner = getattr(module, "tuner", None)
@@ -82,13 +70,18 @@ def _study_file(path: str) -> tuple[Any, Any, Tuner, int, str]:
     return module, trainer, tuner, seed, name
 
 
-async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tuple[Any, Any, Tuner, int, str],
+async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tuple[Any, Any, Any, int, str],
                    mode: str) -> dict[str, Any]:
     """Run the tuner of a loaded study file on a ready runtime; returns the summary.
 
     End-to-end time runs from the ready cluster to the answer, plus earlier incarnations' of the
     same study (other studies on the same log do not count, see :func:`projections.summary.elapsed`).
     """
+    from events.models import StudyFinished, StudyStarted
+    from projections.summary import build_summary, elapsed_before, plan_events
+    from stagetree.progress import Progress
+    from stagetree.study import Study
+
     _, trainer, tuner, seed, name = loaded
     started = time.monotonic()
     prior = runtime.state.studies.get(name)
@@ -119,6 +112,8 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
 def _write_summary(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
     """Write the study's ``summary-<study>.json``, and ``summary.json`` when the directory has
     none or it is this study's: a study never overwrites another study's summary."""
+    from projections.summary import summary_path
+
     out.mkdir(parents=True, exist_ok=True)
     data = orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
     path = summary_path(out, summary["name"])
@@ -144,6 +139,8 @@ def _check_out(out: Path) -> None:
 
 def _check_device(spec: str, flag: str = "--device") -> None:
     """Refuse a device this machine cannot train on, before anything is created (exit 2)."""
+    from gpu_worker.executor import resolve_device  # torch
+
     try:
         resolve_device(spec)
     except ValueError as exc:
@@ -153,6 +150,10 @@ def _check_device(spec: str, flag: str = "--device") -> None:
 def _studies_in(log_dir: Path) -> set[str]:
     """Ids of the studies started in the embedded log at ``log_dir``, read without writing or
     locking anything (undecodable records are skipped; they hold no study)."""
+    from events.log import EmbeddedLog
+    from events.models import StudyStarted
+    from projections.summary import plan_events
+
     log = EmbeddedLog(log_dir, read_only=True)
     try:
         return {e.study_id for e in plan_events(log) if isinstance(e, StudyStarted)}
@@ -169,6 +170,8 @@ async def _run_embedded(args: argparse.Namespace, console: Console) -> dict[str,
     no run yet (a run killed before its log had a study) it starts the run; in a directory
     whose runs are all of other studies it is refused (adding a study is done without it).
     """
+    from stagetree.embedded import EmbeddedCoordinator
+
     loaded = _study_file(args.file)
     name = loaded[4]
     out = Path(args.out) if args.out else Path("runs") / name
@@ -225,6 +228,9 @@ def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
 async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     """Kafka mode: submit through the SDK; with --workers N > 0 also run `stagetree serve` and N
     workers for the duration (a one-machine deployment on real Kafka)."""
+    from events.kafka_log import KafkaLog, security_from_env
+    from stagetree.kafka_runtime import KafkaRuntime
+
     loaded = _study_file(args.file)
     out = Path(args.out) if args.out else Path("runs") / loaded[4]
     _check_out(out)
@@ -405,6 +411,10 @@ def _kafka_flags(p: argparse.ArgumentParser, required: bool = False) -> None:
 
 
 def cmd_serve(args: argparse.Namespace, console: Console) -> int:
+    from events.kafka_log import KafkaLog, security_from_env
+    from gpu_worker.object_store import open_checkpoint_store
+    from stagetree.serve import serve
+
     budget = args.checkpoint_budget if args.checkpoint_budget is not None else _budget_default()
     if budget is not None and not args.checkpoint_store:
         raise UsageError("--checkpoint-budget needs --checkpoint-store (or $STAGETREE_CHECKPOINT_STORE): evicted "
@@ -420,6 +430,10 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_worker(args: argparse.Namespace, console: Console) -> int:
+    from events.kafka_log import KafkaLog, security_from_env
+    from gpu_worker.kafka_worker import KafkaWorker
+    from gpu_worker.object_store import open_checkpoint_store
+
     if not args.checkpoint_store:
         raise UsageError("--checkpoint-store (or $STAGETREE_CHECKPOINT_STORE) is required")
     worker_id = args.worker_id or f"{socket.gethostname()}-{args.device.replace(':', '')}"
@@ -460,10 +474,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tracing.configure(args.otel_exporter, "stagetree")
         return int(args.func(args, console))
-    except (UsageError, StudyFileError, AuditError, LogError, DashboardError, ValueError) as exc:
+    except (LogError, ValueError) as exc:  # UsageError, StudyFileError, AuditError, ... (exit 2)
         err.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
-    except (TrialFailed, TrialsFailed, RuntimeError_) as exc:
+    except (TrialFailed, TrialsFailed, RuntimeError_) as exc:  # the study ran; something failed (exit 1)
         err.print(f"[red]error:[/red] {escape(str(exc))}")
         return 1
     finally:

@@ -14,11 +14,7 @@ from collections.abc import Callable
 from events.models import Event
 from projections.state import State
 from projections.store import Projector
-from stagetree.study import TrialFailed
-
-
-class RuntimeError_(RuntimeError):
-    """The runtime cannot continue; every waiting trial gets this error."""
+from stagetree.errors import RuntimeError_, TrialFailed
 
 
 class RuntimeBase:

@@ -22,15 +22,7 @@ from events.models import Event, TrialCancelled, TrialSubmitted
 from gpu_worker.trainer import Trainer
 from projections import search_plan
 from projections.state import State
-
-
-class TrialFailed(RuntimeError):
-    """The trial's training raised; ``error`` is the worker's report."""
-
-    def __init__(self, trial_id: str, error: str | None) -> None:
-        super().__init__(f"trial {trial_id} failed: {error}")
-        self.trial_id = trial_id
-        self.error = error
+from stagetree.errors import TrialFailed  # noqa: F401 (its old home)
 
 
 class Runtime(Protocol):

@@ -11,12 +11,9 @@ from typing import Any
 
 import orjson
 
-from replay.audit import AuditError, open_source, secret_from, verify
-from replay.report.html import CSS, _e, _figure, _swatch, audit_html, savings_html, trials_html
-from replay.report.load import ReportError, load_run, study_trials
-from replay.report.pictures import best_trial_id, curve_metric, plot_curves, plot_gantt, plot_stage_tree
+from events.log import secret_from
+from replay.report.load import ReportError
 from replay.report.style import SHARED_COLOR, UNIQUE_COLOR
-from replay.report.tree import stage_tree
 
 # ----------------------------------------------------------------------------- entry points
 
@@ -37,6 +34,11 @@ def build_report(source: Path, out: Path, audit: dict[str, Any] | None = None) -
     Raises:
         ReportError: the source cannot be read (see :func:`load_run`).
     """
+    from replay.report.html import CSS, _e, _figure, _swatch, audit_html, savings_html, trials_html
+    from replay.report.load import load_run, study_trials
+    from replay.report.pictures import best_trial_id, curve_metric, plot_curves, plot_gantt, plot_stage_tree
+    from replay.report.tree import stage_tree
+
     data = load_run(source)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -122,6 +124,8 @@ def _load_audit(path: str) -> dict[str, Any]:
 
 
 def _verify(source: str, secret: bytes | None) -> dict[str, Any]:
+    from replay.audit import AuditError, open_source, verify
+
     try:
         return verify(open_source(source, secret), secret).as_dict()
     except AuditError as exc:

@@ -13,10 +13,26 @@ aiohttp application and its security defaults), :mod:`.cli` (the command, and st
 a run); the page itself is ``static/`` (Plotly.js draws the charts).
 """
 
-from stagetree.dashboard.cli import Beside, register, reserve
-from stagetree.dashboard.server import DashboardServer
-from stagetree.dashboard.source import DashboardSource, SourceError, open_dashboard_source
-from stagetree.dashboard.views import LiveProjection, studies, study_view
+from typing import Any
+
+# The command's parser imports this package: what serving needs (aiohttp, the fold) is imported
+# when first used.
+_HOMES = {
+    "Beside": "stagetree.dashboard.cli", "register": "stagetree.dashboard.cli", "reserve": "stagetree.dashboard.cli",
+    "DashboardServer": "stagetree.dashboard.server", "DashboardSource": "stagetree.dashboard.source",
+    "SourceError": "stagetree.dashboard.source", "open_dashboard_source": "stagetree.dashboard.source",
+    "LiveProjection": "stagetree.dashboard.views", "studies": "stagetree.dashboard.views",
+    "study_view": "stagetree.dashboard.views",
+}
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name not in _HOMES:
+        raise AttributeError(f"module 'stagetree.dashboard' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)
+
 
 __all__ = [
     "Beside",

@@ -14,11 +14,7 @@ import sys
 import time
 from typing import Any
 
-from aiohttp import web
-
 from events.log import KEY_ENV, secret_from
-from stagetree.dashboard.server import DashboardServer, is_loopback
-from stagetree.dashboard.source import SourceError, open_dashboard_source
 
 DEFAULT_PORT = 8080
 READY = "dashboard: "
@@ -78,6 +74,11 @@ async def serve(where: str, sock: socket.socket, *, secret: bytes | None = None,
     Raises:
         SourceError: ``where`` cannot be read (see :func:`open_dashboard_source`).
     """
+    from aiohttp import web
+
+    from stagetree.dashboard.server import DashboardServer, is_loopback
+    from stagetree.dashboard.source import open_dashboard_source
+
     source = open_dashboard_source(where, secret)
     host = sock.getsockname()[0]
     server = DashboardServer(source, bind_host=host, poll_seconds=poll_seconds)
@@ -100,6 +101,8 @@ async def serve(where: str, sock: socket.socket, *, secret: bytes | None = None,
 
 def cmd_dashboard(args: argparse.Namespace, console: Any = None) -> int:
     """Handle ``stagetree dashboard``. Exit code 0 when stopped, 2 bad input (source, port)."""
+    from stagetree.dashboard.source import SourceError
+
     try:
         sock = listen(args.host, args.port)
         try:
