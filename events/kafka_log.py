@@ -158,6 +158,9 @@ class KafkaLog:
         topic_prefix: prepended to every stream name to make its topic (``stagetree.plan`` ->
             ``<prefix>stagetree.plan``), so several deployments or tests can share a broker.
             ``partitions`` is keyed by topic.
+        read_only: a plain consumer: no producer is made (none asks the broker for a producer
+            id, so read-only credentials suffice), no topic is created, and appends raise
+            :class:`~events.log.LogError` (``replay verify``, ``stagetree dashboard``).
 
     Raises:
         ValueError: a bad argument (named).
@@ -177,6 +180,7 @@ class KafkaLog:
         replication_factor: int = 1,
         timeout_s: float = 60.0,
         topic_prefix: str = "",
+        read_only: bool = False,
     ) -> None:
         if not isinstance(bootstrap_servers, str) or not bootstrap_servers.strip():
             raise ValueError(f"`bootstrap_servers` is {bootstrap_servers!r}, but must be 'host:port[,host:port...]'")
@@ -201,7 +205,8 @@ class KafkaLog:
         self.topic_prefix = topic_prefix
         self.bootstrap_servers = bootstrap_servers
         self.client_id = client_id
-        self.create_topics = create_topics
+        self.read_only = read_only
+        self.create_topics = create_topics and not read_only
         self.replication_factor = replication_factor
         self.timeout_s = float(timeout_s)
         self._max_record = int(extra.get("message.max.bytes", 1_000_000)) - _RECORD_OVERHEAD
@@ -247,7 +252,8 @@ class KafkaLog:
         self._closed = False
         # Made now: an idempotent producer spends ~0.5 s acquiring its producer id, which then
         # overlaps with whatever the caller does before its first append.
-        self._get_producer()
+        if not read_only:
+            self._get_producer()
 
     def topic(self, stream: str) -> str:
         """The Kafka topic of ``stream``: ``topic_prefix + stream`` (validated)."""
@@ -319,8 +325,11 @@ class KafkaLog:
 
         Raises:
             KafkaLogError: it could not be created, or did not appear within ``timeout_s``.
+            LogError: the log was opened read-only.
         """
         self._check_open()
+        if self.read_only:
+            raise LogError(f"{self!r} was opened read-only")
         topic = self.topic(stream)
         if self._exists(topic):
             return
@@ -366,6 +375,8 @@ class KafkaLog:
             DeliveryFailed: the broker did not acknowledge every record (``offsets``: those it did).
         """
         self._check_open()
+        if self.read_only:
+            raise LogError(f"{self!r} was opened read-only")
         topic = self.topic(stream)
         records = check_items(topic, items)
         for i, (kb, vb) in enumerate(records):

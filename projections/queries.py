@@ -16,10 +16,11 @@ so step ``s`` of a node is the same prefix for every trial through it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import NamedTuple
 
 from events.hp import first_divergence
+from events.models import TrialSubmitted
 from projections.state import Checkpoint, Decided, Node, Plan, State, Trial
 
 
@@ -228,3 +229,57 @@ def decision_marks(state: State, trial_id: str) -> list[tuple[str, int]]:
     PBT member), in log order: what the report marks on its learning curve."""
     return [(d.decision["kind"], d.decision["step"]) for d in state.decided.get(trial_id, [])
             if d.role == "trial" and d.decision["kind"] in ("promote", "stop", "exploit")]
+
+
+class TrialDecision(NamedTuple):
+    """A tuner's decision about a trial: ``kind`` ("promote", "stop" or "exploit"), the ``step``
+    of the result it was taken on (steps), ``to_steps`` (the steps asked next, else None), and
+    ``source``: where it was read ("tuner": a TunerDecided event; in logs without them,
+    "requests": the trial asked for more steps after it had results, see :func:`promotion`;
+    "study end": the study finished without asking the trial for more steps)."""
+
+    kind: str
+    step: int
+    to_steps: int | None
+    source: str
+
+
+def promotion(state: State, event: TrialSubmitted) -> tuple[str, int, int] | None:
+    """``(trial_id, from_step, to_steps)`` when ``event``, about to be folded into ``state``, asks
+    a trial that already has results for more steps than the largest of them (a rung's promotion
+    in successive halving, the next interval of median stopping or PBT); None for a new trial, a
+    request asked again, or requests submitted together before any result (steps)."""
+    trial = state.trials.get(event.trial_id)
+    if trial is None or not trial.results or event.steps in trial.requests or event.steps <= max(trial.results):
+        return None
+    return trial.trial_id, max(trial.results), event.steps
+
+
+def study_decisions(state: State, study_id: str, promotions: Mapping[str, Iterable[tuple[int, int]]]
+                    ) -> dict[str, list[TrialDecision]]:
+    """The decisions of the tuner about each trial of ``study_id`` (trial id -> decisions in
+    order): the one read of them (the dashboard's "final decision" column and the marks on its
+    curves).
+
+    Read from what the log holds: the tuner's typed decisions (TunerDecided events: promotions,
+    stops, PBT exploits, each with ``source`` "tuner") when the study recorded any; for a log
+    written before decisions were events, inferred: ``promotions`` maps a trial id to the
+    ``(from_step, to_steps)`` pairs :func:`promotion` found while folding, in log order; a trial
+    that is done when its study has finished, with fewer steps than the study's largest request,
+    was stopped at its last result. A failed or cancelled trial ends without a decision.
+    """
+    trials = [t for t in state.trials.values() if t.study_id == study_id]
+    if any(d.study_id == study_id for t in trials for d in state.decided.get(t.trial_id, ())):
+        return {t.trial_id: [TrialDecision(d.decision["kind"], d.decision["step"], d.decision.get("to_step"), "tuner")
+                             for d in state.decided.get(t.trial_id, ()) if d.role == "trial"
+                             and d.decision["kind"] in ("promote", "stop", "exploit")]
+                for t in trials}
+    finished = bool((state.studies.get(study_id) or {}).get("finished"))
+    largest = max((t.steps for t in trials), default=0)
+    out = {}
+    for trial in trials:
+        decisions = [TrialDecision("promote", a, b, "requests") for a, b in promotions.get(trial.trial_id, ())]
+        if finished and trial.status == "done" and trial.requests and trial.steps < largest:
+            decisions.append(TrialDecision("stop", trial.steps, None, "study end"))
+        out[trial.trial_id] = decisions
+    return out

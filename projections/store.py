@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 from opentelemetry.trace import SpanKind
-from rocksdict import Options, Rdict, WriteBatch, WriteOptions
+from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
 from events import topics, tracing
 from events.codec import InvalidEvent, decode, encode
@@ -133,22 +133,35 @@ class ProjectionStore:
     """The projection's RocksDB database (rocksdict, raw bytes).
 
     Args:
-        path: database directory (created if absent).
+        path: database directory (created if absent, unless ``read_only``).
+        read_only: open for reading only, without the lock (beside a running projector: the
+            records as they were when opened); :meth:`commit` then raises.
+
+    Raises:
+        FileNotFoundError: ``read_only`` and there is no database at ``path``.
 
     Only one process opens it for writing (the projector).
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.read_only = read_only
         opts = Options(raw_mode=True)
-        opts.create_if_missing(True)
-        self._db = Rdict(str(self.path), opts)
+        if read_only:
+            if not (self.path / "CURRENT").is_file():
+                raise FileNotFoundError(f"no projection store at {self.path}")
+            self._db = Rdict(str(self.path), opts, access_type=AccessType.read_only())
+        else:
+            self.path.mkdir(parents=True, exist_ok=True)
+            opts.create_if_missing(True)
+            self._db = Rdict(str(self.path), opts)
         self._wopts = WriteOptions()
         self._wopts.sync = False  # the log is the source of truth; a lost tail is refolded
 
     def commit(self, state: State, touched: set[Key]) -> None:
         """Write the touched records and the offset of ``state`` atomically."""
+        if self.read_only:
+            raise PermissionError(f"the projection store at {self.path} was opened read-only")
         batch = WriteBatch(raw_mode=True)
         for key in touched | {("meta",), ("stats",)}:
             data = record_of(state, key)

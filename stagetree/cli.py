@@ -34,6 +34,8 @@ from events.log import LogError, secret_from
 if TYPE_CHECKING:
     from stagetree.tuners import Tuner, TunerResult
 from replay.commands import register
+from stagetree.dashboard.cli import Beside, DashboardError, port_number, reserve
+from stagetree.dashboard.cli import register as register_dashboard
 from stagetree.errors import RuntimeError_, TrialFailed, TrialsFailed, UsageError
 from stagetree.export.commands import register as register_export
 from stagetree.simulate_cli import register as register_simulate
@@ -191,11 +193,33 @@ async def _run_embedded(args: argparse.Namespace, console: Console) -> dict[str,
                              "to start it there, or choose another --out")
     mode = "trial" if args.no_merge else "merged"
     budget = args.checkpoint_budget if args.checkpoint_budget is not None else _budget_default()
-    async with EmbeddedCoordinator(out, args.file, args.workers, device=args.device,
-                                   secret=secret_from(args.log_key), checkpoint_budget=budget) as coord:
-        await coord.ready()
-        summary = await _conduct(coord, coord.log, args, loaded, mode)
+    port = reserve(args.dashboard) if args.dashboard is not None else None
+    dashboard = None
+    try:
+        async with EmbeddedCoordinator(out, args.file, args.workers, device=args.device,
+                                       secret=secret_from(args.log_key), checkpoint_budget=budget) as coord:
+            if port is not None:  # the log exists now: the dashboard follows it while workers start
+                dashboard = await asyncio.get_running_loop().run_in_executor(
+                    None, _start_dashboard, str(out), port, secret_from(args.log_key), console)
+            await coord.ready()
+            summary = await _conduct(coord, coord.log, args, loaded, mode)
+    finally:
+        if dashboard is not None:
+            dashboard.stop()
     return _write_summary(out, summary)
+
+
+def _start_dashboard(where: str, port: int, secret: bytes | None, console: Console) -> Beside | None:
+    """Start ``stagetree dashboard`` beside the run and print its address; a dashboard that
+    fails to start is reported and the run goes on without it."""
+    dashboard = Beside(where, port, secret)
+    try:
+        url = dashboard.start()
+    except DashboardError as exc:
+        console.print(f"[yellow]warning:[/yellow] {escape(str(exc))}; the run goes on without it")
+        return None
+    console.print(f"dashboard: {url} (stops with the run; `stagetree dashboard {escape(where)}` shows it later)")
+    return dashboard
 
 
 def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
@@ -216,11 +240,17 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
     if args.workers:
         _check_device(args.device)
     mode = "trial" if args.no_merge else "merged"
+    port = reserve(args.dashboard) if args.dashboard is not None else None
     log = KafkaLog(args.bootstrap_servers, topic_prefix=args.topic_prefix, security=security_from_env())
     procs: list[subprocess.Popen[bytes]] = []
     runtime = KafkaRuntime(log)
     poller = asyncio.create_task(runtime.run())
+    dashboard = None
     try:
+        if port is not None:
+            dashboard = await asyncio.get_running_loop().run_in_executor(
+                None, _start_dashboard, f"kafka://{args.bootstrap_servers}/{args.topic_prefix}", port,
+                secret_from(args.log_key), console)
         common = ["--bootstrap-servers", args.bootstrap_servers, "--topic-prefix", args.topic_prefix,
                   "--otel-exporter", tracing.spec()]
         workers = [f"w{i}" for i in range(args.workers)]
@@ -233,6 +263,8 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
             await runtime.ready(workers)
         summary = await _conduct(runtime, log, args, loaded, mode)
     finally:
+        if dashboard is not None:
+            dashboard.stop()
         poller.cancel()
         for proc in procs:
             proc.terminate()
@@ -330,6 +362,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="auto", help="auto (cuda:i when present, else cpu), cpu, or cuda:N")
     run.add_argument("--quiet", action="store_true", help="no live progress display")
     run.add_argument("--log-key", help="HMAC secret of the log's hash chain (default: $STAGETREE_LOG_KEY)")
+    run.add_argument("--dashboard", nargs="?", type=port_number, const=8080, default=None, metavar="PORT",
+                     help="also serve the live dashboard on 127.0.0.1:PORT (default 8080; 0: any free port) "
+                          "while the study runs, and print its address")
     _budget_flag(run)
     _kafka_flags(run)
     run.add_argument("--checkpoint-store", default=os.environ.get("STAGETREE_CHECKPOINT_STORE"),
@@ -364,6 +399,7 @@ def parser() -> argparse.ArgumentParser:
     register(sub, _positive)
     register_simulate(sub, _positive)
     register_export(sub)
+    register_dashboard(sub)
     return p
 
 

@@ -330,3 +330,47 @@ def test_explain_refuses_an_unknown_or_ambiguous_trial_id(run_dir: Path, capsys)
     assert main(["replay", "explain", str(run_dir), shared]) == 2
     err = capsys.readouterr().err
     assert "no trial id starts with 'zz'" in err and f"trial id prefix '{shared}' is not unique" in err
+
+
+def test_a_projection_behind_its_log_fails_verify_unless_read_as_of_the_projection(run_dir: Path,
+                                                                                   tmp_path: Path) -> None:
+    # A running coordinator appends, then folds: between the two the stored projection lags the
+    # log by a record. `as_of_projection` (the dashboard's verify) reads the pair consistently.
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    from events import topics
+    from events.log import EmbeddedLog, append_events
+    from events.models import WorkerJoined
+
+    with EmbeddedLog(copy / "log") as log:
+        append_events(log, topics.PLAN, [("w9", WorkerJoined(producer="test", worker_id="w9", device="cpu"))])
+    behind = verify(open_source(copy))
+    assert not behind.ok and behind.first_failure.check == "projection"
+    consistent = open_source(copy, as_of_projection=True)
+    assert consistent.left_out == 1
+    assert verify(consistent).ok
+
+
+@pytest.mark.parametrize(("url", "expected"), [
+    ("kafka://127.0.0.1:9092", ("127.0.0.1:9092", "")),
+    ("kafka://127.0.0.1:9092/", ("127.0.0.1:9092", "")),
+    ("kafka://h1:9092,h2:9093/test-1.", ("h1:9092,h2:9093", "test-1.")),
+    ("kafka://127.0.0.1:9092/test-1.stagetree.plan", ("127.0.0.1:9092", "test-1.")),
+    ("kafka://127.0.0.1:9092/stagetree.plan", ("127.0.0.1:9092", "")),
+])
+def test_kafka_location_takes_a_prefix_or_the_plan_topic(url: str, expected: tuple[str, str]) -> None:
+    from replay.audit import kafka_location
+
+    assert kafka_location(url) == expected
+
+
+@pytest.mark.parametrize(("url", "why"), [
+    ("kafka://", "HOST:PORT"), ("kafka://host", "HOST:PORT"), ("kafka://u:p@host:9092", "credentials"),
+    ("kafka://host:9092/a b", "prefix"), ("http://host:9092", "kafka://"),
+])
+def test_kafka_location_refuses_bad_addresses_by_name(url: str, why: str) -> None:
+    from replay.audit import AuditError, kafka_location
+
+    with pytest.raises(AuditError, match=why) as info:
+        kafka_location(url)
+    assert "u:p" not in str(info.value)

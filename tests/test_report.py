@@ -23,7 +23,15 @@ import orjson
 import pytest
 
 from events.hp import Constant
-from events.models import StageDispatched, StageFailed, StageFinished, StageSpec, StageStarted, WorkerLost
+from events.models import (
+    StageDispatched,
+    StageFailed,
+    StageFinished,
+    StageSpec,
+    StageStarted,
+    StageStopped,
+    WorkerLost,
+)
 from projections.state import Node, Plan, State, Trial
 from projections.summary import summary_path
 from replay import audit  # our own module: an import regression must fail, never skip
@@ -254,11 +262,18 @@ def test_stage_runs_pair_start_and_end_events() -> None:
         StageStarted(ts=105.0, dispatch_id="d1", worker_id="w2", node_id="n0", from_step=0, to_step=10),
         StageFailed(ts=106.0, dispatch_id="d1", worker_id="w2", plan_key="p", node_id="n0", from_step=0,
                     to_step=10, kind="error", error="boom"),
+        StageDispatched(ts=107.0, dispatch_id="d2", worker_id="w0", plan_key="p", seed=0, decided_at=8, source=None,
+                        stages=[spec]),
+        StageStarted(ts=108.0, dispatch_id="d2", worker_id="w0", node_id="n0", from_step=0, to_step=10),
+        StageStopped(ts=109.5, dispatch_id="d2", worker_id="w0", plan_key="p", node_id="n0", from_step=0,
+                     to_step=10, step=4, seconds=1.5, train_seconds=1.0),
     ]
     runs = stage_runs(list(enumerate(events)))
     assert [(r.worker_id, r.status, r.start_ts, r.end_ts) for r in runs] == [
-        ("w0", "finished", 101.0, 103.0), ("w1", "unfinished", 102.0, 104.0), ("w2", "failed", 105.0, 106.0)]
+        ("w0", "finished", 101.0, 103.0), ("w1", "unfinished", 102.0, 104.0), ("w2", "failed", 105.0, 106.0),
+        ("w0", "stopped", 108.0, 109.5)]
     assert all(r.plan_key == "p" for r in runs)
+    assert [r.stopped_at for r in runs] == [None, None, None, 4]
 
 
 @pytest.mark.e2e

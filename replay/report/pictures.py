@@ -15,7 +15,7 @@ from matplotlib.patches import Patch
 from projections.state import Trial
 from replay.report.load import RunData, StageRun
 from replay.report.style import BEST_COLOR, DPI, FAILED_COLOR, SHARED_COLOR, UNFINISHED_COLOR, UNIQUE_COLOR
-from replay.report.tree import TreeStage, _stage_label
+from replay.report.tree import TreeStage, stage_label
 
 # ----------------------------------------------------------------------------- pictures
 
@@ -69,7 +69,7 @@ def plot_stage_tree(stages: Sequence[TreeStage], path: Path) -> None:
                     hatch="///" if s.executions > 1 else None)
         else:  # evaluate-only stage
             ax.plot([s.from_step], [s.row], marker="D", ms=4, color=color, zorder=3)
-        label = f"{_stage_label(s, multi_plan)}  [{s.from_step}, {s.to_step})"
+        label = f"{stage_label(s, multi_plan)}  [{s.from_step}, {s.to_step})"
         extra = []
         if s.trials:
             extra.append(f"{len(s.trials)} trial" + ("s" if len(s.trials) != 1 else ""))
@@ -143,7 +143,7 @@ def plot_gantt(runs: Sequence[StageRun], shared: set[tuple[str, str, int, int]],
         ax.barh(row[r.worker_id], width, left=start, height=0.6, color=color, edgecolor="white", linewidth=0.6,
                 hatch=hatch, zorder=2)
         if width > span * 0.045:
-            ax.text(start + width / 2, row[r.worker_id], _stage_label(r, multi_plan), ha="center", va="center",
+            ax.text(start + width / 2, row[r.worker_id], stage_label(r, multi_plan), ha="center", va="center",
                     fontsize=6.5, color="white", zorder=3, clip_on=True)
     for ts, label in marks:
         x = ts - t0
