@@ -519,15 +519,17 @@ def test_decisions_read_from_the_log_equal_the_tuners_own(tmp_path: Path) -> Non
     decisions = study_decisions(state, "asha", projection.promotions)
     promotions = {("promote", trial, d.step, d.to_steps) for trial, ds in decisions.items() for d in ds
                   if d.kind == "promote"}
-    assert promotions == {d for d in tuner.decisions if d[0] == "promote"}
+    assert promotions == {("promote", d.trial_id, d.step, d.to_step) for d in tuner.decisions if d.kind == "promote"}
+    assert {d.source for ds in decisions.values() for d in ds} == {"tuner"}  # the typed decisions of the log
     assert promotions  # the study did promote
-    stopped = {trial for trial, ds in decisions.items() for d in ds if d.kind == "stop"}
-    largest = max(t.steps for t in state.trials.values())
-    assert stopped == {t.trial_id for t in state.trials.values() if t.steps < largest}  # the rest never went on
+    stopped = {(trial, d.step) for trial, ds in decisions.items() for d in ds if d.kind == "stop"}
+    assert stopped == {(d.trial_id, d.step) for d in tuner.decisions if d.kind == "stop"}
+    assert len({trial for trial, _ in stopped}) == len(state.trials)  # ASHA stops every trial at its last rung
     view = study_view(projection, "asha")
     assert {m["kind"] for m in view["curves"]["marks"]} == {"promote", "stop"}
     decision = {r["id"]: r["decision"] for r in view["trials"]}
-    assert decision[tuner.best.trial_id].startswith(f"promoted to {largest} steps")
+    best = tuner.best.trial_id
+    assert decision[best] == f"stopped at step {max(state.trials[best].results)}"
 
 
 # ----------------------------------------------------------------------------- studies, sorting, selecting, verify

@@ -26,11 +26,11 @@ class GridWithCurves(GridSearch):
         self.every = every
 
     async def run(self, study) -> TunerResult:
-        configs = list(self.space)
+        configs = self.draw(study, self.configurations(study), self.steps)
         earlier = [study.submit(c, s) for c in configs for s in range(self.every, self.steps, self.every)]
         results = await self._train(study, configs, self.steps)
         await asyncio.gather(*earlier, return_exceptions=True)
-        return self._result(results, {r.trial_id: r for r in results})
+        return self._result(study, results, {r.trial_id: r for r in results})
 
 
 name = "dash"
