@@ -25,26 +25,25 @@ class DashboardError(ValueError):
     """Bad input for the dashboard (a source it cannot read, a port it cannot listen on)."""
 
 
-def port_number(value: str) -> int:
-    """An argparse type: a TCP port 0..65535 (0: any free port)."""
-    try:
-        port = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a port number 0..65535, got {value!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number 0..65535, got {value!r}")
-    return port
+def _ranged(cast: Any, low: float, high: float, what: str) -> Any:
+    """An argparse type: ``cast(value)`` within ``[low, high]``, else an error saying ``what``."""
+
+    def parse(value: str) -> Any:
+        try:
+            number = cast(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value!r}") from None
+        if not low <= number <= high:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value!r}")
+        return number
+
+    return parse
 
 
-def poll_seconds(value: str) -> float:
-    """An argparse type: seconds between polls, 0.05 to 60."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be seconds between 0.05 and 60, got {value!r}") from None
-    if not 0.05 <= seconds <= 60:
-        raise argparse.ArgumentTypeError(f"must be seconds between 0.05 and 60, got {value!r}")
-    return seconds
+port_number = _ranged(int, 0, 65535, "a port number 0..65535")
+"""An argparse type: a TCP port 0..65535 (0: any free port)."""
+poll_seconds = _ranged(float, 0.05, 60, "seconds between 0.05 and 60")
+"""An argparse type: seconds between polls, 0.05 to 60."""
 
 
 def listen(host: str, port: int, flag: str = "--port") -> socket.socket:
