@@ -28,7 +28,7 @@ import orjson
 from rich.console import Console
 from rich.markup import escape
 
-from events import tracing
+from events import topics, tracing
 from events.log import LogError, secret_from
 
 if TYPE_CHECKING:
@@ -275,6 +275,8 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
                               "--study", str(args.file), "--device", args.device]) for w in workers]
             await runtime.ready(workers)
         summary = await _conduct(runtime, log, args, loaded, mode)
+        if procs:  # the serve we started seals the chain: stop it only once the study's end is sealed
+            await _sealed(log, log.end_offset(topics.PLAN) - 1, console)
     finally:
         if dashboard is not None:
             dashboard.stop()
@@ -288,6 +290,25 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
                 proc.kill()
         log.close()
     return _write_summary(out, summary)
+
+
+async def _sealed(log: Any, offset: int, console: Console, timeout_s: float = 60.0) -> None:
+    """Wait until a LogSealed on the plan stream covers ``offset`` (the study's last record),
+    so that stopping the ``serve`` this command started leaves a stream ``replay verify`` finds
+    sealed to its end; after ``timeout_s`` seconds a warning says it is not."""
+    from events.codec import decode
+    from events.models import LogSealed
+
+    deadline, start = time.monotonic() + timeout_s, offset + 1
+    while time.monotonic() < deadline:
+        for record in log.read(topics.PLAN, start):
+            start = record.offset + 1
+            event = decode(record.value)
+            if isinstance(event, LogSealed) and event.offset >= offset:
+                return
+        await asyncio.sleep(0.1)
+    console.print(f"[yellow]warning:[/yellow] the plan stream was not sealed through offset {offset} within "
+                  f"{timeout_s:g} s; `replay verify` will report its last records as not sealed")
 
 
 def _print_summary(summary: dict[str, Any], console: Console) -> None:

@@ -81,10 +81,11 @@ class Service:
                  secret: bytes | None = None, checkpoint_budget: int | None = None,
                  store: CheckpointStore | None = None) -> None:
         self.log = log
-        self.store = ProjectionStore(state_dir)
+        self.projection_store = ProjectionStore(state_dir)
         self.secret = secret
-        self.projector = Projector(log, store=self.store, secret=secret)
-        self.sealed_through = -1
+        self.projector = Projector(log, store=self.projection_store, secret=secret)
+        self.sealed_through = -1  # the last record the last seal covers
+        self.last_seal = -1  # the offset of that seal itself
         self.store = store
         self.scheduler = SchedulerService(log, self.projector, checkpoint_budget=checkpoint_budget,
                                           delete=self._delete if store is not None else None)
@@ -109,13 +110,15 @@ class Service:
         """Append a LogSealed with the plan stream's hash chain after the last folded record, if
         anything was folded since the last seal (this process is the stream's one folder)."""
         state = self.projector.state
-        if state.offset <= self.sealed_through:
-            return
+        if state.offset <= self.sealed_through or state.offset == self.last_seal == self.sealed_through + 1:
+            return  # nothing new, or nothing but the last seal itself (records between it and what
+            # it covers, appended while it was written, are sealed by the next one)
         seal = LogSealed(producer="serve", ts=time.time(), stream=topics.PLAN, offset=state.offset, chain=state.chain,
                          algorithm=chain_algorithm(self.secret))
         # Not folded here: records appended meanwhile must reach a scheduling pass, which the
         # agent runs when it sees the seal (or anything after it).
-        self.sealed_through = self.log.append(topics.PLAN, "seal", encode(seal))
+        self.sealed_through = state.offset
+        self.last_seal = self.log.append(topics.PLAN, "seal", encode(seal))
 
     def check_liveness(self) -> None:
         self.seal()  # records folded by a pass that nobody triggered since
@@ -131,7 +134,7 @@ class Service:
             self.step()
 
     def close(self) -> None:
-        self.store.close()
+        self.projection_store.close()
 
 
 def build_app(log: KafkaLog, state_dir: Path, *, app_id: str, heartbeat_timeout_s: float = 10.0,
