@@ -224,13 +224,6 @@ def final_decision(state: State, trial_id: str) -> Decided | None:
     return next((d for d in reversed(state.decided.get(trial_id, [])) if d.role in ("trial", "new")), None)
 
 
-def decision_marks(state: State, trial_id: str) -> list[tuple[str, int]]:
-    """``(kind, step)`` of the trial's promote and stop decisions (and exploits, which stop a
-    PBT member), in log order: what the report marks on its learning curve."""
-    return [(d.decision["kind"], d.decision["step"]) for d in state.decided.get(trial_id, [])
-            if d.role == "trial" and d.decision["kind"] in ("promote", "stop", "exploit")]
-
-
 class TrialDecision(NamedTuple):
     """A tuner's decision about a trial: ``kind`` ("promote", "stop" or "exploit"), the ``step``
     of the result it was taken on (steps), ``to_steps`` (the steps asked next, else None), and
@@ -242,6 +235,21 @@ class TrialDecision(NamedTuple):
     step: int
     to_steps: int | None
     source: str
+
+
+def tuner_decisions(state: State, trial_id: str) -> list[TrialDecision]:
+    """The tuner's typed decisions (TunerDecided events) about trial ``trial_id`` that change its
+    course: promotions, stops and PBT exploits (which stop a member), in log order, each with
+    ``source`` "tuner"; empty for a log written before decisions were events."""
+    return [TrialDecision(d.decision["kind"], d.decision["step"], d.decision.get("to_step"), "tuner")
+            for d in state.decided.get(trial_id, ()) if d.role == "trial"
+            and d.decision["kind"] in ("promote", "stop", "exploit")]
+
+
+def decision_marks(state: State, trial_id: str) -> list[tuple[str, int]]:
+    """``(kind, step)`` of :func:`tuner_decisions`: what the report marks on the trial's
+    learning curve."""
+    return [(d.kind, d.step) for d in tuner_decisions(state, trial_id)]
 
 
 def promotion(state: State, event: TrialSubmitted) -> tuple[str, int, int] | None:
@@ -270,10 +278,7 @@ def study_decisions(state: State, study_id: str, promotions: Mapping[str, Iterab
     """
     trials = [t for t in state.trials.values() if t.study_id == study_id]
     if any(d.study_id == study_id for t in trials for d in state.decided.get(t.trial_id, ())):
-        return {t.trial_id: [TrialDecision(d.decision["kind"], d.decision["step"], d.decision.get("to_step"), "tuner")
-                             for d in state.decided.get(t.trial_id, ()) if d.role == "trial"
-                             and d.decision["kind"] in ("promote", "stop", "exploit")]
-                for t in trials}
+        return {t.trial_id: tuner_decisions(state, t.trial_id) for t in trials}
     finished = bool((state.studies.get(study_id) or {}).get("finished"))
     largest = max((t.steps for t in trials), default=0)
     out = {}
