@@ -84,13 +84,18 @@ class StudyStarted(Event):
 
 
 class StudyFinished(Event):
-    """A study run ended with its tuner's answer. ``end_to_end_seconds`` covers every incarnation."""
+    """A study run ended with its tuner's answer. ``end_to_end_seconds`` covers every incarnation.
+
+    ``plan_key`` is the study's plan key (the one its StudyStarted names), so that on a
+    partitioned plan stream the event lands in the partition that holds the study; None in logs
+    written before the field existed (the event is then keyed by study id)."""
 
     type: ClassVar[str] = "StudyFinished"
     study_id: Ident
     best_trial: str | None
     best_metric: float | None
     end_to_end_seconds: float = Field(ge=0)
+    plan_key: Ident | None = None
 
 
 class TrialSubmitted(Event):
@@ -117,11 +122,15 @@ class TrialSubmitted(Event):
 
 
 class TrialCancelled(Event):
-    """The trial no longer needs results; requests nobody else waits on are dropped."""
+    """The trial no longer needs results; requests nobody else waits on are dropped.
+
+    ``plan_key`` is the trial's plan key (routes the event to its plan's partition); None in
+    logs written before the field existed."""
 
     type: ClassVar[str] = "TrialCancelled"
     study_id: Ident
     trial_id: Ident
+    plan_key: Ident | None = None
 
 
 # --------------------------------------------------------------------------- scheduling
@@ -160,11 +169,36 @@ class StageSpec(BaseModel):
         return v
 
 
-class StageDispatched(Event):
+PartitionOffsets = dict[NonNegativeInt, Annotated[int, Field(ge=-1)]]
+"""Partition of ``stagetree.plan`` -> offset of the last record of it folded (-1: none)."""
+
+
+class Decision(Event):
+    """Base of the events a decider appends (a scheduling decision, a worker declared lost, a
+    tuner's decision, an eviction): each records the log prefix it was decided from, so a
+    replay recomputes (or re-checks) it from exactly that prefix (DESIGN.md invariant 3).
+
+    Attributes:
+        decided_at: on an unpartitioned plan stream (embedded mode), the offset of the last
+            event the decider had folded (-1: nothing, or not recorded).
+        decided_at_partitions: on a partitioned plan stream (Kafka), the offset of the last
+            folded record of *every* partition (a global decision's prefix is this vector);
+            None on an unpartitioned stream and in logs written before the field existed.
+
+    Offsets may have gaps (Kafka transaction markers take offsets of their own): a prefix is
+    named by the last offset applied, never by a count.
+    """
+
+    decided_at: int = Field(default=-1, ge=-1)
+    decided_at_partitions: PartitionOffsets | None = None
+
+
+class StageDispatched(Decision):
     """A scheduling decision: run ``stages`` (one critical path, in order) on ``worker_id``.
 
-    ``decided_at`` is the offset of the last ``stagetree.plan`` event the scheduler had folded,
-    so a replay recomputes the decision from exactly that prefix. ``source`` is None when the
+    ``decided_at`` is the offset of the last ``stagetree.plan`` event the scheduler had folded
+    (``decided_at_partitions``: of every partition, on a partitioned stream), so a replay
+    recomputes the decision from exactly that prefix. ``source`` is None when the
     path starts from a fresh initialisation at step 0. ``policy`` is the scheduling policy that
     decided it (``scheduler.decide.POLICIES``, HIPPO_SPEC §3.7); logs written before the field
     existed decode as "critical-path", the only policy there was.
@@ -182,7 +216,8 @@ class StageDispatched(Event):
 
 
 class StageStarted(Event):
-    """A worker began training a stage of a dispatch."""
+    """A worker began training a stage of a dispatch. ``plan_key`` is the dispatch's plan key
+    (routes the event to its plan's partition); None in logs written before the field existed."""
 
     type: ClassVar[str] = "StageStarted"
     dispatch_id: Ident
@@ -190,6 +225,7 @@ class StageStarted(Event):
     node_id: Ident
     from_step: Steps
     to_step: Steps
+    plan_key: Ident | None = None
 
 
 class CheckpointSaved(Event):
@@ -263,9 +299,13 @@ class WorkerJoined(Event):
     device: str
 
 
-class WorkerLost(Event):
-    """A worker is gone (process died, heartbeat timed out, coordinator restarted); its
-    unfinished stages are dispatched again from the last checkpoints."""
+class WorkerLost(Decision):
+    """A worker is gone (process died, heartbeat timed out, coordinator restarted, the worker
+    drained on SIGTERM); its unfinished stages are dispatched again from the last checkpoints.
+
+    When ``stagetree serve`` declares it (a heartbeat timeout: a decision taken by a clock and
+    recorded), it records the prefix it decided from (:class:`Decision`); ``replay verify``
+    checks that the worker was alive there. A worker's own goodbye records none."""
 
     type: ClassVar[str] = "WorkerLost"
     worker_id: Ident
@@ -282,6 +322,9 @@ class LogSealed(Event):
     offset: int = Field(ge=0)
     chain: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
     algorithm: Literal["sha256", "hmac-sha256"]
+    partition: NonNegativeInt | None = None
+    """The partition of ``stream`` whose chain this is (each partition of a partitioned stream
+    has a chain of its own); None: an unpartitioned stream (partition 0)."""
 
 
 class DeadLettered(Event):
@@ -293,6 +336,8 @@ class DeadLettered(Event):
     offset: int
     reason: str
     raw: str
+    partition: NonNegativeInt | None = None
+    """The partition of ``stream`` the record was in (None: unpartitioned, or not from a stream)."""
 
 
 EVENT_TYPES: dict[str, type[Event]] = {

@@ -99,19 +99,23 @@ class PathExecutor:
         self._session = session
         return session
 
-    def run(self, d: StageDispatched, emit: Emit) -> None:
+    def run(self, d: StageDispatched, emit: Emit, should_stop: Callable[[], bool] | None = None) -> bool:
         """Execute every stage of ``d`` in order, emitting events through ``emit``.
 
         Never raises for a failing stage: a corrupt or missing source checkpoint, or an
         exception from the trainer, becomes a StageFailed event and ends the path. With tracing
         on, the work is recorded as spans in the trace the dispatch carries.
+
+        ``should_stop`` is asked before every stage after the first (a worker draining on
+        SIGTERM): when it answers True the path ends there, after the last finished stage's
+        checkpoint, and ``run`` returns False (the rest is handed back); True otherwise.
         """
         with tracing.span("dispatch.process", parent=d.trace, kind=SpanKind.CONSUMER,
                           attributes=tracing.messaging("process", topics.DISPATCH, d.event_id,
                                                        dispatch_id=d.dispatch_id, worker_id=self.worker_id)):
-            self._run(d, emit)
+            return self._run(d, emit, should_stop)
 
-    def _run(self, d: StageDispatched, emit: Emit) -> None:
+    def _run(self, d: StageDispatched, emit: Emit, should_stop: Callable[[], bool] | None = None) -> bool:
         started = self.clock()
         first = d.stages[0]
         base = {"dispatch_id": d.dispatch_id, "plan_key": d.plan_key}
@@ -123,12 +127,15 @@ class PathExecutor:
             emit(self.stamp(StageFailed(**base, worker_id=self.worker_id, node_id=first.node_id,
                                         from_step=first.from_step, to_step=first.to_step, kind=kind,
                                         error=str(exc), ref=d.source.ref if d.source else None)))
-            return
-        for spec in d.stages:
+            return True
+        for i, spec in enumerate(d.stages):
+            if i and should_stop is not None and should_stop():
+                return False
             stage = {"node_id": spec.node_id, "from_step": spec.from_step, "to_step": spec.to_step}
             attrs = {f"stagetree.{k}": v for k, v in stage.items()}
             with tracing.span("stage", attributes=attrs):
-                emit(self.stamp(StageStarted(dispatch_id=d.dispatch_id, worker_id=self.worker_id, **stage)))
+                emit(self.stamp(StageStarted(dispatch_id=d.dispatch_id, worker_id=self.worker_id, plan_key=d.plan_key,
+                                             **stage)))
                 try:
                     if session.step != spec.from_step:
                         raise RuntimeError(f"stage starts at step {spec.from_step}, but the weights are at {session.step}")
@@ -151,8 +158,9 @@ class PathExecutor:
                     self._session, self._holding = None, None
                     error = "".join(traceback.format_exception_only(exc)).strip()
                     emit(self.stamp(StageFailed(**base, worker_id=self.worker_id, **stage, kind="error", error=error)))
-                    return
+                    return True
                 now = self.clock()
                 emit(self.stamp(StageFinished(**base, worker_id=self.worker_id, **stage,
                                               seconds=now - started, train_seconds=train_seconds)))
                 started = now
+        return True

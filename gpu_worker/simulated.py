@@ -271,7 +271,7 @@ class SimulatedWorker:
         pending: list[Event] = []
         for spec in d.stages:
             stage = {"node_id": spec.node_id, "from_step": spec.from_step, "to_step": spec.to_step}
-            pending.append(StageStarted(dispatch_id=d.dispatch_id, worker_id=d.worker_id, **stage))
+            pending.append(StageStarted(dispatch_id=d.dispatch_id, worker_id=d.worker_id, plan_key=d.plan_key, **stage))
             out.append((started, pending))
             pending = []
             train = self.cost.train_seconds(spec.hp, spec.from_step, spec.to_step)

@@ -8,7 +8,7 @@ After a crash the projector resumes at stored offset + 1.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from opentelemetry.trace import SpanKind
 
 from events import topics, tracing
 from events.codec import InvalidEvent, decode, encode
-from events.log import EventLog, chain_next
+from events.log import EventLog, Record, chain_next
 from events.models import DeadLettered, Event
 from projections.reducer import Key, Rejected, apply
 from projections.state import Dispatch, Node, Plan, State, Stats, Trial, Worker
@@ -190,21 +190,25 @@ Listener = Callable[[int, Event], None]
 
 
 class Projector:
-    """Folds the plan stream of ``log`` into ``state``, persisting to ``store`` when given.
+    """Folds the plan stream of ``log`` (its ``partition``) into ``state``, persisting to
+    ``store`` when given.
 
-    Each call to :meth:`catch_up` reads every record after ``state.offset``, applies it with the
+    Each call to :meth:`catch_up` reads every record after ``state.offset``; :meth:`fold` takes
+    records delivered otherwise (a faust agent's, a follower's). Either applies them with the
     reducer, dead-letters what cannot be decoded or applied (``stagetree.deadletter``, with the
     reason; only when ``dead_letters`` is true, i.e. in the one live projector, not in replays),
-    and commits state + offset in one batch.
+    and commits state + offset in one batch. Offsets may have gaps (Kafka transaction markers):
+    ``state.offset`` is the last offset applied, and a record at or before it is skipped.
     """
 
     def __init__(self, log: EventLog, state: State | None = None, store: ProjectionStore | None = None,
-                 *, dead_letters: bool = True, secret: bytes | None = None) -> None:
+                 *, dead_letters: bool = True, secret: bytes | None = None, partition: int = 0) -> None:
         self.log = log
         self.store = store
         self.state = state if state is not None else (store.load() if store is not None else State())
         self.dead_letters = dead_letters
         self.secret = secret
+        self.partition = partition
         self.listeners: list[Listener] = []
 
     def catch_up(self, stop: int | None = None) -> list[tuple[int, Event]]:
@@ -212,10 +216,20 @@ class Projector:
 
         Returns the applied ``(offset, event)`` pairs, after notifying listeners.
         """
+        return self.fold(self.log.read(topics.PLAN, self.state.offset + 1, stop, partition=self.partition))
+
+    def fold(self, records: Iterable[Record]) -> list[tuple[int, Event]]:
+        """Fold ``records`` (of this projector's partition, in offset order); those at or
+        before ``state.offset`` were folded already and are skipped.
+
+        Returns the applied ``(offset, event)`` pairs, after notifying listeners.
+        """
         touched: set[Key] = set()
         applied: list[tuple[int, Event]] = []
         dead: list[tuple[str, bytes]] = []
-        for record in self.log.read(topics.PLAN, self.state.offset + 1, stop):
+        for record in records:
+            if record.offset <= self.state.offset:
+                continue
             self.state.chain = chain_next(bytes.fromhex(self.state.chain), topics.PLAN, record.offset, record.key,
                                           record.value, self.secret).hex()
             try:
@@ -233,12 +247,14 @@ class Projector:
                 self.state.rejected[record.offset] = reason
                 touched |= {("meta",), ("rejected", f"{record.offset:016d}")}
                 letter = DeadLettered(
-                    event_id=f"dl-{topics.PLAN}-{record.offset}",
+                    event_id=f"dl-{topics.PLAN}-{record.offset}" if not self.partition
+                    else f"dl-{topics.PLAN}-{self.partition}-{record.offset}",
                     producer="projector",
                     stream=topics.PLAN,
                     offset=record.offset,
                     reason=reason,
                     raw=record.value.decode("utf-8", "replace"),
+                    partition=self.partition or None,
                 )
                 dead.append((record.key, encode(letter)))
                 continue

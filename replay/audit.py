@@ -8,9 +8,15 @@ cannot be re-sealed without the key.
 
 ``verify`` checks, and names the first failing offset, event and check:
 
-1. ``chain``: every stream's records are dense from offset 0 and their chain values recompute;
-2. ``decision``: every StageDispatched equals the scheduler's decision recomputed from the log
-   prefix it records (``decided_at``), DESIGN.md invariant 3;
+1. ``chain``: every stream's records are dense from offset 0 and their chain values recompute
+   (a Kafka deployment: every partition's chain up to each of its LogSealed records; offsets
+   there have gaps, where transaction markers are);
+2. ``decision``: every decision (:class:`events.models.Decision`) is recomputed, or checked, from
+   exactly the log prefix it records, DESIGN.md invariant 3: a StageDispatched equals what the
+   scheduler decides there; a WorkerLost names a worker alive there. On a partitioned plan
+   stream the prefix is the offset of every partition's last folded record: each partition is
+   folded up to it and the partitions' states merged (:func:`projections.partitions.merge`).
+   Further decision types register their check in :data:`DECISION_CHECKS`;
 3. ``projection``: the projection rebuilt by folding the plan stream equals the stored one byte
    for byte (run dir: ``state/``; export: the digest in its header);
 4. ``checkpoint``: every checkpoint referenced by a CheckpointSaved exists and matches its sha256.
@@ -30,9 +36,10 @@ import orjson
 from events import topics
 from events.codec import InvalidEvent, decode
 from events.log import CHAIN_START, EmbeddedLog, Record, chain_algorithm, chain_next
-from events.models import CheckpointSaved, LogSealed, StageDispatched
+from events.models import CheckpointSaved, Decision, LogSealed, StageDispatched, WorkerLost
 from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing
 from gpu_worker.object_store import open_checkpoint_store
+from projections.partitions import merge
 from projections.reducer import Rejected, apply
 from projections.state import State
 from projections.store import ProjectionStore, all_keys, snapshot
@@ -113,7 +120,8 @@ def open_export(path: Path, checkpoints: str | None = None) -> Source:
     for n, line in enumerate(lines[1:], start=2):
         try:
             o = orjson.loads(line)
-            record = Record(o["stream"], int(o["offset"]), o["key"], o["value"].encode(), bytes.fromhex(o["chain"]))
+            record = Record(o["stream"], int(o["offset"]), o["key"], o["value"].encode(), bytes.fromhex(o["chain"]),
+                            int(o.get("partition", 0)))
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise AuditError(f"{str(path)!r} line {n}: malformed record ({type(exc).__name__}: {exc})") from None
         streams.setdefault(record.stream, []).append(record)
@@ -122,9 +130,10 @@ def open_export(path: Path, checkpoints: str | None = None) -> Source:
 
 
 def open_kafka(url: str, checkpoints: str | Path | None = None) -> Source:
-    """Read ``kafka://HOST:PORT[/TOPIC]``: the streams of a Kafka deployment. TOPIC is its plan
-    topic (``<prefix>stagetree.plan``; default ``stagetree.plan``), which gives the topic prefix.
-    On Kafka the plan stream's chain is carried by LogSealed events (``chain`` = "sealed")."""
+    """Read ``kafka://HOST:PORT[/TOPIC]``: the plan stream (every partition) and the dead
+    letters of a Kafka deployment, ``read_committed``. TOPIC is its plan topic
+    (``<prefix>stagetree.plan``; default ``stagetree.plan``), which gives the topic prefix.
+    On Kafka each partition's chain is carried by LogSealed events (``chain`` = "sealed")."""
     from events.kafka_log import KafkaLog, security_from_env
 
     rest = url[len("kafka://"):]
@@ -134,7 +143,8 @@ def open_kafka(url: str, checkpoints: str | Path | None = None) -> Source:
         raise AuditError(f"source {url!r} must be kafka://HOST:PORT[/<prefix>{topics.PLAN}]")
     with KafkaLog(servers, topic_prefix=topic[: -len(topics.PLAN)], security=security_from_env(),
                   create_topics=False) as log:
-        streams = {name: list(log.read(name)) for name in (topics.PLAN, topics.DISPATCH, topics.DEADLETTER)}
+        streams = {name: [r for p in range(log.partition_count(name)) for r in log.read(name, partition=p)]
+                   for name in (topics.PLAN, topics.DEADLETTER)}
     return Source(Path(url), "kafka", {k: v for k, v in streams.items() if v}, "sealed",
                   str(checkpoints) if checkpoints else None)
 
@@ -163,21 +173,23 @@ def export_log(source: Source, out: Path, secret: bytes | None = None) -> int:
     The header carries the chain algorithm, the record count per stream and the digest of the
     projection folded from the plan stream.
     """
-    state = fold(source.streams.get(topics.PLAN, []), secret=secret)
     header = {
         "format": EXPORT_FORMAT,
         "version": EXPORT_VERSION,
         "chain": source.chain,
         "streams": {name: len(recs) for name, recs in sorted(source.streams.items())},
-        "projection_sha256": projection_digest(snapshot(state)),
+        "projection_sha256": projection_digest(plan_snapshot(source.streams.get(topics.PLAN, []), secret)),
     }
     n = 0
     with out.open("wb") as f:
         f.write(orjson.dumps(header) + b"\n")
         for name in sorted(source.streams):
             for r in source.streams[name]:
-                f.write(orjson.dumps({"stream": r.stream, "offset": r.offset, "key": r.key,
-                                      "value": r.value.decode(), "chain": r.chain.hex()}) + b"\n")
+                line = {"stream": r.stream, "offset": r.offset, "key": r.key, "value": r.value.decode(),
+                        "chain": r.chain.hex()}
+                if r.partition:
+                    line["partition"] = r.partition
+                f.write(orjson.dumps(line) + b"\n")
                 n += 1
     return n
 
@@ -211,36 +223,73 @@ def import_log(source: Source, out: Path, secret: bytes | None) -> None:
 # ----------------------------------------------------------------------------- verify
 
 
+def fold_record(state: State, r: Record, secret: bytes | None = None,
+                on_event: Callable[[Record, Any, State], None] | None = None) -> None:
+    """Fold one plan-stream record into ``state`` as the projector does (the hash chain kept
+    with ``secret``; an undecodable or rejected record recorded in ``state.rejected``).
+    ``on_event(record, event, state)`` runs before a decoded event is applied."""
+    state.chain = chain_next(bytes.fromhex(state.chain), topics.PLAN, r.offset, r.key, r.value, secret).hex()
+    try:
+        event = decode(r.value)
+    except InvalidEvent as exc:
+        state.offset = r.offset
+        state.rejected[r.offset] = str(exc)
+        return
+    if on_event is not None:
+        on_event(r, event, state)
+    try:
+        apply(state, event, r.offset)
+    except Rejected as exc:
+        state.rejected[r.offset] = str(exc)
+
+
+def by_partition(records: Iterable[Record]) -> dict[int, list[Record]]:
+    """Plan-stream records grouped by partition, in offset order within each (partition 0 is
+    always there: an unpartitioned stream is partition 0)."""
+    parts: dict[int, list[Record]] = {0: []}
+    for r in records:
+        parts.setdefault(r.partition, []).append(r)
+    for recs in parts.values():
+        recs.sort(key=lambda r: r.offset)
+    return parts
+
+
 def fold(records: Iterable[Record], on_event: Callable[[Record, Any, State], None] | None = None,
          after: Callable[[int, State], None] | None = None, secret: bytes | None = None) -> State:
     """Fold plan-stream records into a fresh state as the projector does (rejections recorded,
-    the hash chain kept with ``secret``).
+    the hash chain kept with ``secret``). Records of several partitions are folded partition by
+    partition and their states merged (:func:`projections.partitions.merge`).
 
     ``on_event(record, event, state)`` runs before each decoded event is applied;
-    ``after(offset, state)`` after each record (applied or rejected).
+    ``after(offset, state)`` after each record (applied or rejected); with several partitions
+    ``state`` is the record's partition's.
     """
-    state = State()
-    if after is not None:
-        after(-1, state)
-    for r in records:
-        state.chain = chain_next(bytes.fromhex(state.chain), topics.PLAN, r.offset, r.key, r.value, secret).hex()
-        try:
-            event = decode(r.value)
-        except InvalidEvent as exc:
-            state.offset = r.offset
-            state.rejected[r.offset] = str(exc)
+    states = {}
+    for partition, recs in by_partition(records).items():
+        state = states[partition] = State()
+        if after is not None and partition == 0:
+            after(-1, state)
+        for r in recs:
+            fold_record(state, r, secret, on_event)
             if after is not None:
                 after(r.offset, state)
-            continue
-        if on_event is not None:
-            on_event(r, event, state)
-        try:
-            apply(state, event, r.offset)
-        except Rejected as exc:
-            state.rejected[r.offset] = str(exc)
-        if after is not None:
-            after(r.offset, state)
-    return state
+    return merge(states)
+
+
+def plan_snapshot(records: Iterable[Record], secret: bytes | None = None) -> dict[bytes, bytes]:
+    """The projection records of the plan stream's fold: :func:`projections.store.snapshot`
+    of its one partition, or of every partition of a partitioned stream, each key prefixed
+    with ``p<partition>/``."""
+    parts = by_partition(records)
+    if set(parts) == {0}:
+        return snapshot(fold(parts[0], secret=secret))
+    out = {}
+    for partition, recs in parts.items():
+        state = State()
+        for r in recs:
+            fold_record(state, r, secret)
+        out.update({f"p{partition}/".encode() + k: v for k, v in snapshot(state).items()})
+    return out
 
 
 @dataclass
@@ -287,35 +336,46 @@ def _event_name(record: Record) -> str:
 
 
 def check_seals(source: Source, secret: bytes | None) -> Failure | None:
-    """A sealed plan stream (Kafka): recompute its chain and check every LogSealed record."""
-    head, sealed, algorithm = CHAIN_START, -1, chain_algorithm(secret)
-    chain_after: dict[int, bytes] = {}
-    records = source.streams.get(topics.PLAN, [])
-    for expected, r in enumerate(records):
-        if r.offset != expected:
-            return Failure("chain", expected, None, f"stream {topics.PLAN}: offset {expected} is missing")
-        if b'"LogSealed"' in r.value:
-            try:
-                seal = decode(r.value)
-            except InvalidEvent:
-                seal = None
-            if isinstance(seal, LogSealed):
-                if seal.algorithm != algorithm:
-                    return Failure("chain", r.offset, seal.type, f"sealed with {seal.algorithm}, but verification "
-                                                                  f"was given {'a' if secret else 'no'} secret")
-                if seal.offset >= r.offset:
-                    return Failure("chain", r.offset, seal.type, f"seals offset {seal.offset}, not before itself")
-                if (chain_after.get(seal.offset) or b"").hex() != seal.chain:
-                    return Failure("chain", r.offset, seal.type,
-                                   f"the chain up to offset {seal.offset} does not match its seal (a record at or "
-                                   f"before it was edited, inserted, deleted or moved)")
-                sealed = max(sealed, seal.offset)
-        head = chain_next(head, topics.PLAN, r.offset, r.key, r.value, secret)
-        chain_after[r.offset] = head
-    unsealed = [r.offset for r in records if r.offset > sealed and b'"LogSealed"' not in r.value]
-    if unsealed:
-        return Failure("chain", unsealed[0], None, f"{len(unsealed)} records from offset {unsealed[0]} on are not "
-                                                   "sealed (a study still running, or a truncated seal)")
+    """A sealed plan stream (Kafka): recompute each partition's chain and check every LogSealed
+    record in it. Offsets increase but may have gaps (transaction markers take offsets and are
+    never read); the chain covers every record that is there, so a deleted, inserted or edited
+    record still breaks it at the next seal."""
+    algorithm = chain_algorithm(secret)
+    for partition, records in sorted(by_partition(source.streams.get(topics.PLAN, [])).items()):
+        where = f"stream {topics.PLAN}" + (f" partition {partition}" if partition else "")
+        head, sealed, previous = CHAIN_START, -1, -1
+        chain_after: dict[int, bytes] = {}
+        seals: set[int] = set()
+        for r in records:
+            if r.offset <= previous:
+                return Failure("chain", r.offset, None, f"{where}: offset {r.offset} comes after offset {previous}")
+            previous = r.offset
+            if b'"LogSealed"' in r.value:
+                try:
+                    seal = decode(r.value)
+                except InvalidEvent:
+                    seal = None
+                if isinstance(seal, LogSealed):
+                    seals.add(r.offset)
+                    if (seal.partition or 0) != partition:
+                        return Failure("chain", r.offset, seal.type, f"{where}: the seal names partition "
+                                                                      f"{seal.partition or 0}")
+                    if seal.algorithm != algorithm:
+                        return Failure("chain", r.offset, seal.type, f"sealed with {seal.algorithm}, but verification "
+                                                                      f"was given {'a' if secret else 'no'} secret")
+                    if seal.offset >= r.offset:
+                        return Failure("chain", r.offset, seal.type, f"seals offset {seal.offset}, not before itself")
+                    if (chain_after.get(seal.offset) or b"").hex() != seal.chain:
+                        return Failure("chain", r.offset, seal.type,
+                                       f"{where}: the chain up to offset {seal.offset} does not match its seal (a "
+                                       f"record at or before it was edited, inserted, deleted or moved)")
+                    sealed = max(sealed, seal.offset)
+            head = chain_next(head, topics.PLAN, r.offset, r.key, r.value, secret)
+            chain_after[r.offset] = head
+        unsealed = [r.offset for r in records if r.offset > sealed and r.offset not in seals]
+        if unsealed:
+            return Failure("chain", unsealed[0], None, f"{where}: {len(unsealed)} records from offset {unsealed[0]} "
+                                                       "on are not sealed (a study still running, or a truncated seal)")
     return None
 
 
@@ -340,65 +400,152 @@ def check_chain(source: Source, secret: bytes | None) -> Failure | None:
     return None
 
 
+DecisionCheck = Callable[[State, Any], "str | None"]
+"""Checks a decision against the state folded from exactly its prefix (the merged view of a
+partitioned stream): None when it holds, else what the decider computes there / why not."""
+
+
+def _stages(d: StageDispatched) -> list[tuple[str, int, int]]:
+    return [(s.node_id, s.from_step, s.to_step) for s in d.stages]
+
+
+def _check_dispatch(view: State, event: StageDispatched) -> str | None:
+    again = decide(view, event.policy)
+    if again is not None and same_decision(again, event):
+        return None
+    what = "no dispatch" if again is None else f"{again.dispatch_id} to {again.worker_id}: {_stages(again)}"
+    return (f"recorded {event.dispatch_id} to {event.worker_id}: {_stages(event)}; the scheduler computes {what} "
+            f"from the prefix {_prefix_text(event)} with policy {event.policy!r}")
+
+
+def _check_worker_lost(view: State, event: WorkerLost) -> str | None:
+    worker = view.workers.get(event.worker_id)
+    if worker is not None and worker.alive:
+        return None
+    return f"worker {event.worker_id!r} was not alive in the prefix {_prefix_text(event)} it was declared lost from"
+
+
+DECISION_CHECKS: dict[type, DecisionCheck] = {StageDispatched: _check_dispatch, WorkerLost: _check_worker_lost}
+"""How ``replay verify`` checks each decision type from its prefix; a new decision type adds
+its check here (a decision type without one is counted as unchecked)."""
+
+
+def _prefix_text(event: Decision) -> str:
+    if event.decided_at_partitions is not None:
+        return "at offsets " + ", ".join(f"{p}:{o}" for p, o in sorted(event.decided_at_partitions.items()))
+    return f"up to offset {event.decided_at}"
+
+
+def prefix_of(event: Decision, partition: int) -> dict[int, int] | None:
+    """The prefix a decision recorded as ``{partition: last folded offset}``, or None when it
+    records none (a worker's own WorkerLost; logs from before the field)."""
+    if event.decided_at_partitions is not None:
+        return dict(event.decided_at_partitions)
+    if isinstance(event, StageDispatched) or event.decided_at >= 0:
+        return {partition: event.decided_at}
+    return None
+
+
+def replay_decisions(parts: dict[int, list[Record]], secret: bytes | None = None,
+                     on_event: Callable[[Record, Any, State], None] | None = None
+                     ) -> tuple[Failure | None, int, int, dict[int, State]]:
+    """Fold every partition, checking each decision (:data:`DECISION_CHECKS`) on the state
+    folded from exactly the prefix it records: ``(first failure, decisions checked, decisions
+    without a check, each partition's final state)``.
+
+    Decisions are visited in the order of their prefixes; each partition's fold only moves
+    forward, so a prefix behind an earlier decision's (two deciders at once, or one that did not
+    fold its predecessor's decisions) is a failure too.
+    """
+    decisions: list[tuple[int, dict[int, int], int, Record, Decision]] = []
+    failure: Failure | None = None
+    for partition, records in parts.items():
+        for r in records:
+            if b'"decided_at' not in r.value:
+                continue
+            try:
+                event = decode(r.value)
+            except InvalidEvent:
+                continue
+            if not isinstance(event, Decision):
+                continue
+            prefix = prefix_of(event, partition)
+            if prefix is None:
+                continue
+            if len(parts) > 1 and event.decided_at_partitions is None:
+                failure = failure or Failure("decision", r.offset, event.type,
+                                             f"partition {partition}: the decision records no offsets of the other "
+                                             "partitions of a partitioned stream")
+                continue
+            decisions.append((sum(prefix.values()), prefix, len(decisions), r, event))
+    decisions.sort(key=lambda d: (d[0], sorted(d[1].items()), d[3].partition, d[3].offset))
+    states = {p: State() for p in parts}
+    cursor = {p: 0 for p in parts}
+
+    def advance(partition: int, upto: int) -> None:
+        records, state = parts.get(partition, []), states.setdefault(partition, State())
+        i = cursor.setdefault(partition, 0)
+        while i < len(records) and records[i].offset <= upto:
+            fold_record(state, records[i], secret, on_event)
+            i += 1
+        cursor[partition] = i
+
+    checked = unchecked = 0
+    for _, prefix, _, r, event in decisions:
+        if failure is not None:
+            break
+        check = DECISION_CHECKS.get(type(event))
+        if check is None:
+            unchecked += 1
+            continue
+        if prefix.get(r.partition, -1) >= r.offset:
+            failure = Failure("decision", r.offset, event.type, f"decided at offset {prefix[r.partition]}, which is "
+                                                                 f"not before it")
+            break
+        behind = [p for p, o in prefix.items() if states.setdefault(p, State()).offset > o]
+        if behind:
+            failure = Failure("decision", r.offset, event.type,
+                              f"its prefix {_prefix_text(event)} is behind a decision checked before it in partition "
+                              f"{behind[0]} (two deciders at once?)")
+            break
+        for p, o in prefix.items():
+            advance(p, o)
+        checked += 1
+        why = check(merge({p: states[p] for p in sorted(set(states) | set(prefix))}), event)
+        if why is not None:
+            failure = Failure("decision", r.offset, event.type, why)
+    for p, records in parts.items():
+        advance(p, records[-1].offset if records else -1)
+    return failure, checked, unchecked, states
+
+
 def verify(source: Source, secret: bytes | None = None, progress: Callable[[int], None] | None = None) -> AuditResult:
     """Run every check on ``source``; see the module docstring. Never raises for a mismatch."""
     result = AuditResult()
-    plan = source.streams.get(topics.PLAN, [])
     result.events = sum(len(v) for v in source.streams.values())
     failure = check_chain(source, secret)
     result.add("chain", failure, f"{result.events} records in {len(source.streams)} streams chain correctly "
                                  f"({source.chain})")
 
-    decision_failure: list[Failure] = []
     saved: list[tuple[Record, CheckpointSaved]] = []
-    checked = 0
-    # A decision records the offset of the last event its decider had folded (``decided_at``);
-    # on Kafka other producers may append before the decision's own record, so the scheduler
-    # is re-run on exactly that prefix, remembered while folding, with the policy the decision
-    # records (HIPPO_SPEC §3.7).
-    prefixes: dict[int, set[str]] = {}
-    for r in plan:
-        if b'"StageDispatched"' in r.value:
-            try:
-                event = decode(r.value)
-            except InvalidEvent:
-                continue
-            if isinstance(event, StageDispatched):
-                prefixes.setdefault(event.decided_at, set()).add(event.policy)
-    recomputed: dict[tuple[int, str], StageDispatched | None] = {}
-
-    def after(offset: int, state: State) -> None:
-        for policy in sorted(prefixes.get(offset, ())):
-            recomputed[(offset, policy)] = decide(state, policy)
 
     def on_event(r: Record, event: Any, state: State) -> None:
-        nonlocal checked
         if progress is not None:
             progress(1)
         if isinstance(event, CheckpointSaved):
             saved.append((r, event))
-        if isinstance(event, StageDispatched) and not decision_failure:
-            checked += 1
-            if (event.decided_at, event.policy) not in recomputed:
-                decision_failure.append(Failure("decision", r.offset, event.type,
-                                                f"decided at offset {event.decided_at}, which is not before it"))
-                return
-            again = recomputed.pop((event.decided_at, event.policy))
-            if again is None or not same_decision(again, event):
-                what = "no dispatch" if again is None else (
-                    f"{again.dispatch_id} to {again.worker_id}: "
-                    f"{[(s.node_id, s.from_step, s.to_step) for s in again.stages]}")
-                decision_failure.append(Failure(
-                    "decision", r.offset, event.type,
-                    f"recorded {event.dispatch_id} to {event.worker_id}: "
-                    f"{[(s.node_id, s.from_step, s.to_step) for s in event.stages]}; the scheduler computes {what} "
-                    f"from the prefix up to offset {event.decided_at} with policy {event.policy!r}"))
 
-    state = fold(plan, on_event, after, secret=secret)
-    result.add("decision", decision_failure[0] if decision_failure else None,
-               f"{checked} dispatch decisions recomputed from their log prefixes")
+    parts = by_partition(source.streams.get(topics.PLAN, []))
+    decision_failure, checked, unchecked, states = replay_decisions(parts, secret, on_event)
+    result.add("decision", decision_failure,
+               f"{checked} decisions recomputed from their log prefixes"
+               + (f" ({unchecked} of types without a check)" if unchecked else ""))
+    if set(parts) == {0}:
+        rebuilt = snapshot(states[0])
+    else:
+        rebuilt = {f"p{p}/".encode() + k: v for p in sorted(parts) for k, v in snapshot(states[p]).items()}
+    saved.sort(key=lambda x: (x[0].partition, x[0].offset))
 
-    rebuilt = snapshot(state)
     if source.stored_projection is not None:
         failure = None
         if rebuilt != source.stored_projection:

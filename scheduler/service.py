@@ -1,10 +1,12 @@
 """The scheduler service: after every fold, append the scheduler's decisions to the log.
 
-Used by the embedded coordinator and by ``stagetree serve`` on Kafka alike. Each decision
-(``decide``, a pure function of the projection) is appended as a StageDispatched to
-``stagetree.plan`` and copied to ``stagetree.dispatch`` keyed by worker id, then folded, so the
-next decision sees that path as running. On Kafka other producers may append between a
-decision and its record; the event's ``decided_at`` names the prefix it was decided from, and a
+Used by the embedded coordinator, the cluster simulator and ``stagetree serve``'s scheduler
+role on Kafka alike. Each decision (``decide``, a pure function of the projection) is
+committed, then folded, so the next decision sees that path as running. Embedded, committing
+appends it as a StageDispatched to ``stagetree.plan`` and copies it to ``stagetree.dispatch``;
+on Kafka the scheduler role commits it in one transaction with the worker's copy
+(``stagetree.serve``). Other producers may append between a decision and its record; the
+event's ``decided_at`` (``decided_at_partitions``) names the prefix it was decided from, and a
 decision the reducer rejects on the newer state (its worker was lost meanwhile, say) is
 dead-lettered and simply decided again.
 """
@@ -23,6 +25,8 @@ from projections.store import Projector
 from scheduler.decide import check_policy, decide
 
 Deliver = Callable[[StageDispatched], None]
+Commit = Callable[[StageDispatched], bool]
+"""Appends a decision and folds up to it; returns whether the reducer accepted it."""
 
 
 class SchedulerService:
@@ -38,20 +42,28 @@ class SchedulerService:
             default Hippo's critical path); recorded in every decision.
         clock: the time stamped on decisions, in seconds since the epoch (the simulator passes
             its virtual clock).
+        commit: appends a decision and folds up to it, returning whether the reducer accepted
+            it (default: append to ``log`` and catch the projector up); ``projector`` may then be
+            anything with a ``state`` (the view decided from) and ``listeners``, e.g. a
+            :class:`projections.partitions.PartitionedFold`.
+        producer: the ``producer`` stamped on decisions.
 
     Raises:
         ValueError: ``policy`` is not one of ``scheduler.decide.POLICIES``.
     """
 
-    def __init__(self, log: EventLog, projector: Projector, deliver: Deliver | None = None,
+    def __init__(self, log: EventLog | None, projector: Projector, deliver: Deliver | None = None,
                  max_rejections: int = 3, policy: str = "critical-path",
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, commit: Commit | None = None,
+                 producer: str = "scheduler") -> None:
         self.log = log
         self.projector = projector
         self.deliver = deliver
         self.max_rejections = max_rejections
         self.policy = check_policy(policy)
         self.clock = clock
+        self.commit = commit if commit is not None else self._append
+        self.producer = producer
         self.trial_traces: dict[str, dict[str, str]] = {}  # trial id -> trace header of its latest submission
         projector.listeners.append(self._remember_trace)
 
@@ -60,22 +72,18 @@ class SchedulerService:
             self.trial_traces[event.trial_id] = event.trace
 
     def run_pass(self) -> list[StageDispatched]:
-        """Decide and append until no worker is idle or nothing is ready; returns the decisions."""
-        state = self.projector.state
+        """Decide and commit until no worker is idle or nothing is ready; returns the decisions."""
         out: list[StageDispatched] = []
         rejections = 0
         while True:
             started_ns = time.time_ns()
-            decision = decide(state, self.policy)
+            decision = decide(self.projector.state, self.policy)
             if decision is None:
                 return out
-            decision = decision.model_copy(update={"ts": self.clock()})
+            decision = decision.model_copy(update={"ts": self.clock(), "producer": self.producer})
             if tracing.enabled():
                 decision = self._traced(decision, started_ns)
-            (offset,) = append_events(self.log, topics.PLAN, [(decision.plan_key, decision)])
-            append_events(self.log, topics.DISPATCH, [(decision.worker_id, decision)])
-            self.projector.catch_up()
-            if offset in state.rejected:
+            if not self.commit(decision):
                 rejections += 1
                 if rejections >= self.max_rejections:
                     return out
@@ -84,6 +92,14 @@ class SchedulerService:
             out.append(decision)
             if self.deliver is not None:
                 self.deliver(decision)
+
+    def _append(self, decision: StageDispatched) -> bool:
+        """Embedded: append to ``stagetree.plan`` and its copy to ``stagetree.dispatch``, fold."""
+        assert self.log is not None, "a SchedulerService without a log needs a `commit`"
+        (offset,) = append_events(self.log, topics.PLAN, [(decision.plan_key, decision)])
+        append_events(self.log, topics.DISPATCH, [(decision.worker_id, decision)])
+        self.projector.catch_up()
+        return offset not in self.projector.state.rejected
 
     def _traced(self, decision: StageDispatched, started_ns: int) -> StageDispatched:
         """Record the pass and the dispatch in the trace of the first trial the path serves

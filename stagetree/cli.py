@@ -30,17 +30,17 @@ from rich.markup import escape
 
 from events.models import StudyFinished, StudyStarted
 from gpu_worker.loader import StudyFileError, load_module, trainer_of
-from events import tracing
-from events.kafka_log import KafkaLog, security_from_env
+from events import topics, tracing
+from events.kafka_log import DEFAULT_PLAN_PARTITIONS, KafkaLog, security_from_env
 from events.log import EmbeddedLog, LogError
-from gpu_worker.kafka_worker import KafkaWorker
+from gpu_worker.kafka_worker import KafkaWorker, TrainingRunner
 from gpu_worker.object_store import open_checkpoint_store
 from replay.audit import AuditError, secret_from
 from replay.commands import register
 from stagetree.simulate_cli import register as register_simulate
 from stagetree.embedded import EmbeddedCoordinator
 from stagetree.kafka_runtime import KafkaRuntime
-from stagetree.serve import serve
+from stagetree.serve import default_instance, serve
 from stagetree.progress import Progress
 from stagetree.runtime import RuntimeError_
 from stagetree.study import Study, TrialFailed, validate_config
@@ -100,7 +100,7 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
     value = best.metrics.get(result.metric) if best else None
     best_metric = float(value) if value is not None else None
     runtime.append([StudyFinished(producer="cli", study_id=name, best_trial=best.trial_id if best else None,
-                                  best_metric=best_metric, end_to_end_seconds=e2e)])
+                                  best_metric=best_metric, end_to_end_seconds=e2e, plan_key=study.plan_key)])
     return build_summary(runtime.state, name, mode=mode, workers=args.workers,
                          best_trial=best.trial_id if best else None, best_metric=best_metric, end_to_end_seconds=e2e,
                          events=plan_events(log))
@@ -159,13 +159,13 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
     if args.workers and not args.checkpoint_store:
         raise UsageError("--checkpoint-store (or $STAGETREE_CHECKPOINT_STORE) is required to start workers")
     mode = "trial" if args.no_merge else "merged"
-    log = KafkaLog(args.bootstrap_servers, topic_prefix=args.topic_prefix, security=security_from_env())
+    log = _kafka_log(args)
     procs: list[subprocess.Popen[bytes]] = []
     runtime = KafkaRuntime(log)
     poller = asyncio.create_task(runtime.run())
     try:
         common = ["--bootstrap-servers", args.bootstrap_servers, "--topic-prefix", args.topic_prefix,
-                  "--otel-exporter", tracing.spec()]
+                  "--plan-partitions", str(args.plan_partitions), "--otel-exporter", tracing.spec()]
         workers = [f"w{i}" for i in range(args.workers)]
         if workers:
             out.mkdir(parents=True, exist_ok=True)
@@ -177,6 +177,7 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
         summary = await _conduct(runtime, log, args, loaded, mode)
     finally:
         poller.cancel()
+        runtime.close()
         for proc in procs:
             proc.terminate()
         for proc in procs:
@@ -265,6 +266,11 @@ def parser() -> argparse.ArgumentParser:
     srv.add_argument("--app-id", default=os.environ.get("STAGETREE_APP_ID", "stagetree"), help="faust app id")
     srv.add_argument("--heartbeat-timeout", type=float, default=10.0,
                      help="seconds of worker silence before it is declared lost (default 10)")
+    srv.add_argument("--session-timeout", type=float, default=float(os.environ.get("STAGETREE_SESSION_TIMEOUT", 8.0)),
+                     help="seconds after which the group gives a dead instance's partitions and role to "
+                          "another (default 8, or $STAGETREE_SESSION_TIMEOUT)")
+    srv.add_argument("--instance-id", default=os.environ.get("STAGETREE_INSTANCE_ID"),
+                     help="this instance's name in its decisions (default: host name and process id)")
     srv.add_argument("--log-key", help="HMAC secret of the plan stream's seals (default: $STAGETREE_LOG_KEY)")
     srv.set_defaults(func=cmd_serve)
 
@@ -289,15 +295,28 @@ def _kafka_flags(p: argparse.ArgumentParser, required: bool = False) -> None:
                    help="Kafka HOST:PORT (default: $STAGETREE_BOOTSTRAP_SERVERS); embedded mode when unset")
     p.add_argument("--topic-prefix", default=os.environ.get("STAGETREE_TOPIC_PREFIX", ""),
                    help="prefix of every topic name (default: $STAGETREE_TOPIC_PREFIX)")
+    p.add_argument("--plan-partitions", type=_positive,
+                   default=int(os.environ.get("STAGETREE_PLAN_PARTITIONS", DEFAULT_PLAN_PARTITIONS)),
+                   help="partitions of stagetree.plan when this command creates it (default "
+                        f"{DEFAULT_PLAN_PARTITIONS}, or $STAGETREE_PLAN_PARTITIONS); an existing topic keeps its count")
+
+
+def _kafka_log(args: argparse.Namespace, client_id: str = "stagetree") -> KafkaLog:
+    return KafkaLog(args.bootstrap_servers, client_id=client_id, topic_prefix=args.topic_prefix,
+                    plan_partitions=args.plan_partitions, security=security_from_env())
 
 
 def cmd_serve(args: argparse.Namespace, console: Console) -> int:
-    log = KafkaLog(args.bootstrap_servers, topic_prefix=args.topic_prefix, security=security_from_env())
+    instance = args.instance_id or default_instance()
+    log = _kafka_log(args, f"stagetree-serve-{instance}")
+    role_log = _kafka_log(args, f"stagetree-serve-{instance}-role")
     try:
-        serve(log, Path(args.state_dir), app_id=args.app_id, heartbeat_timeout_s=args.heartbeat_timeout,
-              secret=secret_from(args.log_key))
+        serve(log, role_log, Path(args.state_dir), app_id=args.app_id, instance=instance,
+              heartbeat_timeout_s=args.heartbeat_timeout, secret=secret_from(args.log_key),
+              session_timeout_s=args.session_timeout)
     finally:
         log.close()
+        role_log.close()
     return 0
 
 
@@ -305,14 +324,16 @@ def cmd_worker(args: argparse.Namespace, console: Console) -> int:
     if not args.checkpoint_store:
         raise UsageError("--checkpoint-store (or $STAGETREE_CHECKPOINT_STORE) is required")
     worker_id = args.worker_id or f"{socket.gethostname()}-{args.device.replace(':', '')}"
+    topics.dispatch_stream(worker_id)  # a ValueError naming the id when it cannot name a topic
 
     def make_log() -> KafkaLog:
-        return KafkaLog(args.bootstrap_servers, topic_prefix=args.topic_prefix, security=security_from_env())
+        return _kafka_log(args, f"stagetree-worker-{worker_id}")
 
     tracing.configure(args.otel_exporter, f"stagetree-worker-{worker_id}")
-    worker = KafkaWorker(make_log, worker_id, open_checkpoint_store(args.checkpoint_store), args.device,
-                         study_file=args.study, heartbeat_s=args.heartbeat)
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
+    runner = TrainingRunner(make_log(), worker_id, open_checkpoint_store(args.checkpoint_store), args.device,
+                            study_file=args.study)
+    worker = KafkaWorker(make_log, worker_id, runner, heartbeat_s=args.heartbeat)
+    signal.signal(signal.SIGTERM, lambda *_: worker.drain())
     worker.run()
     return 0
 

@@ -1,9 +1,10 @@
 """The SDK's runtime on Kafka: submit trials as events, learn results by folding the plan topic.
 
-The client keeps its own in-memory projection of ``stagetree.plan`` (the same reducer as
-everywhere), polled every ``poll_s`` seconds; futures resolve when it shows a trial's metrics.
-It writes nothing but its own submissions: the serve process projects and schedules, workers
-train.
+The client keeps its own in-memory projection of every partition of ``stagetree.plan`` (the
+same reducer as everywhere, :class:`projections.partitions.PartitionedFold`), following the
+partitions as records arrive; futures resolve when the merged view shows a trial's metrics. It
+writes nothing but its own submissions (to the partition of their plan key): the serve
+instances project and schedule, workers train.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import asyncio
 import time
 
 from events import topics
-from events.kafka_log import KafkaLog
+from events.kafka_log import Follower, KafkaLog, KafkaLogError, partition_for
 from events.log import append_events, event_key
 from events.models import Event
-from projections.store import Projector
+from projections.partitions import PartitionedFold
 from stagetree.runtime import RuntimeBase, RuntimeError_
 
 
@@ -23,20 +24,39 @@ class KafkaRuntime(RuntimeBase):
     """A Study's runtime over ``log`` (a KafkaLog). Start :meth:`run` as a task."""
 
     def __init__(self, log: KafkaLog, poll_s: float = 0.02) -> None:
-        super().__init__(Projector(log, dead_letters=False))
+        log.ensure_topic(topics.PLAN)
+        self.partitions = log.partition_count(topics.PLAN)
+        fold = PartitionedFold(log, self.partitions)
+        super().__init__(fold)  # type: ignore[arg-type]
+        self.fold_all = fold
         self.log = log
         self.poll_s = poll_s
-        self.projector.catch_up()
+        self.follower = Follower(log, {(topics.PLAN, p): 0 for p in range(self.partitions)}, wait_ms=100)
+        ends = self.follower.end_offsets()
+        while not self.follower.reached(ends):
+            fold.fold(self.follower.poll(0.1))
 
     def append(self, events: list[Event]) -> None:
-        """Append events to the plan topic, then fold."""
+        """Append events to their plans' partitions, then fold up to them."""
         if self.failure is not None:
             raise RuntimeError_(f"the runtime failed: {self.failure}")
-        append_events(self.log, topics.PLAN, [(event_key(e), e) for e in self.stamp(events)])
-        self.fold()
+        stamped = self.stamp(events)
+        offsets = append_events(self.log, topics.PLAN, [(event_key(e), e) for e in stamped])
+        mine = {}
+        for event, offset in zip(stamped, offsets):
+            p = partition_for(event_key(event), self.partitions)
+            mine[p] = max(mine.get(p, -1), offset)
+        deadline = time.monotonic() + self.log.timeout_s
+        projectors = self.fold_all.projectors
+        while any(projectors[p].state.offset < o for p, o in mine.items()):
+            if time.monotonic() > deadline:
+                raise KafkaLogError(f"kafka: the SDK's own records {mine} were not readable within "
+                                    f"{self.log.timeout_s:g} s")
+            self.fold_all.fold(self.follower.poll(0.05))
+        self._notify()
 
     def fold(self) -> None:
-        self.projector.catch_up()
+        self.fold_all.fold(self.follower.poll(0))
         self._notify()
 
     async def run(self) -> None:
@@ -48,6 +68,10 @@ class KafkaRuntime(RuntimeBase):
                 self._fail(exc)
                 return
             await asyncio.sleep(self.poll_s)
+
+    def close(self) -> None:
+        """Close the follower (the log is the caller's)."""
+        self.follower.close()
 
     async def ready(self, workers: list[str], timeout: float = 300.0) -> None:
         """Wait until each named worker has joined (start-up is not study time).

@@ -163,7 +163,8 @@ class Study:
         queued = any(isinstance(e, TrialSubmitted) and e.trial_id == trial_id for e in self._pending)
         if trial_id not in self.runtime.state.trials and not queued:
             raise ValueError(f"`hp` {dict(hp)!r} names no submitted trial of study {self.name!r}")
-        self._enqueue(TrialCancelled(producer=f"sdk:{self.name}", study_id=self.name, trial_id=trial_id))
+        self._enqueue(TrialCancelled(producer=f"sdk:{self.name}", study_id=self.name, trial_id=trial_id,
+                                     plan_key=self._plan_for(trial_id)))
 
     async def eval(self, hp: Mapping[str, Any], step: int) -> dict[str, float]:
         """Metrics of ``hp`` at ``step``: answered from stored metrics when the plan has them
