@@ -20,6 +20,8 @@ demo: $(STAMP)
 	$(VENV)/bin/stagetree run examples/digits.py --workers 2 --out runs/demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)

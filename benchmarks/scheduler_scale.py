@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
         ("warm pass (a worker joined)", f"{figures['warm_pass_s'] * 1e3:.3f} ms"),
         ("pass after a checkpoint (plan rebuilt)", f"{figures['replan_pass_s'] * 1e3:.1f} ms"),
         (f"{figures['many_plans']:.0f} plans, cold pass", f"{figures['many_plans_cold_s'] * 1e3:.1f} ms"),
-        (f"{figures['many_plans']:.0f} plans, pass after one plan's event", f"{figures['many_plans_warm_s'] * 1e3:.2f} ms"),
+        (f"{figures['many_plans']:.0f} plans, pass after one plan's event",
+         f"{figures['many_plans_warm_s'] * 1e3:.2f} ms"),
     ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:

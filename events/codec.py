@@ -68,10 +68,19 @@ def from_dict(obj: Any) -> Event:
         return cls.model_validate({**payload, **header})
     except ValidationError as exc:
         errors = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '<event>'}: {e['msg']} (value {e.get('input')!r})"
+            f"{'.'.join(str(p) for p in e['loc']) or '<event>'}: {e['msg']} (value {_quote(e.get('input'))})"
             for e in exc.errors()
         )
         raise InvalidEvent(f"{etype}: {errors}") from None
+
+
+QUOTE_LIMIT = 200
+"""Characters of an offending value quoted in a validation error (records may be megabytes)."""
+
+
+def _quote(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= QUOTE_LIMIT else f"{text[:QUOTE_LIMIT]}... ({len(text)} characters)"
 
 
 def decode(raw: bytes) -> Event:
@@ -81,3 +90,27 @@ def decode(raw: bytes) -> Event:
     except orjson.JSONDecodeError as exc:
         raise InvalidEvent(f"not JSON: {exc}") from None
     return from_dict(obj)
+
+
+def encode_batch(events: list[Event]) -> bytes:
+    """Serialize events that must be appended together (one atomic batch) as a JSON array of
+    envelopes, as a worker sends them to the embedded coordinator."""
+    return orjson.dumps([to_dict(e) for e in events], option=orjson.OPT_SORT_KEYS)
+
+
+def decode_batch(raw: bytes) -> list[Event]:
+    """Parse a batch written by :func:`encode_batch`. Raises :class:`InvalidEvent` when the bytes
+    are not a non-empty JSON array of valid events (naming the first bad element)."""
+    try:
+        items = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidEvent(f"not JSON: {exc}") from None
+    if not isinstance(items, list) or not items:
+        raise InvalidEvent(f"a batch must be a non-empty JSON array of events, got {type(items).__name__}")
+    events = []
+    for i, item in enumerate(items):
+        try:
+            events.append(from_dict(item))
+        except InvalidEvent as exc:
+            raise InvalidEvent(f"batch element {i}: {exc.reason}") from None
+    return events

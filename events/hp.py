@@ -43,6 +43,7 @@ from pydantic import (
     Field,
     StrictInt,
     TypeAdapter,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -67,19 +68,34 @@ __all__ = [
     "as_hp",
     "breakpoints",
     "canonical_json",
+    "check_computable",
     "config_from_json",
     "config_to_json",
     "config_values",
+    "continue_with",
     "first_divergence",
     "hp_from_json",
     "hp_to_json",
     "same_piece",
+    "same_value",
+    "value_key",
 ]
 
 
 def _name(info: ValidationInfo) -> str:
     """The field's public name (``Constant.value_`` is ``value`` in JSON and in __init__)."""
     return (info.field_name or "").removesuffix("_")
+
+
+def _problems(exc: ValidationError) -> str:
+    """A pydantic error as one line: our validators' messages as they are, others with the
+    parameter's name (``value error, ...`` prefixes and documentation links left out)."""
+    out = []
+    for e in exc.errors():
+        message = str(e["msg"]).removeprefix("Value error, ")
+        where = ".".join(str(p) for p in e["loc"])
+        out.append(message if message.startswith("`") or not where else f"`{where}`: {message}")
+    return "; ".join(out)
 
 
 def _number(value: Any, info: ValidationInfo) -> int | float:
@@ -166,9 +182,78 @@ def _shift(key: PieceKey, offset: int) -> PieceKey:
     return key if key[0] == "const" else (*key[:-1], key[-1] + offset)
 
 
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two hyper-parameter values are the same number: equal, of the same type, and for
+    floats of the same sign (``3 != 3.0``, ``0.0 != -0.0``).
+
+    This is the one equality of values stagetree uses: two trials share a step only if every
+    value there is the same by this rule (the sharing rule), the training session calls
+    ``Trainer.setup`` when a value is not the same as at the step before, and an int batch size
+    and a float one are different trainings even though ``32 == 32.0``.
+    """
+    if type(a) is not type(b) or a != b:
+        return False
+    return type(a) is not float or math.copysign(1.0, a) == math.copysign(1.0, b)
+
+
+def value_key(value: Any) -> tuple[Any, ...]:
+    """A hashable key of ``value`` such that ``value_key(a) == value_key(b)`` exactly when
+    :func:`same_value` says ``a`` and ``b`` are the same (for dictionary indexes of values)."""
+    if type(value) is float:
+        return ("float", value, math.copysign(1.0, value))
+    return (type(value).__name__, value)
+
+
 def same_piece(a: PieceKey, b: PieceKey) -> bool:
-    """Whether two keys are equal in value and type, which guarantees bitwise-equal values."""
-    return a == b and all(type(x) is type(y) for x, y in zip(a, b))
+    """Whether two keys are the same in every parameter (:func:`same_value`), which guarantees
+    bitwise-equal values."""
+    return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+
+
+_INT_LIMIT = 2**63
+
+
+def _bad_value(key: PieceKey, step: int) -> bool:
+    """Whether the value of piece ``key`` at ``step`` cannot be used: it raises (a float leaving
+    the float range), is not finite, or is an int outside 64 bits. Integer powers are judged by
+    their logarithm first, so a huge exponent is never computed."""
+    if key[0] == "exp":
+        init, gamma, origin = key[1:]
+        n = step - origin
+        if isinstance(gamma, int):
+            magnitude = math.log2(abs(init)) + n * math.log2(gamma)
+            if isinstance(init, int):
+                if n > 64:
+                    return True
+            elif magnitude > 1030:
+                return True
+            elif magnitude < 1020:
+                return False
+    try:
+        value = _eval_piece(key, step)
+    except ArithmeticError:
+        return True
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    return not -_INT_LIMIT <= value < _INT_LIMIT
+
+
+def _first_bad(key: PieceKey, start: int, stop: int) -> int | None:
+    """The first step in ``[start, stop)`` where piece ``key`` has a bad value (see
+    :func:`_bad_value`), or None. Only ``exp`` and ``lin`` pieces can grow out of range; their
+    magnitude is convex in the step, so past a good ``start`` the bad steps form a suffix and a
+    bisection finds the first one in O(log(stop - start)) evaluations."""
+    if start >= stop or key[0] not in ("exp", "lin"):
+        return None
+    if _bad_value(key, start):
+        return start
+    if not _bad_value(key, stop - 1):
+        return None
+    lo, hi = start, stop - 1  # good at lo, bad at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _bad_value(key, mid) else (mid, hi)
+    return hi
 
 
 def _check_step(name: str, step: int) -> int:
@@ -194,8 +279,16 @@ class HPFunction(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     def __init__(self, **data: Any) -> None:
-        """Validates ``data``; each family also takes its parameters positionally."""
-        super().__init__(**data)
+        """Validates ``data``; each family also takes its parameters positionally.
+
+        Raises:
+            ValueError: a parameter is invalid; one line per problem, naming the family, the
+                parameter and the value (``MultiStep: `init` is nan, but must be finite``).
+        """
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ValueError(f"{type(self).__name__}: {_problems(exc)}") from None
 
     def value(self, step: int) -> int | float:
         """The value at global ``step`` (int >= 0); raises ValueError for a negative step."""
@@ -217,6 +310,20 @@ class HPFunction(BaseModel):
                 pieces.append((step, key))
             step = end
         return pieces
+
+    def first_uncomputable(self, stop: int) -> int | None:
+        """The first step in ``[0, stop)`` whose value cannot be computed or used (a float
+        leaving the float range, a non-finite value, an int outside 64 bits), or None when every
+        value there is fine. A trial asking for ``stop`` steps needs all of them.
+
+        Cost: independent of ``stop`` for periodic families; a bisection for exponential and
+        linear pieces. Raises ValueError for a negative ``stop``.
+        """
+        return self._first_uncomputable(_check_step("stop", stop))
+
+    def _first_uncomputable(self, stop: int) -> int | None:
+        """Per family: see :meth:`first_uncomputable` (default: bounded families, never)."""
+        return None
 
     @abstractmethod
     def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
@@ -282,6 +389,14 @@ class MultiStep(HPFunction):
     def __init__(self, init: float, milestones: Sequence[int], gamma: float, **data: Any) -> None:
         super().__init__(init=init, milestones=milestones, gamma=gamma, **data)
 
+    def _first_uncomputable(self, stop: int) -> int | None:
+        for k, start in enumerate((0, *self.milestones)):
+            if start >= stop:
+                break
+            if _bad_value(("exp", self.init, self.gamma, 0), k):
+                return start
+        return None
+
     def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
         k = bisect_right(self.milestones, step)
         end = self.milestones[k] if k < len(self.milestones) else None
@@ -305,6 +420,9 @@ class Exponential(HPFunction):
     def __init__(self, init: float, gamma: float, **data: Any) -> None:
         super().__init__(init=init, gamma=gamma, **data)
 
+    def _first_uncomputable(self, stop: int) -> int | None:
+        return _first_bad(self._piece_at(0)[0], 0, stop)
+
     def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
         return _piece("exp", self.init, self.gamma, 0), None
 
@@ -324,6 +442,9 @@ class Linear(HPFunction):
 
     def __init__(self, init: float, slope: float, **data: Any) -> None:
         super().__init__(init=init, slope=slope, **data)
+
+    def _first_uncomputable(self, stop: int) -> int | None:
+        return _first_bad(self._piece_at(0)[0], 0, stop)
 
     def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
         return _piece("lin", self.init, self.slope, 0), None
@@ -398,6 +519,12 @@ class Warmup(HPFunction):
 
     def __init__(self, init: float, period: int, then: HPFunction, **data: Any) -> None:
         super().__init__(init=init, period=period, then=then, **data)
+
+    def _first_uncomputable(self, stop: int) -> int | None:
+        if stop == 0:
+            return None
+        bad = self.then._first_uncomputable(max(stop - self.period, 1))  # the ramp needs then(0)
+        return None if bad is None else (0 if bad == 0 else bad + self.period)
 
     def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
         if step < self.period:
@@ -478,6 +605,17 @@ class Piecewise(HPFunction):
             )
         return self
 
+    def _first_uncomputable(self, stop: int) -> int | None:
+        for i, fn in enumerate(self.functions):
+            start = self.boundaries[i - 1] if i else 0
+            if start >= stop:
+                break
+            end = min(self.boundaries[i], stop) if i < len(self.boundaries) else stop
+            bad = fn._first_uncomputable(end - start)
+            if bad is not None:
+                return start + bad
+        return None
+
     def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
         i = bisect_right(self.boundaries, step)
         offset = self.boundaries[i - 1] if i else 0
@@ -557,6 +695,29 @@ def config_values(config: Mapping[str, HPFunction], step: int) -> dict[str, int 
     return {name: config[name].value(step) for name in sorted(config)}
 
 
+def continue_with(fn: HPFunction, then: HPFunction, at: int) -> HPFunction:
+    """``fn`` up to step ``at``, then ``then`` in its own frame (starting at 0 at ``at``): a
+    Piecewise, flattened when ``fn`` is one already. Raises ValueError unless ``at`` is after
+    ``fn``'s last boundary."""
+    if isinstance(fn, Piecewise):
+        return Piecewise([*fn.functions, then], [*fn.boundaries, at])
+    return Piecewise([fn, then], [at])
+
+
+def check_computable(config: Mapping[str, HPFunction], steps: int, field: str = "hp") -> None:
+    """Raise ValueError naming ``field[name]`` when some hyper-parameter of ``config`` has a value
+    that cannot be computed or used at a step below ``steps`` (see
+    :meth:`HPFunction.first_uncomputable`): a trial asking for ``steps`` steps could not train.
+    """
+    for name in sorted(config):
+        bad = config[name].first_uncomputable(steps)
+        if bad is not None:
+            raise ValueError(
+                f"`{field}[{name!r}]` is {config[name]}, whose value at step {bad} leaves the float range "
+                f"(or 64-bit ints), but the trial asks for {steps} steps"
+            )
+
+
 def breakpoints(config: Mapping[str, HPFunction], stop: int) -> list[int]:
     """Sorted steps in ``[0, stop)`` where some hyper-parameter starts a new canonical piece.
 
@@ -570,7 +731,8 @@ def first_divergence(
     a: Mapping[str, HPFunction], b: Mapping[str, HPFunction], start: int, stop: int
 ) -> int:
     """The smallest step in ``[start, stop)`` where some hyper-parameter of ``a`` and ``b``
-    differs (``a[k].value(s) != b[k].value(s)``), or ``stop`` if there is none.
+    differs (``not same_value(a[k].value(s), b[k].value(s))``: an int and a float, or a value
+    that cannot be computed, differ from anything), or ``stop`` if there is none.
 
     Two trials share exactly the steps before their first divergence: subsequences are
     identical iff they have the same function over the same steps (Hippo thesis ch. 3,
@@ -598,11 +760,14 @@ def _first_divergence(fa: HPFunction, fb: HPFunction, start: int, stop: int) -> 
         key_b, end_b = fb._piece_at(step)
         end = min(e for e in (end_a, end_b, stop) if e is not None)
         if key_a[0] == key_b[0] == "const":
-            if key_a[1] != key_b[1]:
+            if not same_value(key_a[1], key_b[1]):
                 return step
         elif not same_piece(key_a, key_b):
             for s in range(step, end):
-                if _eval_piece(key_a, s) != _eval_piece(key_b, s):
+                try:
+                    if not same_value(_eval_piece(key_a, s), _eval_piece(key_b, s)):
+                        return s
+                except ArithmeticError:  # a value that cannot be computed is the same as nothing
                     return s
         step = end
     return stop

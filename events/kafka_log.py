@@ -53,7 +53,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from events import topics
 from events.codec import encode
-from events.log import LogError, Record, event_key, is_broadcast
+from events.log import LogError, Record, check_items, event_key, is_broadcast
 from events.models import Event
 
 log = logging.getLogger(__name__)
@@ -439,22 +439,20 @@ class KafkaLog:
 
     # ------------------------------------------------------------------ writing
 
-    def _check_item(self, topic: str, i: int, key: object, value: object) -> tuple[bytes, bytes]:
-        if not isinstance(key, str):
-            raise TypeError(f"item {i} of the append to {topic!r}: key is {type(key).__name__} {key!r}, but must be str")
-        if not isinstance(value, (bytes, bytearray, memoryview)):
-            raise TypeError(f"item {i} of the append to {topic!r}: value is {type(value).__name__}, but must be bytes")
-        kb, vb = key.encode("utf-8"), bytes(value)
-        if len(kb) + len(vb) > self._max_record:
-            raise KafkaLogError(
-                f"item {i} of the append to {topic!r} has {len(kb) + len(vb)} bytes of key and value, but "
-                f"Kafka records hold at most {self._max_record} (message.max.bytes)", topic=topic, error="too large")
-        return kb, vb
+    def _check_sizes(self, topic: str, records: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        for i, (kb, vb) in enumerate(records):
+            if len(kb) + len(vb) > self._max_record:
+                raise KafkaLogError(
+                    f"item {i} of the append to {topic!r} has {len(kb) + len(vb)} bytes of key and value, but "
+                    f"Kafka records hold at most {self._max_record} (message.max.bytes)", topic=topic,
+                    error="too large")
+        return list(records)
 
     def resolve(self, writes: Sequence[Write]) -> list[tuple[str, int, bytes, bytes]]:
         """``(topic, partition, key, value)`` of each write, checked (types, sizes, partition in
         range), topics created as needed. Raises as :meth:`append_many`, naming the item."""
-        checked = [self._check_item(self.topic(w.stream), i, w.key, w.value) for i, w in enumerate(writes)]
+        where = ", ".join(sorted({self.topic(w.stream) for w in writes}))
+        checked = self._check_sizes(where, check_items(where, [(w.key, w.value) for w in writes]))
         resolved = []
         for i, (w, (kb, vb)) in enumerate(zip(writes, checked)):
             topic = self._ready(w.stream)
@@ -486,9 +484,7 @@ class KafkaLog:
         """
         self._check_open()
         topic = self.topic(stream)
-        for i, item in enumerate(items):
-            key, value = item
-            self._check_item(topic, i, key, value)
+        self._check_sizes(topic, check_items(topic, items))
         if not items:
             return []
         records = self.resolve([Write(stream, key, value) for key, value in items])
@@ -940,8 +936,9 @@ class TransactionalAppender:
             left = producer.flush(self.timeout_s)
             failed = [r for r in reports if r is None or r[0] is not None]
             if left or failed:
-                why = failed[0][0] if failed and failed[0] is not None else f"no delivery report in {self.timeout_s:g} s"
-                raise KafkaException(why if isinstance(why, KafkaError) else KafkaError(KafkaError._TIMED_OUT, str(why)))
+                first = failed[0] if failed else None
+                raise KafkaException(first[0] if first is not None and first[0] is not None else KafkaError(
+                    KafkaError._TIMED_OUT, f"no delivery report within {self.timeout_s:g} s"))
             if before_commit is not None:
                 before_commit()
             self._commit(producer)

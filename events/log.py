@@ -93,6 +93,25 @@ def is_broadcast(event: Event) -> bool:
     return isinstance(event, BROADCAST)
 
 
+def check_items(stream: str, items: Sequence[tuple[str, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The ``(key, value)`` items of an append as bytes, after checking every one before anything
+    is written (the contract of ``append_many``: bad input appends nothing).
+
+    Raises:
+        TypeError: a key is not a str or a value not bytes, naming the item and the stream.
+    """
+    out = []
+    for i, (key, value) in enumerate(items):
+        if not isinstance(key, str):
+            raise TypeError(f"item {i} of the append to {stream!r}: key is {type(key).__name__} {key!r}, "
+                            "but must be str")
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise TypeError(f"item {i} of the append to {stream!r}: value is {type(value).__name__}, "
+                            "but must be bytes")
+        out.append((key.encode("utf-8"), bytes(value)))
+    return out
+
+
 def append_events(log: EventLog, stream: str, items: Sequence[tuple[str, Event]]) -> list[int]:
     """Encode and append ``(key, event)`` pairs atomically; returns their offsets."""
     return log.append_many(stream, [(key, encode(ev)) for key, ev in items])
@@ -236,9 +255,15 @@ class EmbeddedLog:
         return self.append_many(stream, [(key, value)])[0]
 
     def append_many(self, stream: str, items: Sequence[tuple[str, bytes]]) -> list[int]:
-        """Append records atomically (all or none) in order; returns their offsets."""
+        """Append records atomically (all or none) in order; returns their offsets.
+
+        Raises:
+            TypeError: a key is not a str or a value not bytes (the item is named; nothing is
+                appended).
+        """
         if self.read_only:
             raise LogError(f"the log at {self.path} was opened read-only")
+        check_items(stream, items)
         with self._lock:
             start = self.end_offset(stream)
             head = self.head(stream)

@@ -17,9 +17,9 @@ import math
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
-from events.hp import HP
+from events.hp import HP, check_computable
 
 HEADER_FIELDS = ("event_id", "producer", "ts", "trace")
 
@@ -101,6 +101,9 @@ class StudyFinished(Event):
 class TrialSubmitted(Event):
     """A request: train ``hp`` up to ``steps`` and report the metrics there (Hippo §4.1).
 
+    Every hyper-parameter value at steps ``[0, steps)`` must be computable (a float in range, an
+    int within 64 bits; :func:`events.hp.check_computable`), else the event is invalid.
+
     Submitting the same ``trial_id`` again with more steps extends the trial (a promotion);
     with the same steps it is a no-op. ``plan_key`` names the search plan the trial joins.
     """
@@ -119,6 +122,12 @@ class TrialSubmitted(Event):
         if not v:
             raise ValueError("`hp` is {}, but must name at least one hyper-parameter")
         return v
+
+    @model_validator(mode="after")
+    def _computable(self) -> TrialSubmitted:
+        """Every value the trial trains with (steps ``[0, steps)``) can be computed."""
+        check_computable(self.hp, self.steps)
+        return self
 
 
 class TrialCancelled(Event):
@@ -277,7 +286,8 @@ class StageFinished(Event):
 class StageFailed(Event):
     """A stage could not run. ``kind``: "error" (the trainer raised; waiting trials fail),
     "checkpoint_corrupt" / "checkpoint_missing" (the source checkpoint ``ref`` is dropped from the
-    plan and recomputed)."""
+    plan and recomputed), "storage" (the checkpoint store kept failing, e.g. a full disk: an
+    infrastructure fault; the path is handed back and dispatched again, no trial fails)."""
 
     type: ClassVar[str] = "StageFailed"
     dispatch_id: Ident
@@ -286,9 +296,96 @@ class StageFailed(Event):
     node_id: Ident
     from_step: Steps
     to_step: Steps
-    kind: Literal["error", "checkpoint_corrupt", "checkpoint_missing"]
+    kind: Literal["error", "checkpoint_corrupt", "checkpoint_missing", "storage"]
     error: str
     ref: Sha256 | None = None
+
+
+class StageStopped(Event):
+    """A stage ended before its ``to_step`` because its path was preempted (:class:`PathPreempted`):
+    the weights reached ``step`` (``from_step <= step < to_step``); a CheckpointSaved at ``step``
+    precedes it when the worker kept them. It ends the dispatch. ``seconds`` / ``train_seconds``
+    as in :class:`StageFinished`; the steps trained are ``step - from_step``."""
+
+    type: ClassVar[str] = "StageStopped"
+    dispatch_id: Ident
+    worker_id: Ident
+    plan_key: Ident
+    node_id: Ident
+    from_step: Steps
+    to_step: Steps
+    step: Steps
+    seconds: float = Field(ge=0)
+    train_seconds: float = Field(ge=0)
+
+
+# --------------------------------------------------------------------------- in-flight and storage decisions
+
+
+class PathPreempted(Decision):
+    """A scheduling decision: no trial needs the rest of the running path ``dispatch_id`` (a
+    cancellation, a stop by the tuner). Its worker trains on up to ``until_step`` of stage
+    ``until_stage`` (an index into the dispatch's stages) when some trial still needs those
+    steps, else (``until_stage`` None) stops at its next step boundary; it keeps a checkpoint of
+    what it trained and reports :class:`StageStopped` (or finishes normally if it had got there).
+
+    ``decided_at``: the offset of the last plan-stream event the scheduler had folded (a replay
+    recomputes the decision from that prefix).
+    """
+
+    type: ClassVar[str] = "PathPreempted"
+    dispatch_id: Ident
+    worker_id: Ident
+    plan_key: Ident
+    decided_at: int = Field(ge=-1)
+    until_stage: NonNegativeInt | None = None
+    until_step: Steps | None = None
+    reason: str = ""
+    checkpoint_budget: PositiveInt | None = None
+    """The checkpoint budget of the scheduling pass that decided it (None: unbounded)."""
+
+
+class CheckpointRequested(Decision):
+    """A scheduling decision: a request puts a boundary inside a stage of the running path
+    ``dispatch_id``; its worker saves a checkpoint of ``node_id`` at ``step`` when it reaches it
+    (and reports the metrics there when ``evaluate``), so the new branch resumes from it instead
+    of retraining the prefix (the split-during-execution case, HIPPO_SPEC §10.1). A worker that
+    has passed ``step`` ignores it and the branch is trained from the nearest checkpoint.
+
+    ``checkpoint_budget`` is the budget it was decided under (None: unbounded), ``decided_at`` as
+    in :class:`PathPreempted`.
+    """
+
+    type: ClassVar[str] = "CheckpointRequested"
+    dispatch_id: Ident
+    worker_id: Ident
+    plan_key: Ident
+    node_id: Ident
+    step: Steps
+    evaluate: bool = False
+    decided_at: int = Field(ge=-1)
+    checkpoint_budget: PositiveInt | None = None
+
+
+class CheckpointEvicted(Decision):
+    """A storage decision: the checkpoint ``ref`` of ``node_id`` at ``step`` leaves the plan to keep
+    the checkpoint bytes within ``checkpoint_budget`` (bytes), chosen by the cost-benefit rule of
+    ``scheduler.eviction`` (TreeML thesis §4.2.2, after Nectar); ``reason`` is its evidence. The
+    object is deleted from the store only after this event is durable; requests that needed it
+    are trained again from the nearest kept checkpoint. ``decided_at`` as in
+    :class:`PathPreempted`; the evictions of one decision are appended together."""
+
+    type: ClassVar[str] = "CheckpointEvicted"
+    plan_key: Ident
+    node_id: Ident
+    step: Steps
+    ref: Sha256
+    size: PositiveInt
+    decided_at: int = Field(ge=-1)
+    checkpoint_budget: PositiveInt
+    reason: str = ""
+    policy: Literal["critical-path", "bfs", "most-children"] = "critical-path"
+    """The scheduling policy of the dispatch it made room for."""
 
 
 class WorkerJoined(Event):
@@ -313,9 +410,10 @@ class WorkerLost(Decision):
 
 
 class LogSealed(Event):
-    """The hash chain of ``stream`` after the record at ``offset`` (hex; sha256 or HMAC-SHA256 per
-    ``algorithm``), written by the one process that folds the stream (on Kafka: the serve
-    projector). ``replay verify`` recomputes the chain and checks every seal."""
+    """The hash chain of ``stream`` (of its ``partition``) after the record at ``offset`` (hex;
+    sha256 or HMAC-SHA256 per ``algorithm``), written by whoever folds the stream for the
+    deployment (on Kafka: ``stagetree serve``'s scheduler role, one seal per partition, in its
+    fenced transactions). ``replay verify`` recomputes the chain and checks every seal."""
 
     type: ClassVar[str] = "LogSealed"
     stream: str
@@ -329,13 +427,21 @@ class LogSealed(Event):
 
 class DeadLettered(Event):
     """An event that could not be decoded or applied, kept with the reason (stream
-    ``stagetree.deadletter``). ``raw`` is the original bytes decoded as UTF-8 (with replacement)."""
+    ``stagetree.deadletter``; built by :func:`events.deadletter.dead_letter`).
+
+    ``stream``/``offset``: where the record is (offset -1: in no log, e.g. a worker pipe).
+    ``reason``: why, capped. ``raw``: the start of the record's bytes decoded as UTF-8 (with
+    replacement), capped; ``sha256`` and ``size`` (bytes) identify the whole record (None in
+    letters written before these fields existed).
+    """
 
     type: ClassVar[str] = "DeadLettered"
     stream: str
     offset: int
     reason: str
     raw: str
+    sha256: Sha256 | None = None
+    size: NonNegativeInt | None = None
     partition: NonNegativeInt | None = None
     """The partition of ``stream`` the record was in (None: unpartitioned, or not from a stream)."""
 
@@ -357,5 +463,9 @@ EVENT_TYPES: dict[str, type[Event]] = {
         WorkerLost,
         DeadLettered,
         LogSealed,
+        StageStopped,
+        PathPreempted,
+        CheckpointRequested,
+        CheckpointEvicted,
     )
 }

@@ -26,6 +26,7 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.propagators.textmap import default_getter, default_setter
+from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.trace import Link, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -37,7 +38,7 @@ _provider: Any = None
 _spec = "none"
 
 
-class JsonlSpanExporter:
+class JsonlSpanExporter(SpanExporter):
     """Appends each finished span as one JSON line to ``path`` (O_APPEND, one write per span)."""
 
     def __init__(self, path: str) -> None:
@@ -59,7 +60,8 @@ class JsonlSpanExporter:
                 "start_ns": s.start_time,
                 "end_ns": s.end_time,
                 "attributes": dict(s.attributes or {}),
-                "links": [{"trace_id": format(li.context.trace_id, "032x"), "span_id": format(li.context.span_id, "016x")}
+                "links": [{"trace_id": format(li.context.trace_id, "032x"),
+                           "span_id": format(li.context.span_id, "016x")}
                           for li in s.links],
                 "resource": dict(s.resource.attributes),
             }, sort_keys=True, default=str))

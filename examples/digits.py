@@ -21,9 +21,8 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.nn import functional
 
-from gpu_worker.trainer import Trainer
+from stagetree import GridSearchSpace, SuccessiveHalving, Trainer
 from stagetree.hp import Constant, Cosine, CyclicLR, Exponential, MultiStep, Warmup
-from stagetree.tuners import GridSearchSpace, SuccessiveHalving
 
 VALIDATION_FRACTION = 0.2
 DROPOUT = 0.25

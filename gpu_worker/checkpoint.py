@@ -26,6 +26,12 @@ class CheckpointError(Exception):
     """Base class of checkpoint storage and decoding errors."""
 
 
+class StorageError(CheckpointError):
+    """The store could not be read or written for a reason of its own (a full or failing disk,
+    an unreachable object store): an infrastructure fault, not a fact about the checkpoint.
+    Workers retry it and then hand their path back; it never fails a trial (issue 11 item 16)."""
+
+
 class CheckpointMissing(CheckpointError):
     """No object is stored under ``ref``."""
 
@@ -58,8 +64,9 @@ class CheckpointStore(Protocol):
     ``put`` returns only after the object is durable and verified; putting
     bytes already stored is a no-op. ``get`` verifies the hash and raises
     CheckpointMissing or CheckpointCorrupt. ``delete`` of an absent object is
-    a no-op. Methods taking a ``ref`` raise ValueError when it is not 64
-    lowercase hex digits.
+    a no-op. Any method raises StorageError when the store itself fails (a full
+    disk, an unreachable server). Methods taking a ``ref`` raise ValueError when
+    it is not 64 lowercase hex digits.
     """
 
     def put(self, data: bytes) -> CheckpointRef: ...
@@ -105,25 +112,29 @@ class LocalCheckpointStore:
 
         An object present under the same ref with wrong bytes is overwritten.
         Raises CheckpointCorrupt when the written object does not read back
-        with the right hash, OSError on I/O failure (no temporary file is left).
+        with the right hash, StorageError on I/O failure such as a full disk (no
+        temporary file is left).
         """
         ref = sha256_hex(data)
         target = self.path(ref)
-        if self._intact(target, ref):
-            return CheckpointRef(ref=ref, size=len(data))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
         try:
-            with os.fdopen(fd, "wb") as tmp:
-                tmp.write(data)
-                tmp.flush()
-                os.fsync(tmp.fileno())
-            os.replace(tmp_name, target)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
-        self._fsync_dir(target.parent)
-        actual = sha256_hex(target.read_bytes())
+            if self._intact(target, ref):
+                return CheckpointRef(ref=ref, size=len(data))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
+            try:
+                with os.fdopen(fd, "wb") as tmp:
+                    tmp.write(data)
+                    tmp.flush()
+                    os.fsync(tmp.fileno())
+                os.replace(tmp_name, target)
+            except BaseException:
+                Path(tmp_name).unlink(missing_ok=True)
+                raise
+            self._fsync_dir(target.parent)
+            actual = sha256_hex(target.read_bytes())
+        except OSError as exc:
+            raise StorageError(f"writing checkpoint {ref} ({len(data)} bytes) under {self.root} failed: {exc}") from exc
         if actual != ref:
             raise CheckpointCorrupt(ref, actual)
         return CheckpointRef(ref=ref, size=len(data))
@@ -132,12 +143,14 @@ class LocalCheckpointStore:
         """Return the bytes of object ``ref`` after checking their hash.
 
         Raises CheckpointMissing when absent, CheckpointCorrupt when the bytes
-        hash to something else.
+        hash to something else, StorageError when the disk cannot be read.
         """
         try:
             data = self.path(ref).read_bytes()
         except FileNotFoundError:
             raise CheckpointMissing(ref) from None
+        except OSError as exc:
+            raise StorageError(f"reading checkpoint {ref} under {self.root} failed: {exc}") from exc
         actual = sha256_hex(data)
         if actual != ref:
             raise CheckpointCorrupt(ref, actual)

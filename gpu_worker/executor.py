@@ -4,34 +4,29 @@ The executor only does what the dispatch says (DESIGN.md: decisions live in the 
 For each stage it trains ``[from_step, to_step)`` with the stage's hyper-parameter functions,
 keeping the weights in memory from one stage to the next (Hippo §4.3 batching), evaluates at
 ``to_step`` when asked, writes the central checkpoint (verified by sha256 *before* the
-CheckpointSaved event is emitted: invariant 4), and emits StageFinished with the measured
-seconds. Clocks are read here, at the edge, and the measurements travel in the events.
+CheckpointSaved event is emitted: invariant 4), and emits the stage's end (its metrics, the
+checkpoint and StageFinished with the measured seconds) as one atomic batch. Clocks are read
+here, at the edge, and the measurements travel in the events.
 """
 
 from __future__ import annotations
 
+import functools
 import time
-import traceback
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from opentelemetry.trace import SpanKind
 
 from events import topics, tracing
-from events.models import (
-    CheckpointSaved,
-    Event,
-    MetricsReported,
-    StageDispatched,
-    StageFailed,
-    StageFinished,
-    StageStarted,
-)
-from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing, CheckpointStore
+from events.execution import Control, Emit, StageFault, run_path
+from events.models import Event, StageDispatched, StageSpec
+from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing, CheckpointStore, StorageError
 from gpu_worker.session import TrainingSession
 from gpu_worker.trainer import Trainer
 
-Emit = Callable[[Event], None]
+T = TypeVar("T")
 
 
 def resolve_device(spec: str = "auto", index: int = 0) -> torch.device:
@@ -63,104 +58,130 @@ class PathExecutor:
         store: where checkpoints are read and written.
         device: the torch device to train on.
         clock: monotonic seconds (measured durations), wall: epoch seconds (event ``ts``).
+        storage_attempts: tries of a checkpoint read or write that fails with StorageError (a
+            full disk, an unreachable object store) before the path is handed back.
+        storage_backoff_s: seconds before the second try, doubled for each further one.
+        sleep: how to wait between tries (seconds).
 
     The session survives between dispatches: when a path starts from the checkpoint this
     worker just saved, the weights in memory are used without reloading (same bytes, same
     result, as invariant 1 guarantees).
+
+    It is the :class:`~events.execution.PathBackend` of the one event sequence of a dispatch
+    (:func:`events.execution.run_path`): a stage's StageStarted alone, and its end
+    (MetricsReported when it evaluates, CheckpointSaved, StageFinished) as one atomic batch after
+    the checkpoint is written and verified.
     """
 
     def __init__(self, trainer: Trainer, worker_id: str, store: CheckpointStore, device: torch.device,
-                 *, clock: Callable[[], float] = time.perf_counter, wall: Callable[[], float] = time.time) -> None:
+                 *, clock: Callable[[], float] = time.perf_counter, wall: Callable[[], float] = time.time,
+                 storage_attempts: int = 3, storage_backoff_s: float = 1.0,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        if isinstance(storage_attempts, bool) or not isinstance(storage_attempts, int) or storage_attempts < 1:
+            raise ValueError(f"`storage_attempts` is {storage_attempts!r}, but must be an int >= 1")
         self.trainer = trainer
         self.worker_id = worker_id
         self.store = store
         self.device = device
         self.clock = clock
         self.wall = wall
+        self.storage_attempts = storage_attempts
+        self.storage_backoff_s = storage_backoff_s
+        self.sleep = sleep
         self._session: TrainingSession | None = None
-        self._holding: tuple[int, str] | None = None  # (seed, ref) of the weights in memory
+        self._holding: tuple[int, str] | None = None  # (seed, ref) when the weights in memory are stored
+        self._seed = 0
 
     def stamp(self, event: Event) -> Event:
         """Set producer, timestamp and (when tracing) the current span's context on ``event``."""
         return event.model_copy(update={"producer": f"worker:{self.worker_id}", "ts": self.wall(),
                                         "trace": tracing.carrier()})
 
-    def _session_for(self, d: StageDispatched) -> TrainingSession:
-        """A session positioned at the path's source. Raises CheckpointError when it cannot load."""
+    def _stored(self, operation: Callable[[], T]) -> T:
+        """``operation()`` (a store read or write), tried ``storage_attempts`` times while it
+        raises StorageError, waiting ``storage_backoff_s`` and then twice as long each time."""
+        for attempt in range(self.storage_attempts):
+            try:
+                return operation()
+            except StorageError:
+                if attempt + 1 == self.storage_attempts:
+                    raise
+                self.sleep(self.storage_backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ PathBackend (events.execution)
+
+    def begin(self, d: StageDispatched) -> None:
+        """Hold the weights ``d`` starts from; the weights this worker just saved are reused
+        without reloading (same bytes, same result, invariant 1)."""
+        self._seed = d.seed
         if d.source is not None and self._session is not None and self._holding == (d.seed, d.source.ref):
-            return self._session
+            return
         self._session, self._holding = None, None
         session = TrainingSession(self.trainer, d.seed, self.device)
         if d.source is None:
             session.start_fresh()
         else:
-            session.load(self.store.get(d.source.ref))
-            self._holding = (d.seed, d.source.ref)
+            ref = d.source.ref
+            try:
+                session.load(self._stored(functools.partial(self.store.get, ref)))
+            except CheckpointCorrupt as exc:
+                raise StageFault("checkpoint_corrupt", str(exc), ref) from exc
+            except CheckpointMissing as exc:
+                raise StageFault("checkpoint_missing", str(exc), ref) from exc
+            except StorageError as exc:
+                raise StageFault("storage", str(exc)) from exc
+            self._holding = (d.seed, ref)
         self._session = session
-        return session
 
-    def run(self, d: StageDispatched, emit: Emit, should_stop: Callable[[], bool] | None = None) -> bool:
-        """Execute every stage of ``d`` in order, emitting events through ``emit``.
+    def _require(self) -> TrainingSession:
+        if self._session is None:
+            raise RuntimeError("no weights in hand: begin() was not called or the path failed")
+        return self._session
 
-        Never raises for a failing stage: a corrupt or missing source checkpoint, or an
-        exception from the trainer, becomes a StageFailed event and ends the path. With tracing
-        on, the work is recorded as spans in the trace the dispatch carries.
+    def step(self) -> int:
+        return self._require().step
 
-        ``should_stop`` is asked before every stage after the first (a worker draining on
-        SIGTERM): when it answers True the path ends there, after the last finished stage's
-        checkpoint, and ``run`` returns False (the rest is handed back); True otherwise.
+    def train(self, spec: StageSpec, until: int, interrupt: Callable[[], bool]) -> None:
+        session = self._require()
+        if until > session.step:
+            self._holding = None  # the weights in memory are no longer a stored checkpoint
+        session.train(spec.hp, until, interrupt)
+
+    def evaluate(self, spec: StageSpec, step: int) -> dict[str, float]:
+        return self._require().evaluate()
+
+    def save(self) -> tuple[str, int] | None:
+        """Write the weights in memory unless they are a stored checkpoint already (the source of
+        an evaluation-only stage), verified by sha256 before the event that names them."""
+        if self._holding is not None:
+            return None
+        data = self._require().save()
+        try:
+            ref = self._stored(functools.partial(self.store.put, data))
+        except (StorageError, CheckpointCorrupt) as exc:  # the store's fault, not the trial's
+            raise StageFault("storage", f"{type(exc).__name__}: {exc}") from exc
+        self._holding = (self._seed, ref.ref)
+        return ref.ref, ref.size
+
+    def abandon(self) -> None:
+        self._session, self._holding = None, None
+
+    def now(self) -> float:
+        return self.clock()
+
+    def run(self, d: StageDispatched, emit: Emit, control: Control | None = None,
+            should_stop: Callable[[], bool] | None = None) -> bool:
+        """Execute every stage of ``d`` in order, emitting event batches through ``emit``: the
+        one event sequence of :func:`events.execution.run_path`.
+
+        Never raises for a failing stage: a corrupt or missing source checkpoint, an exception
+        from the trainer, or a store that keeps failing becomes a StageFailed event and ends the
+        path. With tracing on, the work is recorded as spans in the trace the dispatch carries.
+        ``should_stop``: a drain (see ``run_path``); returns False when the rest of the path was
+        left to hand back.
         """
         with tracing.span("dispatch.process", parent=d.trace, kind=SpanKind.CONSUMER,
                           attributes=tracing.messaging("process", topics.DISPATCH, d.event_id,
                                                        dispatch_id=d.dispatch_id, worker_id=self.worker_id)):
-            return self._run(d, emit, should_stop)
-
-    def _run(self, d: StageDispatched, emit: Emit, should_stop: Callable[[], bool] | None = None) -> bool:
-        started = self.clock()
-        first = d.stages[0]
-        base = {"dispatch_id": d.dispatch_id, "plan_key": d.plan_key}
-        try:
-            with tracing.span("checkpoint.load", attributes={"stagetree.ref": d.source.ref if d.source else "fresh"}):
-                session = self._session_for(d)
-        except (CheckpointCorrupt, CheckpointMissing) as exc:
-            kind = "checkpoint_corrupt" if isinstance(exc, CheckpointCorrupt) else "checkpoint_missing"
-            emit(self.stamp(StageFailed(**base, worker_id=self.worker_id, node_id=first.node_id,
-                                        from_step=first.from_step, to_step=first.to_step, kind=kind,
-                                        error=str(exc), ref=d.source.ref if d.source else None)))
-            return True
-        for i, spec in enumerate(d.stages):
-            if i and should_stop is not None and should_stop():
-                return False
-            stage = {"node_id": spec.node_id, "from_step": spec.from_step, "to_step": spec.to_step}
-            attrs = {f"stagetree.{k}": v for k, v in stage.items()}
-            with tracing.span("stage", attributes=attrs):
-                emit(self.stamp(StageStarted(dispatch_id=d.dispatch_id, worker_id=self.worker_id, plan_key=d.plan_key,
-                                             **stage)))
-                try:
-                    if session.step != spec.from_step:
-                        raise RuntimeError(f"stage starts at step {spec.from_step}, but the weights are at {session.step}")
-                    t0 = self.clock()
-                    with tracing.span("train", attributes=attrs):
-                        session.train(spec.hp, spec.to_step)
-                    train_seconds = self.clock() - t0
-                    if spec.evaluate:
-                        with tracing.span("evaluate", attributes=attrs):
-                            metrics = session.evaluate()
-                        emit(self.stamp(MetricsReported(**base, node_id=spec.node_id, step=spec.to_step,
-                                                        metrics=metrics)))
-                    if spec.to_step > spec.from_step or self._holding is None:  # eval-only: source kept
-                        with tracing.span("checkpoint.save", attributes=attrs):
-                            ref = self.store.put(session.save())
-                        self._holding = (d.seed, ref.ref)
-                        emit(self.stamp(CheckpointSaved(**base, node_id=spec.node_id, step=spec.to_step,
-                                                        ref=ref.ref, size=ref.size)))
-                except Exception as exc:  # the trainer's own code failed: report, never crash the worker
-                    self._session, self._holding = None, None
-                    error = "".join(traceback.format_exception_only(exc)).strip()
-                    emit(self.stamp(StageFailed(**base, worker_id=self.worker_id, **stage, kind="error", error=error)))
-                    return True
-                now = self.clock()
-                emit(self.stamp(StageFinished(**base, worker_id=self.worker_id, **stage,
-                                              seconds=now - started, train_seconds=train_seconds)))
-                started = now
-        return True
+            return run_path(d, self, emit, self.worker_id, self.stamp, control, should_stop)

@@ -7,12 +7,15 @@ The worker shares the path executor with embedded mode; only the transport diffe
   (``read_committed``, long-polling: an idle worker costs the broker one open fetch). When
   ``stagetree serve`` declares it lost (it was silent too long: paused, cut off), a copy of the
   WorkerLost arrives there too, and the worker joins again.
-* **Atomic, fenced appends.** Everything it publishes goes through a
-  :class:`~events.kafka_log.TransactionalAppender` with ``transactional.id``
-  ``<prefix>stagetree.worker.<worker id>``: a stage's end (MetricsReported, CheckpointSaved,
-  StageFinished) is one transaction, visible at once or not at all; a WorkerJoined is written to
-  every plan partition at once. Starting a worker fences an older process with the same id (a
-  zombie's next append fails, and it exits).
+* **Atomic, fenced appends.** Every batch the path executor emits (``events.execution``: a
+  stage's end is ONE batch, MetricsReported, CheckpointSaved and StageFinished) is one Kafka
+  transaction of a :class:`~events.kafka_log.TransactionalAppender` with ``transactional.id``
+  ``<prefix>stagetree.worker.<worker id>``, visible at once or not at all; a WorkerJoined is
+  written to every plan partition at once. Starting a worker fences an older process with the
+  same id (a zombie's next append fails, and it exits).
+* **Steering.** Decisions about the running path (PathPreempted, CheckpointRequested) arrive on
+  the same stream while it runs; the executor asks for them between steps
+  (:class:`StreamControl`).
 * **Joining** publishes WorkerJoined (voiding any dispatch an earlier process of the same id
   left unfinished); dispatches on its stream from before that are ignored.
 * **Draining.** On SIGTERM (:meth:`KafkaWorker.drain`) the worker finishes the stage it is
@@ -41,6 +44,8 @@ import orjson
 
 from events import topics
 from events.codec import InvalidEvent, decode, encode
+from events.deadletter import dead_letter
+from events.execution import Control
 from events.kafka_log import (
     Fenced,
     Follower,
@@ -51,11 +56,11 @@ from events.kafka_log import (
     event_writes,
     partition_for,
 )
+from events.log import Record
 from events.models import (
-    CheckpointSaved,
-    DeadLettered,
+    CheckpointRequested,
     Event,
-    MetricsReported,
+    PathPreempted,
     StageDispatched,
     StageStarted,
     StudyStarted,
@@ -65,7 +70,7 @@ from events.models import (
 
 log = logging.getLogger(__name__)
 
-Emit = Callable[[Event], None]
+Emit = Callable[[list[Event]], None]
 
 SIGTERM_HOOK_ENV = "STAGETREE_TEST_SIGTERM_IN_A_PATH"
 """Fault injection for tests: when set, the worker sends itself SIGTERM (once) as it starts the
@@ -81,9 +86,10 @@ class Runner(Protocol):
     def prepare(self) -> None:
         """Start-up work before joining (not counted in worker-seconds)."""
 
-    def run(self, dispatch: StageDispatched, emit: Emit, should_stop: Callable[[], bool]) -> bool:
-        """Run ``dispatch``, emitting its events in order; stop before a stage when
-        ``should_stop()``, returning False (the rest handed back); True otherwise."""
+    def run(self, dispatch: StageDispatched, emit: Emit, control: Control, should_stop: Callable[[], bool]) -> bool:
+        """Run ``dispatch``, emitting its event batches in order (``events.execution.run_path``),
+        steered by ``control``; stop before a stage when ``should_stop()``, returning False (the
+        rest handed back); True otherwise."""
 
 
 def base_plan_key(plan_key: str) -> str:
@@ -94,6 +100,38 @@ def base_plan_key(plan_key: str) -> str:
 def worker_transactional_id(log: KafkaLog, worker_id: str) -> str:
     """The ``transactional.id`` of worker ``worker_id`` in the deployment of ``log``."""
     return log.topic(f"stagetree.worker.{worker_id}")
+
+
+class StreamControl:
+    """The :class:`~events.execution.Control` of a path on a Kafka worker: decisions about it
+    (PathPreempted, CheckpointRequested) arrive on the worker's own stream while it runs; the
+    stream is polled at most every ``every_s`` seconds, without waiting. Records that are not
+    about the path (a notice that the worker was declared lost) are kept for the worker's loop."""
+
+    def __init__(self, worker: KafkaWorker, every_s: float = 0.2) -> None:
+        self.worker, self.every_s = worker, every_s
+        self.checked = time.monotonic()
+        self.arrived: list[Event] = []
+
+    def _read(self) -> None:
+        self.checked = time.monotonic()
+        for record in self.worker.follower.poll(0):
+            event = self.worker.decoded(record)
+            if isinstance(event, (PathPreempted, CheckpointRequested)):
+                self.arrived.append(event)
+            elif event is not None:
+                self.worker.pending.append((record, event))
+
+    def waiting(self) -> bool:
+        if not self.arrived and time.monotonic() - self.checked >= self.every_s:
+            self._read()
+        return bool(self.arrived)
+
+    def poll(self) -> list[Event]:
+        if time.monotonic() - self.checked >= self.every_s:
+            self._read()
+        out, self.arrived = self.arrived, []
+        return out
 
 
 class KafkaWorker:
@@ -126,7 +164,8 @@ class KafkaWorker:
         self.producer = f"worker:{worker_id}"
         self.partitions = 1
         self.appender = TransactionalAppender(self.log, worker_transactional_id(self.log, worker_id))
-        self._held: list[Event] = []  # a stage's results, published with its StageFinished
+        self.pending: list[tuple[Record, Event]] = []  # read from the stream, not handled yet
+        self.follower: Follower
         self._hooked = False
         self._sigterm_hook: StageDispatched | None = None
 
@@ -161,26 +200,34 @@ class KafkaWorker:
         every partition)."""
         self._append(event_writes(topics.PLAN, events, self.partitions))
 
-    def emit(self, event: Event) -> None:
-        """The executor's emit: a stage's MetricsReported and CheckpointSaved are held and
-        published with its StageFinished, in one transaction; anything else at once."""
-        if isinstance(event, (MetricsReported, CheckpointSaved)):
-            self._held.append(event)
-            return
-        batch, self._held = [*self._held, event], []
-        self.publish(batch)
-        if isinstance(event, StageStarted) and self._sigterm_hook is not None:
-            d = self._sigterm_hook
-            if d.stages[0].node_id == event.node_id and d.stages[0].from_step == event.from_step:
-                self._sigterm_hook = None
+    def emit(self, events: list[Event]) -> None:
+        """The executor's emit: each batch (a stage's end is one) is one transaction."""
+        self.publish(events)
+        if self._sigterm_hook is not None and any(isinstance(e, StageStarted) for e in events):
+            d, self._sigterm_hook = self._sigterm_hook, None
+            first = d.stages[0]
+            if any(isinstance(e, StageStarted) and (e.node_id, e.from_step) == (first.node_id, first.from_step)
+                   for e in events):
                 os.kill(os.getpid(), signal.SIGTERM)
 
     def _dead_letter(self, offset: int, raw: bytes, reason: str) -> None:
-        letter = DeadLettered(event_id=f"dl-{self.stream}-0-{offset}", producer=self.producer, ts=time.time(),
-                              stream=self.stream, offset=offset, partition=0, reason=reason,
-                              raw=raw.decode("utf-8", "replace"))
+        letter = dead_letter(self.stream, offset, raw, reason, producer=self.producer)
         log.warning("worker %s: dispatch record at offset %d dead-lettered: %s", self.worker_id, offset, reason)
         self._append([Write(topics.DEADLETTER, self.worker_id, encode(letter))])
+
+    def decoded(self, record: Record) -> Event | None:
+        """The event of a record of this worker's stream, or None when it is dead-lettered
+        (undecodable, or not for this worker)."""
+        try:
+            event = decode(record.value)
+        except InvalidEvent as exc:
+            self._dead_letter(record.offset, record.value, exc.reason)
+            return None
+        if getattr(event, "worker_id", None) != self.worker_id:
+            self._dead_letter(record.offset, record.value, f"a {event.type} for worker "
+                              f"{getattr(event, 'worker_id', None)!r} on the dispatch stream of {self.worker_id!r}")
+            return None
+        return event
 
     def _beat(self) -> None:
         beats = self.log_factory()
@@ -210,35 +257,32 @@ class KafkaWorker:
         start = self.log.end_offset(self.stream)
         self.appender.start()  # fences an older process of this worker id
         self._join()
-        follower = Follower(self.log, {(self.stream, 0): start}, wait_ms=500)
+        # A fetch the broker holds open returns when records arrive, but a transaction's records
+        # become readable only at its commit marker: keep the wait short so that a dispatch is
+        # seen within ~0.1 s of its commit.
+        self.follower = Follower(self.log, {(self.stream, 0): start}, wait_ms=100)
         beat = threading.Thread(target=self._beat, name=f"heartbeat-{self.worker_id}", daemon=True)
         beat.start()
         handed_back = False
         try:
             while not self.stop.is_set():
-                for record in follower.poll(0.5):
-                    if self.stop.is_set():
-                        break
-                    try:
-                        event = decode(record.value)
-                    except InvalidEvent as exc:
-                        self._dead_letter(record.offset, record.value, exc.reason)
-                        continue
-                    if getattr(event, "worker_id", None) != self.worker_id:
-                        self._dead_letter(record.offset, record.value,
-                                          f"a {event.type} for worker {getattr(event, 'worker_id', None)!r} on the "
-                                          f"dispatch stream of {self.worker_id!r}")
-                    elif isinstance(event, StageDispatched):
+                if not self.pending:
+                    self.pending += [(r, e) for r in self.follower.poll(0.2) if (e := self.decoded(r)) is not None]
+                while self.pending and not self.stop.is_set():
+                    record, event = self.pending.pop(0)
+                    if isinstance(event, StageDispatched):
                         if os.environ.get(SIGTERM_HOOK_ENV) and len(event.stages) > 1 and not self._hooked:
                             self._hooked, self._sigterm_hook = True, event
-                        if not self.runner.run(event, self.emit, self.stop.is_set):
+                        if not self.runner.run(event, self.emit, StreamControl(self), self.stop.is_set):
                             handed_back = True
+                    elif isinstance(event, (PathPreempted, CheckpointRequested)):
+                        continue  # about a path that has ended (it finished first): nothing to do
                     elif isinstance(event, WorkerLost):
                         log.warning("worker %s was declared lost (%s): joining again", self.worker_id, event.reason)
                         self._join()
                     else:
-                        self._dead_letter(record.offset, record.value,
-                                          f"a {event.type} event does not belong on a dispatch stream")
+                        self._dead_letter(record.offset, record.value, f"a {event.type} event does not belong on "
+                                                                       "a dispatch stream")
             reason = "drained (SIGTERM) with its path handed back" if handed_back else "drained (SIGTERM)"
             self.publish([WorkerLost(producer=self.producer, ts=time.time(), worker_id=self.worker_id,
                                      reason=reason)])
@@ -247,7 +291,7 @@ class KafkaWorker:
         finally:
             self.stop.set()
             beat.join(timeout=5)
-            follower.close()
+            self.follower.close()
             self.appender.close()
             self.log.close()
 
@@ -317,5 +361,5 @@ class TrainingRunner:
             raise LookupError(f"no StudyStarted with a study file for plan {key!r}: pass --study")
         return self._studies[key]
 
-    def run(self, dispatch: StageDispatched, emit: Emit, should_stop: Callable[[], bool]) -> bool:
-        return self._executor(self._study_file_for(dispatch.plan_key)).run(dispatch, emit, should_stop)
+    def run(self, dispatch: StageDispatched, emit: Emit, control: Control, should_stop: Callable[[], bool]) -> bool:
+        return self._executor(self._study_file_for(dispatch.plan_key)).run(dispatch, emit, control, should_stop)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import traceback
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -35,8 +36,21 @@ def load_module(path: str | Path) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
-        raise StudyFileError(f"study file {str(path)!r} failed to import: {type(exc).__name__}: {exc}") from exc
+        raise StudyFileError(f"study file {str(path)!r}{_where(exc, path)} failed to import: "
+                             f"{type(exc).__name__}: {exc}") from exc
     return module
+
+
+def _where(exc: BaseException, path: Path) -> str:
+    """``, line N (<source line>)`` of the study file's innermost frame in ``exc``'s traceback:
+    the line the user wrote (``"lr": [MultiStep(float("nan"), ...)]``) names the field."""
+    target = str(path.resolve())
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if str(Path(f.filename).resolve()) == target]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    line = (frame.line or "").strip()
+    return f", line {frame.lineno}" + (f" ({line})" if line else "")
 
 
 def trainer_of(module: ModuleType, path: str | Path) -> Trainer:

@@ -35,11 +35,11 @@ from minio.error import MinioException, S3Error
 
 from gpu_worker.checkpoint import (
     CheckpointCorrupt,
-    CheckpointError,
     CheckpointMissing,
     CheckpointRef,
     CheckpointStore,
     LocalCheckpointStore,
+    StorageError,
     _check_ref,
     sha256_hex,
 )
@@ -77,7 +77,7 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 
 
-class CheckpointStoreError(CheckpointError):
+class CheckpointStoreError(StorageError):
     """An object-store request failed for a reason other than a missing or corrupt object.
 
     Attributes: ``operation`` (``"put"``, ``"get"``, ``"stat"``, ``"delete"``,

@@ -1,21 +1,26 @@
 """The embedded worker process: one per device, talking to the coordinator over a pipe.
 
 The coordinator sends encoded StageDispatched events (bytes) and ``b"stop"``; the worker sends
-back encoded events (WorkerJoined first, then each path's results). The worker never writes the
+back batches of events (:func:`events.codec.encode_batch`; WorkerJoined first, then each path's
+results), each appended atomically. A message that is not a dispatch is dead-lettered (sent back
+as a DeadLettered event), never a crash. The worker never writes the
 log itself: in embedded mode the coordinator is the only writer (DESIGN.md "Processes").
 """
 
 from __future__ import annotations
 
 import os
+from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 
 from events import tracing
-from events.codec import decode, encode
-from events.models import Event, StageDispatched, WorkerJoined
+from events.codec import InvalidEvent, decode, encode_batch
+from events.deadletter import dead_letter
+from events.models import CheckpointRequested, Event, PathPreempted, StageDispatched, WorkerJoined
 from gpu_worker.checkpoint import LocalCheckpointStore
 from gpu_worker.executor import PathExecutor, resolve_device
 from gpu_worker.loader import load_trainer
@@ -60,17 +65,63 @@ def _serve(conn: Connection, worker_id: str, index: int, study_file: str, checkp
     executor = PathExecutor(trainer, worker_id, LocalCheckpointStore(Path(checkpoint_dir)), dev)
     warm_up(trainer, dev)
 
-    def emit(event: Event) -> None:
-        conn.send_bytes(encode(event))
+    def emit(events: list[Event]) -> None:
+        conn.send_bytes(encode_batch(events))
 
-    emit(executor.stamp(WorkerJoined(worker_id=worker_id, device=str(dev))))
+    emit([executor.stamp(WorkerJoined(worker_id=worker_id, device=str(dev)))])
+    backlog: deque[bytes] = deque()
     while True:
-        try:
-            msg = conn.recv_bytes()
-        except EOFError:
-            return
+        if backlog:
+            msg = backlog.popleft()
+        else:
+            try:
+                msg = conn.recv_bytes()
+            except EOFError:
+                return
         if msg == STOP:
             return
-        dispatch = decode(msg)
-        if isinstance(dispatch, StageDispatched):
-            executor.run(dispatch, emit)
+        event = _decode(msg, worker_id, emit)
+        if isinstance(event, StageDispatched):
+            executor.run(event, emit, PipeControl(conn, backlog, worker_id, emit))
+        # a decision about a path that has ended already (it finished first) needs nothing
+
+
+def _decode(msg: bytes, worker_id: str, emit: Callable[[list[Event]], None]) -> Event | None:
+    """The event of a coordinator message; a message that is not a worker's event is
+    dead-lettered (one rule: never crash, never drop silently) and None returned."""
+    try:
+        event = decode(msg)
+        if not isinstance(event, (StageDispatched, PathPreempted, CheckpointRequested)):
+            raise InvalidEvent(f"a worker is sent StageDispatched, PathPreempted and CheckpointRequested events, "
+                               f"not {event.type}")
+        return event
+    except InvalidEvent as exc:
+        emit([dead_letter(f"pipe:coordinator->{worker_id}", -1, msg, exc.reason, producer=f"worker:{worker_id}")])
+        return None
+
+
+class PipeControl:
+    """The :class:`~events.execution.Control` of a path on an embedded worker: decisions about
+    it (PathPreempted, CheckpointRequested) arrive on the coordinator's pipe while it trains;
+    anything else read meanwhile waits in ``backlog`` for the worker's loop."""
+
+    def __init__(self, conn: Connection, backlog: deque[bytes], worker_id: str,
+                 emit: Callable[[list[Event]], None]) -> None:
+        self.conn, self.backlog, self.worker_id, self.emit = conn, backlog, worker_id, emit
+
+    def waiting(self) -> bool:
+        return self.conn.poll(0)
+
+    def poll(self) -> list[Event]:
+        out: list[Event] = []
+        while self.conn.poll(0):
+            try:
+                msg = self.conn.recv_bytes()
+            except EOFError:
+                break
+            event = None if msg == STOP else _decode(msg, self.worker_id, self.emit)
+            if isinstance(event, (PathPreempted, CheckpointRequested)):
+                out.append(event)
+            elif msg == STOP or isinstance(event, StageDispatched):
+                self.backlog.append(msg)
+        return out

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 
 import torch
 
-from events.hp import HPConfig, config_values
+from events.hp import HPConfig, config_values, same_value
 from gpu_worker.checkpoint import decode_state, encode_state
 from gpu_worker.sampler import ResumableSampler
 from gpu_worker.trainer import Trainer
@@ -48,12 +49,13 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def _differs(old: float | int, new: float | int) -> bool:
-    """Whether ``new`` is not bitwise the same number as ``old`` (``3 != 3.0``, ``0.0 != -0.0``).
+    """Whether ``new`` is not the same value as ``old`` (``3 != 3.0``, ``0.0 != -0.0``): the one
+    rule of :func:`events.hp.same_value`, also the sharing rule of the search plan.
 
     ``setup`` after a restore receives the exact values, so a straight run
     must call it for any change a restore could observe.
     """
-    return type(old) is not type(new) or repr(old) != repr(new)
+    return not same_value(old, new)
 
 
 class TrainingSession:
@@ -66,7 +68,8 @@ class TrainingSession:
     Per global step ``s`` ``train`` does, in order: seed torch's global RNG
     with ``step_seed(seed, s)``; compute the values ``config_values(config, s)``;
     call ``trainer.setup`` with the values that changed since step ``s - 1``
-    (all of them at the first step after ``start_fresh`` or ``load``); draw the
+    (all of them at the first step after ``start_fresh``; ``load`` applies the
+    values of step ``s - 1`` itself); draw the
     mini-batch from the ``ResumableSampler``; call ``trainer.train_step``.
 
     Raises ValueError (naming field and value) for a seed outside
@@ -104,10 +107,14 @@ class TrainingSession:
 
         Restores the trainer state (model, optimizer), the sampler (generator
         state, permutation, position), the step and the hyper-parameter
-        values. The next ``train`` step calls ``setup`` with ALL values: the
-        trainer keeps hyper-parameter effects outside its state dict (a
-        rebuilt loader, a dropout rate), and since ``setup`` is idempotent,
-        re-applying every value restores them exactly.
+        values, and calls ``setup`` with ALL the values of step ``step - 1``
+        (the last ones a straight run applied): the trainer keeps
+        hyper-parameter effects outside its state dict (a rebuilt loader, a
+        dropout rate, a label smoothing used by ``evaluate``), and since
+        ``setup`` is idempotent, re-applying every value restores them exactly.
+        So ``evaluate`` right after a load sees the same trainer as a straight
+        run evaluating there, and the next ``train`` step calls ``setup`` with
+        the values that changed, as a straight run does.
 
         Raises CheckpointError when ``data`` cannot be decoded, ValueError
         when the format is not ``CHECKPOINT_FORMAT`` or the sampler state
@@ -124,7 +131,12 @@ class TrainingSession:
         self._sampler = sampler
         self._step = state["step"]
         self._hp = dict(state["hp"])
-        self._setup_all = True
+        # The values of step - 1 applied, as a straight run has them at this step: what
+        # evaluate() computes may depend on them (sequence length, label smoothing). The next
+        # train step then calls setup with what changed, as a straight run does.
+        if self._hp:
+            self.trainer.setup(dict(self._hp))
+        self._setup_all = not self._hp
 
     def save(self) -> bytes:
         """Return the checkpoint bytes of the current state.
@@ -143,8 +155,10 @@ class TrainingSession:
         }
         return encode_state(state)
 
-    def train(self, config: HPConfig, to_step: int) -> None:
-        """Train global steps ``[step, to_step)`` under ``config``; afterwards ``step == to_step``.
+    def train(self, config: HPConfig, to_step: int, interrupt: Callable[[], bool] | None = None) -> None:
+        """Train global steps ``[step, to_step)`` under ``config``; afterwards ``step == to_step``,
+        unless ``interrupt()`` (asked before every step) was true: then it returns at that step
+        boundary (a decision about the running path arrived; see events.execution).
 
         ``config`` maps hyper-parameter names (a subset of
         ``trainer.hyperparameters``) to functions of the global step. The
@@ -171,6 +185,8 @@ class TrainingSession:
                 f"{sorted(self._hp)}"
             )
         for s in range(self._step, to_step):
+            if interrupt is not None and interrupt():
+                return  # at a step boundary: self.step says where
             torch.manual_seed(step_seed(self.seed, s))
             values = config_values(config, s)
             batch_size = self._batch_size(values, s)

@@ -18,6 +18,10 @@ each worker as the partitions agree on it:
   whose WorkerJoined some partition has not read yet is not offered work);
 * busy when any partition has a dispatch of it running.
 
+Checkpoint objects and their bytes are summed over the partitions, so a checkpoint budget is
+one budget for the deployment (``peak_checkpoint_bytes`` of the view is the sum of the
+partitions' peaks: an upper bound of the deployment's).
+
 A decision taken from the merged view records the offset of every partition's last folded
 record (``State.offsets`` -> ``Decision.decided_at_partitions``); ``replay verify`` folds each
 partition up to exactly those offsets, merges, and decides again.
@@ -31,7 +35,7 @@ from pathlib import Path
 
 from events.log import EventLog, Record
 from events.models import Event
-from projections.state import State, Stats, Worker
+from projections.state import State, Stats, StoredObject, Worker
 from projections.store import Listener, ProjectionStore, Projector
 
 
@@ -54,6 +58,9 @@ def merge(states: Mapping[int, State]) -> State:
         view.trials.update(part.trials)
         view.dispatches.update(part.dispatches)
         view.studies.update(part.studies)
+        for ref, obj in part.objects.items():
+            mine = view.objects.get(ref)
+            view.objects[ref] = obj if mine is None else StoredObject(obj.size, mine.references + obj.references)
     for worker_id in sorted({w for part in parts for w in part.workers}):
         seen = [part.workers.get(worker_id) for part in parts]
         known = [w for w in seen if w is not None]
@@ -67,6 +74,9 @@ def merge(states: Mapping[int, State]) -> State:
         stages_finished=sum(p.stats.stages_finished for p in parts),
         dispatches=sum(p.stats.dispatches for p in parts),
         answers=sum(p.stats.answers for p in parts),
+        checkpoint_bytes=sum(p.stats.checkpoint_bytes for p in parts),
+        peak_checkpoint_bytes=sum(p.stats.peak_checkpoint_bytes for p in parts),  # an upper bound
+        evictions=sum(p.stats.evictions for p in parts),
     )
     view.offsets = {p: states[p].offset for p in sorted(states)}
     return view

@@ -13,15 +13,19 @@ from __future__ import annotations
 
 from events.hp import canonical_json
 from events.models import (
+    CheckpointEvicted,
+    CheckpointRequested,
     CheckpointSaved,
     DeadLettered,
     Event,
     LogSealed,
     MetricsReported,
+    PathPreempted,
     StageDispatched,
     StageFailed,
     StageFinished,
     StageStarted,
+    StageStopped,
     StudyFinished,
     StudyStarted,
     TrialCancelled,
@@ -30,7 +34,7 @@ from events.models import (
     WorkerLost,
 )
 from projections import search_plan
-from projections.state import Checkpoint, Dispatch, Node, Plan, State, Trial, Worker
+from projections.state import Checkpoint, Dispatch, Node, Plan, State, StoredObject, Trial, Worker
 
 Key = tuple[str, ...]
 
@@ -47,8 +51,10 @@ def apply(state: State, event: Event, offset: int) -> set[Key]:
     """Fold ``event`` (at stream ``offset``) into ``state``; returns the touched keys.
 
     Raises:
-        Rejected: the event cannot be applied; ``state`` is unchanged except that the offset
-            is consumed (the caller records the rejection).
+        Rejected: the event cannot be applied; ``state`` is unchanged (the caller records the
+            rejection and consumes the offset).
+        Exception: anything else is a defect of the reducer: ``state.offset`` is not advanced,
+            so the folder must not commit or skip the event.
     """
     touched: set[Key] = {("meta",)}
     if event.event_id in state.seen:
@@ -57,11 +63,13 @@ def apply(state: State, event: Event, offset: int) -> set[Key]:
     handler = _HANDLERS.get(type(event))
     if handler is None:
         raise Rejected(f"{event.type} events do not belong on the plan stream")
-    state.offset = offset  # consumed even when rejected; handlers read the offset they apply at
     try:
         handler(state, event, touched)
     finally:
         _bump_revisions(state, touched)
+    # Only now is the event consumed: a Rejected one is recorded (and its offset consumed) by the
+    # folder, and any other exception leaves the offset where it was, so the event is not lost.
+    state.offset = offset
     state.seen.add(event.event_id)
     touched.add(("seen", event.event_id))
     return touched
@@ -124,8 +132,8 @@ def _trial_submitted(state: State, ev: TrialSubmitted, touched: set[Key]) -> Non
     scratch = plan if plan is not None else Plan(ev.plan_key, ev.seed)
     try:
         placement = search_plan.place(scratch, ev.hp, ev.steps)
-    except ValueError as exc:
-        raise Rejected(str(exc)) from None
+    except (ValueError, ArithmeticError) as exc:
+        raise Rejected(f"trial {ev.trial_id!r} cannot be placed: {type(exc).__name__}: {exc}") from None
     # Validated: from here on nothing raises.
     if plan is None:
         plan = state.plans[ev.plan_key] = scratch
@@ -158,8 +166,8 @@ def _deliver(state: State, trial: Trial, steps: int, metrics: dict[str, float], 
     state.stats.answers += 1
     trial.answered[steps] = state.stats.answers  # the order answers came in (tuners replay it)
     touched.add(("stats",))
-    if steps == trial.steps and trial.status == "pending":
-        trial.status = "done"
+    if trial.status == "pending" and all(s in trial.results for s in trial.requests):
+        trial.status = "done"  # every step asked is answered (an earlier one may come last)
 
 
 def _trial_cancelled(state: State, ev: TrialCancelled, touched: set[Key]) -> None:
@@ -202,7 +210,8 @@ def _dispatched(state: State, ev: StageDispatched, touched: set[Key]) -> None:
         node = plan.nodes[node_id]
         node.running.append((ev.dispatch_id, a, b))
         touched.add(node_key(node))
-    state.dispatches[ev.dispatch_id] = Dispatch(ev.dispatch_id, ev.worker_id, ev.plan_key, stages)
+    state.dispatches[ev.dispatch_id] = Dispatch(ev.dispatch_id, ev.worker_id, ev.plan_key, stages,
+                                                source=ev.source.ref if ev.source is not None else None)
     worker.dispatch_id = ev.dispatch_id
     state.stats.dispatches += 1
     touched |= {("dispatch", ev.dispatch_id), ("worker", worker.worker_id), ("stats",)}
@@ -213,14 +222,60 @@ def _stage_started(state: State, ev: StageStarted, touched: set[Key]) -> None:
         raise Rejected(f"unknown dispatch {ev.dispatch_id!r}")
 
 
+def _keep(state: State, node: Node, step: int, ckpt: Checkpoint, touched: set[Key]) -> None:
+    """``node`` keeps ``ckpt`` at ``step`` (replacing what it had there); object references and
+    the bytes kept follow."""
+    old = node.ckpt.get(step)
+    if old is not None and old.ref == ckpt.ref:
+        return
+    obj = state.objects.get(ckpt.ref)
+    if obj is None:
+        obj = state.objects[ckpt.ref] = StoredObject(ckpt.size)
+    obj.references += 1
+    if obj.references == 1:
+        state.stats.checkpoint_bytes += obj.size
+        state.stats.peak_checkpoint_bytes = max(state.stats.peak_checkpoint_bytes, state.stats.checkpoint_bytes)
+    node.ckpt[step] = ckpt
+    touched |= {node_key(node), ("object", ckpt.ref), ("stats",)}
+    if old is not None:
+        _release_object(state, old.ref, touched)
+
+
+def _drop(state: State, node: Node, step: int, touched: set[Key]) -> None:
+    """``node`` no longer keeps a checkpoint at ``step``."""
+    old = node.ckpt.pop(step)
+    touched.add(node_key(node))
+    _release_object(state, old.ref, touched)
+
+
+def _release_object(state: State, ref: str, touched: set[Key]) -> None:
+    obj = state.objects.get(ref)
+    if obj is None:  # a projection written before objects were counted
+        return
+    obj.references -= 1
+    if obj.references == 0:
+        state.stats.checkpoint_bytes -= obj.size
+    touched |= {("object", ref), ("stats",)}
+
+
 def _checkpoint_saved(state: State, ev: CheckpointSaved, touched: set[Key]) -> None:
     node = state.node(ev.plan_key, ev.node_id)
     if node is None:
         raise Rejected(f"unknown node {ev.node_id!r} in plan {ev.plan_key!r}")
     if ev.step < node.start_step:
         raise Rejected(f"checkpoint step {ev.step} is before node start {node.start_step}")
-    node.ckpt[ev.step] = Checkpoint(ev.ref, ev.size)
-    touched.add(node_key(node))
+    _keep(state, node, ev.step, Checkpoint(ev.ref, ev.size), touched)
+
+
+def _checkpoint_evicted(state: State, ev: CheckpointEvicted, touched: set[Key]) -> None:
+    node = state.node(ev.plan_key, ev.node_id)
+    if node is None:
+        raise Rejected(f"unknown node {ev.node_id!r} in plan {ev.plan_key!r}")
+    kept = node.ckpt.get(ev.step)
+    if kept is None or kept.ref != ev.ref:
+        raise Rejected(f"node {ev.node_id!r} keeps no checkpoint {ev.ref} at step {ev.step}")
+    _drop(state, node, ev.step, touched)
+    state.stats.evictions += 1
 
 
 def _metrics_reported(state: State, ev: MetricsReported, touched: set[Key]) -> None:
@@ -254,7 +309,7 @@ def _release(state: State, dispatch: Dispatch, touched: set[Key], status: str) -
     touched.add(("dispatch", dispatch.dispatch_id))
 
 
-def _dispatched_stage(state: State, ev: StageFinished | StageFailed) -> Dispatch:
+def _dispatched_stage(state: State, ev: StageFinished | StageFailed | StageStopped) -> Dispatch:
     """The dispatch that ``ev``'s stage belongs to. Raises Rejected when there is none."""
     dispatch = state.dispatches.get(ev.dispatch_id)
     if dispatch is None:
@@ -290,6 +345,52 @@ def _stage_finished(state: State, ev: StageFinished, touched: set[Key]) -> None:
             _release(state, dispatch, touched, "done")
 
 
+def _stage_stopped(state: State, ev: StageStopped, touched: set[Key]) -> None:
+    """A preempted path ended inside (or at the start of) a stage: account what it trained and
+    free the worker; the rest of the dispatch is dropped."""
+    dispatch = _dispatched_stage(state, ev)
+    if not ev.from_step <= ev.step <= ev.to_step:
+        raise Rejected(f"step {ev.step} is outside the stage [{ev.from_step}, {ev.to_step}]")
+    plan = state.plans[dispatch.plan_key]
+    node = plan.nodes[ev.node_id]
+    steps = ev.step - ev.from_step
+    state.stats.executed_steps += steps
+    state.stats.worker_seconds += ev.seconds
+    plan.executed_steps += steps
+    plan.worker_seconds += ev.seconds
+    if steps:
+        node.profile_steps += steps
+        node.profile_seconds += ev.train_seconds
+    touched |= {("stats",), ("plan", plan.plan_key), node_key(node)}
+    if dispatch.status == "running":
+        _release(state, dispatch, touched, "preempted")
+
+
+def _running_dispatch(state: State, ev: PathPreempted | CheckpointRequested) -> Dispatch:
+    dispatch = state.dispatches.get(ev.dispatch_id)
+    if dispatch is None or dispatch.status != "running":
+        raise Rejected(f"dispatch {ev.dispatch_id!r} is not running")
+    return dispatch
+
+
+def _path_preempted(state: State, ev: PathPreempted, touched: set[Key]) -> None:
+    dispatch = _running_dispatch(state, ev)
+    if ev.until_stage is not None and (ev.until_stage >= len(dispatch.stages) or ev.until_step is None):
+        raise Rejected(f"`until_stage` {ev.until_stage} with `until_step` {ev.until_step} is not in "
+                       f"dispatch {ev.dispatch_id!r}")
+    dispatch.until = (ev.until_stage, ev.until_step) if ev.until_stage is not None and ev.until_step is not None \
+        else (-1, -1)
+    touched.add(("dispatch", dispatch.dispatch_id))
+
+
+def _checkpoint_requested(state: State, ev: CheckpointRequested, touched: set[Key]) -> None:
+    dispatch = _running_dispatch(state, ev)
+    if not any(n == ev.node_id and a < ev.step < b for n, a, b in dispatch.stages):
+        raise Rejected(f"step {ev.step} of node {ev.node_id!r} is inside no stage of dispatch {ev.dispatch_id!r}")
+    dispatch.requested.append((ev.node_id, ev.step, ev.evaluate))
+    touched.add(("dispatch", dispatch.dispatch_id))
+
+
 def _stage_failed(state: State, ev: StageFailed, touched: set[Key]) -> None:
     dispatch = _dispatched_stage(state, ev)
     stage = (ev.node_id, ev.from_step, ev.to_step)
@@ -303,14 +404,13 @@ def _stage_failed(state: State, ev: StageFailed, touched: set[Key]) -> None:
                 trial.status, trial.error = "failed", ev.error
                 touched.add(("trial", trial_id))
             touched.add(node_key(node))
+    elif ev.kind == "storage":
+        pass  # the store failed, not the trial: the path is simply handed back (released below)
     else:
         # The source checkpoint is corrupt or gone: forget it, so the scheduler recomputes it.
         for node in plan.nodes.values():
-            bad = [s for s, c in node.ckpt.items() if c.ref == ev.ref]
-            for s in bad:
-                del node.ckpt[s]
-            if bad:
-                touched.add(node_key(node))
+            for s in [s for s, c in node.ckpt.items() if c.ref == ev.ref]:
+                _drop(state, node, s, touched)
     if dispatch.status == "running":
         _release(state, dispatch, touched, "failed")
 
@@ -356,4 +456,8 @@ _HANDLERS = {
     WorkerLost: _worker_lost,
     DeadLettered: _dead_lettered,
     LogSealed: _log_sealed,
+    StageStopped: _stage_stopped,
+    PathPreempted: _path_preempted,
+    CheckpointRequested: _checkpoint_requested,
+    CheckpointEvicted: _checkpoint_evicted,
 }

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from events.hp import HPConfig, first_divergence
+from events.hp import HPConfig, first_divergence, value_key
+from projections.queries import unique_steps
 from projections.state import Node, Plan
 
 
@@ -32,14 +33,16 @@ _CHILDREN = "search_plan.children"
 step, values at start) -> first such child}]``, or None for a parent whose children cannot all
 be indexed (a value overflows)."""
 
-Values = tuple[tuple[str, int | float], ...]
+Values = tuple[tuple[str, tuple[object, ...]], ...]
 
 
 def _values_at(hp: HPConfig, step: int) -> Values | None:
-    """``(name, value at step)`` for every hyper-parameter, sorted by name; None when a value
-    cannot be computed (an exponential leaving the float range)."""
+    """``(name, value_key(value at step))`` for every hyper-parameter, sorted by name, so two
+    configurations get equal keys exactly when their values are the same (:func:`events.hp.same_value`:
+    32 and 32.0 are not); None when a value cannot be computed (an exponential leaving the
+    float range)."""
     try:
-        return tuple((name, hp[name].value(step)) for name in sorted(hp))
+        return tuple((name, value_key(hp[name].value(step))) for name in sorted(hp))
     except ArithmeticError:
         return None
 
@@ -135,26 +138,6 @@ def insert(plan: Plan, hp: HPConfig, steps: int) -> Node:
     if placement.node_id is not None:
         return plan.nodes[placement.node_id]
     return add_node(plan, placement, hp)
-
-
-def unique_steps(plan: Plan, targets: list[tuple[str, int]]) -> int:
-    """Steps of the union of the trials' prefixes: the unique training steps after merging.
-
-    Args:
-        targets: ``(node_id, steps)`` for each trial: its serving node and its maximum steps.
-
-    Each node contributes ``max end - start_step`` over the trials passing through it.
-    """
-    end: dict[str, int] = {}
-    for node_id, steps in targets:
-        node: Node | None = plan.nodes[node_id]
-        stop = steps
-        while node is not None:
-            if end.get(node.node_id, -1) < stop:
-                end[node.node_id] = stop
-            stop = node.start_step
-            node = plan.nodes[node.parent_id] if node.parent_id is not None else None
-    return sum(stop - plan.nodes[n].start_step for n, stop in end.items())
 
 
 def merged_unique_steps(trials: list[tuple[HPConfig, int]]) -> int:

@@ -168,7 +168,8 @@ class Worker:
     dispatch_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "device": self.device, "alive": self.alive, "dispatch_id": self.dispatch_id}
+        return {"worker_id": self.worker_id, "device": self.device, "alive": self.alive,
+                "dispatch_id": self.dispatch_id}
 
     @classmethod
     def from_json(cls, o: dict[str, Any]) -> Worker:
@@ -177,14 +178,20 @@ class Worker:
 
 @dataclass
 class Dispatch:
-    """A dispatched path: its stages ``(node_id, from_step, to_step)`` in order."""
+    """A dispatched path: its stages ``(node_id, from_step, to_step)`` in order, the checkpoint
+    ``source`` (ref) it starts from (None: a fresh start), the checkpoints its worker was asked to
+    save inside its stages (``requested``: ``(node_id, step, evaluate)``), and, once preempted,
+    how far it may still train (``until``: ``(stage index, step)``, or ``(-1, -1)``: stop now)."""
 
     dispatch_id: str
     worker_id: str
     plan_key: str
     stages: list[tuple[str, int, int]]
     finished: int = 0
-    status: str = "running"  # running | done | failed | lost
+    status: str = "running"  # running | done | failed | lost | preempted
+    source: str | None = None
+    requested: list[tuple[str, int, bool]] = field(default_factory=list)
+    until: tuple[int, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -194,10 +201,14 @@ class Dispatch:
             "stages": [list(s) for s in self.stages],
             "finished": self.finished,
             "status": self.status,
+            "source": self.source,
+            "requested": [list(r) for r in self.requested],
+            "until": list(self.until) if self.until is not None else None,
         }
 
     @classmethod
     def from_json(cls, o: dict[str, Any]) -> Dispatch:
+        until = o.get("until")
         return cls(
             dispatch_id=o["dispatch_id"],
             worker_id=o["worker_id"],
@@ -205,7 +216,23 @@ class Dispatch:
             stages=[(n, a, b) for n, a, b in o["stages"]],
             finished=o["finished"],
             status=o["status"],
+            source=o.get("source"),
+            requested=[(n, s, e) for n, s, e in o.get("requested", [])],
+            until=(until[0], until[1]) if until is not None else None,
         )
+
+
+@dataclass
+class StoredObject:
+    """A checkpoint object of the store (content-addressed by its sha256 ``ref``): its ``size``
+    in bytes and how many plan places (node, step) reference it. An object no place references
+    is garbage: evicted, or dropped as corrupt; its deletion is due."""
+
+    size: int
+    references: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "references": self.references}
 
 
 @dataclass
@@ -217,6 +244,10 @@ class Stats:
     stages_finished: int = 0
     dispatches: int = 0
     answers: int = 0
+    checkpoint_bytes: int = 0
+    """Bytes of the checkpoint objects the plans reference now (what the store keeps)."""
+    peak_checkpoint_bytes: int = 0
+    evictions: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -225,7 +256,29 @@ class Stats:
             "stages_finished": self.stages_finished,
             "dispatches": self.dispatches,
             "answers": self.answers,
+            "checkpoint_bytes": self.checkpoint_bytes,
+            "peak_checkpoint_bytes": self.peak_checkpoint_bytes,
+            "evictions": self.evictions,
         }
+
+
+@dataclass
+class Rejection:
+    """A plan-stream record the fold could not use (dead-lettered): the reason (capped), and the
+    sha256 and size (bytes) of the record, which stays in the log at its offset."""
+
+    reason: str
+    sha256: str
+    size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reason": self.reason, "sha256": self.sha256, "size": self.size}
+
+    @classmethod
+    def from_json(cls, o: Any) -> Rejection:
+        if isinstance(o, str):  # projections written before rejections kept a hash
+            return cls(o, "", 0)
+        return cls(o["reason"], o["sha256"], o["size"])
 
 
 @dataclass
@@ -241,7 +294,9 @@ class State:
     studies: dict[str, dict[str, Any]] = field(default_factory=dict)
     stats: Stats = field(default_factory=Stats)
     seen: set[str] = field(default_factory=set)
-    rejected: dict[int, str] = field(default_factory=dict)
+    rejected: dict[int, Rejection] = field(default_factory=dict)
+    objects: dict[str, StoredObject] = field(default_factory=dict)
+    """Every checkpoint object ever saved, by ref (see :class:`StoredObject`)."""
     offset: int = -1
     chain: str = "0" * 64  # hash chain of the plan stream after ``offset`` (events.log.chain_next)
     offsets: dict[int, int] | None = None

@@ -9,20 +9,22 @@ After a crash the projector resumes at stored offset + 1.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
-from rocksdict import Options, Rdict, WriteBatch, WriteOptions
-
 from opentelemetry.trace import SpanKind
+from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 
 from events import topics, tracing
 from events.codec import InvalidEvent, decode, encode
+from events.deadletter import dead_letter
 from events.log import EventLog, Record, chain_next
 from events.models import DeadLettered, Event
+from projections.queries import node_number
 from projections.reducer import Key, Rejected, apply
-from projections.state import Dispatch, Node, Plan, State, Stats, Trial, Worker
+from projections.state import Dispatch, Node, Plan, Rejection, State, Stats, StoredObject, Trial, Worker
 
 
 def _dumps(obj: Any) -> bytes:
@@ -46,8 +48,11 @@ def record_of(state: State, key: Key) -> bytes | None:
     if kind == "seen":
         return b"1" if key[1] in state.seen else None
     if kind == "rejected":
-        reason = state.rejected.get(int(key[1]))
-        return None if reason is None else _dumps(reason)
+        rejection = state.rejected.get(int(key[1]))
+        return None if rejection is None else _dumps(rejection.to_json())
+    if kind == "object":
+        obj = state.objects.get(key[1])
+        return None if obj is None else _dumps(obj.to_json())
     if kind == "plan":
         plan = state.plans.get(key[1])
         return None if plan is None else _dumps(plan.meta_json())
@@ -76,11 +81,15 @@ def all_keys(state: State) -> Iterator[Key]:
         yield ("seen", event_id)
     for offset in state.rejected:
         yield ("rejected", f"{offset:016d}")
+    for ref in state.objects:
+        yield ("object", ref)
     for plan in state.plans.values():
         yield ("plan", plan.plan_key)
         for node_id in plan.nodes:
             yield ("node", plan.plan_key, node_id)
-    for kind, table in (("trial", state.trials), ("worker", state.workers), ("dispatch", state.dispatches), ("study", state.studies)):
+    tables = (("trial", state.trials), ("worker", state.workers), ("dispatch", state.dispatches),
+              ("study", state.studies))
+    for kind, table in tables:
         for ident in table:
             yield (kind, ident)
 
@@ -163,7 +172,9 @@ class ProjectionStore:
             elif kind == "seen":
                 state.seen.add(parts[1])
             elif kind == "rejected":
-                state.rejected[int(parts[1])] = value
+                state.rejected[int(parts[1])] = Rejection.from_json(value)
+            elif kind == "object":
+                state.objects[parts[1]] = StoredObject(value["size"], value["references"])
             elif kind == "plan":
                 state.plans[value["plan_key"]] = Plan(value["plan_key"], value["seed"], list(value["roots"]),
                                                       executed_steps=value["executed_steps"],
@@ -178,7 +189,7 @@ class ProjectionStore:
                 state.dispatches[parts[1]] = Dispatch.from_json(value)
             elif kind == "study":
                 state.studies[parts[1]] = value
-        for node in sorted(nodes, key=lambda n: int(n.node_id[1:])):
+        for node in sorted(nodes, key=lambda n: node_number(n.node_id)):
             state.plans[node.plan_key].nodes[node.node_id] = node
         return state
 
@@ -189,16 +200,80 @@ class ProjectionStore:
 Listener = Callable[[int, Event], None]
 
 
+@dataclass
+class Folded:
+    """What a fold did: the touched record keys (to commit), the applied ``(offset, event)``
+    pairs, and the dead letters ``(record key, letter)`` of the records it could not use."""
+
+    touched: set[Key] = field(default_factory=set)
+    applied: list[tuple[int, Event]] = field(default_factory=list)
+    letters: list[tuple[str, DeadLettered]] = field(default_factory=list)
+
+
+def fold_records(state: State, records: Iterable[Record], folded: Folded | None = None, *,
+                 secret: bytes | None = None,
+                 on_event: Callable[[Record, Event, State], None] | None = None,
+                 after: Callable[[int, State], None] | None = None, traced: bool = False) -> Folded:
+    """The one fold of the plan stream (DESIGN.md invariant 3), used by the live projector, the
+    audit and the tests: apply ``records`` (in offset order, after ``state.offset``) to ``state``.
+
+    For each record: advance the hash chain ``state.chain`` (sha256, or HMAC with ``secret``),
+    decode it and apply it with the reducer. A record that cannot be decoded or is
+    :class:`Rejected` consumes its offset, is recorded in ``state.rejected`` (capped reason,
+    sha256 and size) and gets a dead letter in ``folded.letters``. ``on_event(record, event,
+    state)`` runs before each decoded event is applied, ``after(offset, state)`` after each record
+    (applied or rejected). ``traced``: record each apply as a span in the event's trace (the live
+    projector). Offsets may have gaps (Kafka transaction markers): only the last
+    offset applied is tracked.
+
+    Any other exception is a defect: it propagates with ``state.offset`` and ``state.chain`` still
+    at the last record used, so nothing is skipped; what was folded before it is in ``folded``
+    (pass your own ``folded`` to keep it, and commit it).
+    """
+    folded = Folded() if folded is None else folded
+    for record in records:
+        chain = chain_next(bytes.fromhex(state.chain), topics.PLAN, record.offset, record.key, record.value,
+                           secret).hex()
+        try:
+            event = decode(record.value)
+            if on_event is not None:
+                on_event(record, event, state)
+            if traced and event.trace and tracing.enabled():
+                with tracing.span(f"projection.apply {event.type}", parent=event.trace, kind=SpanKind.CONSUMER,
+                                  attributes=tracing.messaging("process", topics.PLAN, event.event_id,
+                                                               offset=record.offset)):
+                    touched = apply(state, event, record.offset)
+            else:
+                touched = apply(state, event, record.offset)
+        except (InvalidEvent, Rejected) as exc:
+            letter = dead_letter(topics.PLAN, record.offset, record.value, str(exc), producer="projector",
+                                 partition=record.partition or None)
+            state.offset, state.chain = record.offset, chain
+            state.rejected[record.offset] = Rejection(letter.reason, letter.sha256 or "", letter.size or 0)
+            folded.touched |= {("meta",), ("rejected", f"{record.offset:016d}")}
+            folded.letters.append((record.key, letter))
+        else:
+            state.chain = chain
+            folded.touched |= touched
+            folded.applied.append((record.offset, event))
+        if after is not None:
+            after(record.offset, state)
+    return folded
+
+
 class Projector:
     """Folds the plan stream of ``log`` (its ``partition``) into ``state``, persisting to
     ``store`` when given.
 
-    Each call to :meth:`catch_up` reads every record after ``state.offset``; :meth:`fold` takes
-    records delivered otherwise (a faust agent's, a follower's). Either applies them with the
-    reducer, dead-letters what cannot be decoded or applied (``stagetree.deadletter``, with the
-    reason; only when ``dead_letters`` is true, i.e. in the one live projector, not in replays),
-    and commits state + offset in one batch. Offsets may have gaps (Kafka transaction markers):
-    ``state.offset`` is the last offset applied, and a record at or before it is skipped.
+    Each call to :meth:`catch_up` folds every record after ``state.offset`` with
+    :func:`fold_records`; :meth:`fold` takes records delivered otherwise (a faust agent's, a
+    follower's) and skips those at or before ``state.offset`` (offsets may have gaps: Kafka
+    transaction markers). Either commits the touched records, the offset and the rejections in
+    one batch; then, when ``dead_letters`` is true (the one live projector, not replays),
+    publishes the dead letters to ``stagetree.deadletter``. Publishing after the commit is an
+    outbox: a crash in between loses no letter, because a projector that starts publishes the
+    rejections its state holds that the dead-letter stream lacks (same event ids, so never twice
+    in effect).
     """
 
     def __init__(self, log: EventLog, state: State | None = None, store: ProjectionStore | None = None,
@@ -210,60 +285,52 @@ class Projector:
         self.secret = secret
         self.partition = partition
         self.listeners: list[Listener] = []
+        if dead_letters and self.state.rejected:
+            self._publish_missing_letters()
+
+    def _publish_missing_letters(self) -> None:
+        """Publish the dead letters of rejections the dead-letter stream does not hold yet."""
+        published = set()
+        for record in self.log.read(topics.DEADLETTER):
+            try:
+                letter = decode(record.value)
+            except InvalidEvent:
+                continue
+            if isinstance(letter, DeadLettered) and letter.stream == topics.PLAN \
+                    and (letter.partition or 0) == self.partition:
+                published.add(letter.offset)
+        letters = []
+        for offset in sorted(set(self.state.rejected) - published):
+            for record in self.log.read(topics.PLAN, offset, offset + 1, partition=self.partition):
+                letters.append((record.key, dead_letter(topics.PLAN, offset, record.value,
+                                                        self.state.rejected[offset].reason, producer="projector",
+                                                        partition=self.partition or None)))
+        if letters:
+            self.log.append_many(topics.DEADLETTER, [(key, encode(letter)) for key, letter in letters])
 
     def catch_up(self, stop: int | None = None) -> list[tuple[int, Event]]:
         """Fold records from ``state.offset + 1`` up to ``stop`` (exclusive; default: the end).
 
-        Returns the applied ``(offset, event)`` pairs, after notifying listeners.
+        Returns the applied ``(offset, event)`` pairs, after notifying listeners. An unexpected
+        exception (a defect of the reducer) propagates after what was folded before it is
+        committed; the record that raised is neither applied nor skipped.
         """
         return self.fold(self.log.read(topics.PLAN, self.state.offset + 1, stop, partition=self.partition))
 
     def fold(self, records: Iterable[Record]) -> list[tuple[int, Event]]:
-        """Fold ``records`` (of this projector's partition, in offset order); those at or
-        before ``state.offset`` were folded already and are skipped.
-
-        Returns the applied ``(offset, event)`` pairs, after notifying listeners.
-        """
-        touched: set[Key] = set()
-        applied: list[tuple[int, Event]] = []
-        dead: list[tuple[str, bytes]] = []
-        for record in records:
-            if record.offset <= self.state.offset:
-                continue
-            self.state.chain = chain_next(bytes.fromhex(self.state.chain), topics.PLAN, record.offset, record.key,
-                                          record.value, self.secret).hex()
-            try:
-                event = decode(record.value)
-                if tracing.enabled() and event.trace:
-                    with tracing.span(f"projection.apply {event.type}", parent=event.trace, kind=SpanKind.CONSUMER,
-                                      attributes=tracing.messaging("process", topics.PLAN, event.event_id,
-                                                                   offset=record.offset)):
-                        touched |= apply(self.state, event, record.offset)
-                else:
-                    touched |= apply(self.state, event, record.offset)
-            except (InvalidEvent, Rejected) as exc:
-                reason = str(exc)
-                self.state.offset = record.offset
-                self.state.rejected[record.offset] = reason
-                touched |= {("meta",), ("rejected", f"{record.offset:016d}")}
-                letter = DeadLettered(
-                    event_id=f"dl-{topics.PLAN}-{record.offset}" if not self.partition
-                    else f"dl-{topics.PLAN}-{self.partition}-{record.offset}",
-                    producer="projector",
-                    stream=topics.PLAN,
-                    offset=record.offset,
-                    reason=reason,
-                    raw=record.value.decode("utf-8", "replace"),
-                    partition=self.partition or None,
-                )
-                dead.append((record.key, encode(letter)))
-                continue
-            applied.append((record.offset, event))
-        if dead and self.dead_letters:
-            self.log.append_many(topics.DEADLETTER, dead)
-        if self.store is not None and touched:
-            self.store.commit(self.state, touched)
-        for offset, event in applied:
+        """Fold ``records`` (of this projector's partition, in offset order); those at or before
+        ``state.offset`` were folded already and are skipped. Commits, dead-letters and notifies
+        as :meth:`catch_up`; returns the applied ``(offset, event)`` pairs."""
+        folded = Folded()
+        try:
+            fold_records(self.state, (r for r in records if r.offset > self.state.offset), folded,
+                         secret=self.secret, traced=True)
+        finally:
+            if self.store is not None and folded.touched:
+                self.store.commit(self.state, folded.touched)
+        if folded.letters and self.dead_letters:
+            self.log.append_many(topics.DEADLETTER, [(key, encode(letter)) for key, letter in folded.letters])
+        for offset, event in folded.applied:
             for listener in self.listeners:
                 listener(offset, event)
-        return applied
+        return folded.applied

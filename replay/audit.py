@@ -11,19 +11,22 @@ cannot be re-sealed without the key.
 1. ``chain``: every stream's records are dense from offset 0 and their chain values recompute
    (a Kafka deployment: every partition's chain up to each of its LogSealed records; offsets
    there have gaps, where transaction markers are);
-2. ``decision``: every decision (:class:`events.models.Decision`) is recomputed, or checked, from
-   exactly the log prefix it records, DESIGN.md invariant 3: a StageDispatched equals what the
-   scheduler decides there; a WorkerLost names a worker alive there. On a partitioned plan
-   stream the prefix is the offset of every partition's last folded record: each partition is
-   folded up to it and the partitions' states merged (:func:`projections.partitions.merge`).
-   Further decision types register their check in :data:`DECISION_CHECKS`;
+2. ``decision``: every decision (StageDispatched, CheckpointEvicted, PathPreempted,
+   CheckpointRequested; on a partitioned stream also a WorkerLost that ``serve`` decided)
+   equals what its decider recomputes from the log prefix it records (``decided_at``; on a
+   partitioned plan stream the offset of every partition's last folded record,
+   ``decided_at_partitions``: each partition folded up to it and the states merged),
+   DESIGN.md invariant 3 (replay/decisions.py);
 3. ``projection``: the projection rebuilt by folding the plan stream equals the stored one byte
    for byte (run dir: ``state/``; export: the digest in its header);
-4. ``checkpoint``: every checkpoint referenced by a CheckpointSaved exists and matches its sha256.
+4. ``checkpoint``: every checkpoint referenced by a CheckpointSaved exists and matches its sha256,
+   except those the plans no longer reference (evicted under a budget, or dropped as corrupt),
+   which are expected missing.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 from collections.abc import Callable, Iterable
@@ -36,17 +39,18 @@ import orjson
 from events import topics
 from events.codec import InvalidEvent, decode
 from events.log import CHAIN_START, EmbeddedLog, Record, chain_algorithm, chain_next
-from events.models import CheckpointSaved, Decision, LogSealed, StageDispatched, WorkerLost
+from events.models import CheckpointSaved, LogSealed
 from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing
 from gpu_worker.object_store import open_checkpoint_store
 from projections.partitions import merge
-from projections.reducer import Rejected, apply
 from projections.state import State
-from projections.store import ProjectionStore, all_keys, snapshot
-from scheduler.decide import decide, same_decision
+from projections.store import ProjectionStore, all_keys, fold_records, snapshot
+from replay.decisions import DecisionCheck, replay_partitioned
 
 EXPORT_FORMAT = "stagetree-log"
-EXPORT_VERSION = 1
+EXPORT_VERSION = 2
+"""Version 2 writes a record whose bytes are not UTF-8 (a dead-lettered record) as ``value_b64``
+(base64) instead of ``value``; version 1 exports (``value`` only) still read."""
 KEY_ENV = "STAGETREE_LOG_KEY"
 
 
@@ -117,10 +121,14 @@ def open_export(path: Path, checkpoints: str | None = None) -> Source:
     if not isinstance(header, dict) or header.get("format") != EXPORT_FORMAT:
         raise AuditError(f"{str(path)!r} is not a stagetree log export (line 1: {lines[0][:80]!r})")
     streams: dict[str, list[Record]] = {}
+    if header.get("version", 1) > EXPORT_VERSION:
+        raise AuditError(f"{str(path)!r} is a version {header.get('version')!r} export; this stagetree reads "
+                         f"versions 1 to {EXPORT_VERSION}")
     for n, line in enumerate(lines[1:], start=2):
         try:
             o = orjson.loads(line)
-            record = Record(o["stream"], int(o["offset"]), o["key"], o["value"].encode(), bytes.fromhex(o["chain"]),
+            value = base64.b64decode(o["value_b64"], validate=True) if "value_b64" in o else o["value"].encode()
+            record = Record(o["stream"], int(o["offset"]), o["key"], value, bytes.fromhex(o["chain"]),
                             int(o.get("partition", 0)))
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise AuditError(f"{str(path)!r} line {n}: malformed record ({type(exc).__name__}: {exc})") from None
@@ -167,6 +175,15 @@ def open_source(path: str | Path, secret: bytes | None = None, checkpoints: str 
 # ----------------------------------------------------------------------------- export / import
 
 
+def _value_field(record: Record) -> dict[str, str]:
+    """A record's bytes in an export line: ``value`` (text) when they are UTF-8, else
+    ``value_b64`` (base64), so every record, a dead-lettered one included, is carried exactly."""
+    try:
+        return {"value": record.value.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {"value_b64": base64.b64encode(record.value).decode("ascii")}
+
+
 def export_log(source: Source, out: Path, secret: bytes | None = None) -> int:
     """Write ``source`` as JSONL to ``out``; returns the number of records.
 
@@ -185,8 +202,7 @@ def export_log(source: Source, out: Path, secret: bytes | None = None) -> int:
         f.write(orjson.dumps(header) + b"\n")
         for name in sorted(source.streams):
             for r in source.streams[name]:
-                line = {"stream": r.stream, "offset": r.offset, "key": r.key, "value": r.value.decode(),
-                        "chain": r.chain.hex()}
+                line = {"stream": r.stream, "offset": r.offset, "key": r.key, **_value_field(r), "chain": r.chain.hex()}
                 if r.partition:
                     line["partition"] = r.partition
                 f.write(orjson.dumps(line) + b"\n")
@@ -223,24 +239,20 @@ def import_log(source: Source, out: Path, secret: bytes | None) -> None:
 # ----------------------------------------------------------------------------- verify
 
 
-def fold_record(state: State, r: Record, secret: bytes | None = None,
-                on_event: Callable[[Record, Any, State], None] | None = None) -> None:
-    """Fold one plan-stream record into ``state`` as the projector does (the hash chain kept
-    with ``secret``; an undecodable or rejected record recorded in ``state.rejected``).
-    ``on_event(record, event, state)`` runs before a decoded event is applied."""
-    state.chain = chain_next(bytes.fromhex(state.chain), topics.PLAN, r.offset, r.key, r.value, secret).hex()
-    try:
-        event = decode(r.value)
-    except InvalidEvent as exc:
-        state.offset = r.offset
-        state.rejected[r.offset] = str(exc)
-        return
-    if on_event is not None:
-        on_event(r, event, state)
-    try:
-        apply(state, event, r.offset)
-    except Rejected as exc:
-        state.rejected[r.offset] = str(exc)
+def fold(records: Iterable[Record], on_event: Callable[[Record, Any, State], None] | None = None,
+         after: Callable[[int, State], None] | None = None, secret: bytes | None = None) -> State:
+    """Fold plan-stream records into a fresh state with the projector's own fold
+    (:func:`projections.store.fold_records`); ``on_event``/``after`` as there. ``after(-1, state)``
+    runs first, on the empty state. Records of several partitions are folded partition by
+    partition and their states merged (:func:`projections.partitions.merge`); ``after`` then
+    sees each record's partition's state."""
+    states = {}
+    for partition, recs in by_partition(records).items():
+        state = states[partition] = State()
+        if after is not None and partition == 0:
+            after(-1, state)
+        fold_records(state, recs, secret=secret, on_event=on_event, after=after)
+    return merge(states)
 
 
 def by_partition(records: Iterable[Record]) -> dict[int, list[Record]]:
@@ -254,40 +266,17 @@ def by_partition(records: Iterable[Record]) -> dict[int, list[Record]]:
     return parts
 
 
-def fold(records: Iterable[Record], on_event: Callable[[Record, Any, State], None] | None = None,
-         after: Callable[[int, State], None] | None = None, secret: bytes | None = None) -> State:
-    """Fold plan-stream records into a fresh state as the projector does (rejections recorded,
-    the hash chain kept with ``secret``). Records of several partitions are folded partition by
-    partition and their states merged (:func:`projections.partitions.merge`).
-
-    ``on_event(record, event, state)`` runs before each decoded event is applied;
-    ``after(offset, state)`` after each record (applied or rejected); with several partitions
-    ``state`` is the record's partition's.
-    """
-    states = {}
-    for partition, recs in by_partition(records).items():
-        state = states[partition] = State()
-        if after is not None and partition == 0:
-            after(-1, state)
-        for r in recs:
-            fold_record(state, r, secret, on_event)
-            if after is not None:
-                after(r.offset, state)
-    return merge(states)
-
-
 def plan_snapshot(records: Iterable[Record], secret: bytes | None = None) -> dict[bytes, bytes]:
     """The projection records of the plan stream's fold: :func:`projections.store.snapshot`
     of its one partition, or of every partition of a partitioned stream, each key prefixed
     with ``p<partition>/``."""
     parts = by_partition(records)
-    if set(parts) == {0}:
-        return snapshot(fold(parts[0], secret=secret))
     out = {}
     for partition, recs in parts.items():
         state = State()
-        for r in recs:
-            fold_record(state, r, secret)
+        fold_records(state, recs, secret=secret)
+        if set(parts) == {0}:
+            return snapshot(state)
         out.update({f"p{partition}/".encode() + k: v for k, v in snapshot(state).items()})
     return out
 
@@ -400,151 +389,48 @@ def check_chain(source: Source, secret: bytes | None) -> Failure | None:
     return None
 
 
-DecisionCheck = Callable[[State, Any], "str | None"]
-"""Checks a decision against the state folded from exactly its prefix (the merged view of a
-partitioned stream): None when it holds, else what the decider computes there / why not."""
-
-
-def _stages(d: StageDispatched) -> list[tuple[str, int, int]]:
-    return [(s.node_id, s.from_step, s.to_step) for s in d.stages]
-
-
-def _check_dispatch(view: State, event: StageDispatched) -> str | None:
-    again = decide(view, event.policy)
-    if again is not None and same_decision(again, event):
-        return None
-    what = "no dispatch" if again is None else f"{again.dispatch_id} to {again.worker_id}: {_stages(again)}"
-    return (f"recorded {event.dispatch_id} to {event.worker_id}: {_stages(event)}; the scheduler computes {what} "
-            f"from the prefix {_prefix_text(event)} with policy {event.policy!r}")
-
-
-def _check_worker_lost(view: State, event: WorkerLost) -> str | None:
-    worker = view.workers.get(event.worker_id)
-    if worker is not None and worker.alive:
-        return None
-    return f"worker {event.worker_id!r} was not alive in the prefix {_prefix_text(event)} it was declared lost from"
-
-
-DECISION_CHECKS: dict[type, DecisionCheck] = {StageDispatched: _check_dispatch, WorkerLost: _check_worker_lost}
-"""How ``replay verify`` checks each decision type from its prefix; a new decision type adds
-its check here (a decision type without one is counted as unchecked)."""
-
-
-def _prefix_text(event: Decision) -> str:
-    if event.decided_at_partitions is not None:
-        return "at offsets " + ", ".join(f"{p}:{o}" for p, o in sorted(event.decided_at_partitions.items()))
-    return f"up to offset {event.decided_at}"
-
-
-def prefix_of(event: Decision, partition: int) -> dict[int, int] | None:
-    """The prefix a decision recorded as ``{partition: last folded offset}``, or None when it
-    records none (a worker's own WorkerLost; logs from before the field)."""
-    if event.decided_at_partitions is not None:
-        return dict(event.decided_at_partitions)
-    if isinstance(event, StageDispatched) or event.decided_at >= 0:
-        return {partition: event.decided_at}
-    return None
-
-
-def replay_decisions(parts: dict[int, list[Record]], secret: bytes | None = None,
-                     on_event: Callable[[Record, Any, State], None] | None = None
-                     ) -> tuple[Failure | None, int, int, dict[int, State]]:
-    """Fold every partition, checking each decision (:data:`DECISION_CHECKS`) on the state
-    folded from exactly the prefix it records: ``(first failure, decisions checked, decisions
-    without a check, each partition's final state)``.
-
-    Decisions are visited in the order of their prefixes; each partition's fold only moves
-    forward, so a prefix behind an earlier decision's (two deciders at once, or one that did not
-    fold its predecessor's decisions) is a failure too.
-    """
-    decisions: list[tuple[int, dict[int, int], int, Record, Decision]] = []
-    failure: Failure | None = None
-    for partition, records in parts.items():
-        for r in records:
-            if b'"decided_at' not in r.value:
-                continue
-            try:
-                event = decode(r.value)
-            except InvalidEvent:
-                continue
-            if not isinstance(event, Decision):
-                continue
-            prefix = prefix_of(event, partition)
-            if prefix is None:
-                continue
-            if len(parts) > 1 and event.decided_at_partitions is None:
-                failure = failure or Failure("decision", r.offset, event.type,
-                                             f"partition {partition}: the decision records no offsets of the other "
-                                             "partitions of a partitioned stream")
-                continue
-            decisions.append((sum(prefix.values()), prefix, len(decisions), r, event))
-    decisions.sort(key=lambda d: (d[0], sorted(d[1].items()), d[3].partition, d[3].offset))
-    states = {p: State() for p in parts}
-    cursor = {p: 0 for p in parts}
-
-    def advance(partition: int, upto: int) -> None:
-        records, state = parts.get(partition, []), states.setdefault(partition, State())
-        i = cursor.setdefault(partition, 0)
-        while i < len(records) and records[i].offset <= upto:
-            fold_record(state, records[i], secret, on_event)
-            i += 1
-        cursor[partition] = i
-
-    checked = unchecked = 0
-    for _, prefix, _, r, event in decisions:
-        if failure is not None:
-            break
-        check = DECISION_CHECKS.get(type(event))
-        if check is None:
-            unchecked += 1
-            continue
-        if prefix.get(r.partition, -1) >= r.offset:
-            failure = Failure("decision", r.offset, event.type, f"decided at offset {prefix[r.partition]}, which is "
-                                                                 f"not before it")
-            break
-        behind = [p for p, o in prefix.items() if states.setdefault(p, State()).offset > o]
-        if behind:
-            failure = Failure("decision", r.offset, event.type,
-                              f"its prefix {_prefix_text(event)} is behind a decision checked before it in partition "
-                              f"{behind[0]} (two deciders at once?)")
-            break
-        for p, o in prefix.items():
-            advance(p, o)
-        checked += 1
-        why = check(merge({p: states[p] for p in sorted(set(states) | set(prefix))}), event)
-        if why is not None:
-            failure = Failure("decision", r.offset, event.type, why)
-    for p, records in parts.items():
-        advance(p, records[-1].offset if records else -1)
-    return failure, checked, unchecked, states
-
-
 def verify(source: Source, secret: bytes | None = None, progress: Callable[[int], None] | None = None) -> AuditResult:
     """Run every check on ``source``; see the module docstring. Never raises for a mismatch."""
     result = AuditResult()
+    plan = source.streams.get(topics.PLAN, [])
     result.events = sum(len(v) for v in source.streams.values())
     failure = check_chain(source, secret)
     result.add("chain", failure, f"{result.events} records in {len(source.streams)} streams chain correctly "
                                  f"({source.chain})")
 
     saved: list[tuple[Record, CheckpointSaved]] = []
+    parts = by_partition(plan)
 
-    def on_event(r: Record, event: Any, state: State) -> None:
+    def on_saved(r: Record, event: Any, state: State) -> None:
         if progress is not None:
             progress(1)
         if isinstance(event, CheckpointSaved):
             saved.append((r, event))
 
-    parts = by_partition(source.streams.get(topics.PLAN, []))
-    decision_failure, checked, unchecked, states = replay_decisions(parts, secret, on_event)
-    result.add("decision", decision_failure,
-               f"{checked} decisions recomputed from their log prefixes"
-               + (f" ({unchecked} of types without a check)" if unchecked else ""))
     if set(parts) == {0}:
-        rebuilt = snapshot(states[0])
+        # A decision records the offset of the last event its decider had folded
+        # (``decided_at``); each decider is re-run on exactly that prefix, remembered while
+        # folding, with the parameters the decision records (policy, checkpoint budget):
+        # replay/decisions.py.
+        decisions = DecisionCheck(plan)
+
+        def on_event(r: Record, event: Any, state: State) -> None:
+            on_saved(r, event, state)
+            decisions.on_event(r, event)
+
+        state = fold(plan, on_event, decisions.after, secret=secret)
+        mismatch, checked = decisions.finish(), decisions.checked
+        rebuilt = snapshot(state)
     else:
+        # A partitioned stream (Kafka): a decision's prefix is every partition's last offset.
+        mismatch, checked, states = replay_partitioned(
+            parts, lambda st, recs: fold_records(st, recs, secret=secret, on_event=on_saved))
+        state = merge(states)
         rebuilt = {f"p{p}/".encode() + k: v for p in sorted(parts) for k, v in snapshot(states[p]).items()}
-    saved.sort(key=lambda x: (x[0].partition, x[0].offset))
+    counts = ", ".join(f"{n} {name}" for name, n in sorted(checked.items())) or "no"
+    result.add("decision", None if mismatch is None else Failure("decision", mismatch.offset, mismatch.event,
+                                                                 mismatch.detail),
+               f"{counts} decisions recomputed from their log prefixes")
 
     if source.stored_projection is not None:
         failure = None
@@ -557,7 +443,8 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
     elif source.projection_sha256 is not None:
         digest = projection_digest(rebuilt)
         failure = None if digest == source.projection_sha256 else Failure(
-            "projection", None, None, f"the fold's digest {digest} differs from the export's {source.projection_sha256}")
+            "projection", None, None,
+            f"the fold's digest {digest} differs from the export's {source.projection_sha256}")
         result.add("projection", failure, "the fold's digest equals the export's")
 
     if source.checkpoints is None:
@@ -566,8 +453,9 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
         failure = None
         store = open_checkpoint_store(source.checkpoints)
         seen: set[str] = set()
+        gone = {ref for ref, obj in state.objects.items() if obj.references == 0}  # evicted or dropped: deleted
         for r, ev in saved:
-            if ev.ref in seen:
+            if ev.ref in seen or ev.ref in gone:
                 continue
             seen.add(ev.ref)
             try:
@@ -577,5 +465,6 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
                 failure = Failure("checkpoint", r.offset, ev.type,
                                   f"checkpoint {ev.ref} of node {ev.node_id} at step {ev.step} {why}")
                 break
-        result.add("checkpoint", failure, f"{len(seen)} checkpoint objects exist and match their sha256")
+        result.add("checkpoint", failure, f"{len(seen)} checkpoint objects exist and match their sha256"
+                                          + (f"; {len(gone)} evicted ones are expected missing" if gone else ""))
     return result

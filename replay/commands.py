@@ -17,35 +17,15 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from events import topics
-from projections.state import State
-from replay.audit import AuditError, export_log, fold, import_log, open_source, secret_from, verify
+from projections.queries import trials_through
 from replay import report
+from replay.audit import AuditError, export_log, fold, import_log, open_source, secret_from, verify
 from replay.reexecute import reexecute
 
 
 def _progress(console: Console, quiet: bool) -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=console, disable=quiet, transient=True)
-
-
-def trials_through(state: State, plan_key: str, node_id: str, step: int) -> list[str]:
-    """Trials whose hyper-parameter path trains ``node_id`` up to ``step`` or beyond."""
-    plan = state.plans.get(plan_key)
-    if plan is None:
-        return []
-    out = []
-    for t in state.trials.values():
-        if t.plan_key != plan_key or t.steps not in t.requests:
-            continue
-        node = plan.nodes.get(t.requests[t.steps])
-        end = t.steps
-        while node is not None:
-            if node.node_id == node_id and step <= end:
-                out.append(t.trial_id)
-                break
-            end = node.start_step
-            node = plan.nodes.get(node.parent_id) if node.parent_id else None
-    return sorted(out)
 
 
 def cmd_export(args: argparse.Namespace, console: Console) -> int:
@@ -114,7 +94,8 @@ def register(sub: argparse._SubParsersAction, positive: type | object) -> None: 
     imp.add_argument("--log-key", help=key_help)
     imp.set_defaults(func=cmd_import)
 
-    replay = sub.add_parser("replay", help="audit a finished study").add_subparsers(dest="replay_command", required=True)
+    replay = sub.add_parser("replay", help="audit a finished study").add_subparsers(dest="replay_command",
+                                                                                     required=True)
     ver = replay.add_parser("verify", help="check hash chain, decisions, projections and checkpoints")
     ver.add_argument("source", help="run directory, JSONL export, or kafka://HOST:PORT[/TOPIC]")
     ver.add_argument("--checkpoints", help="checkpoint directory (default: the run directory's)")

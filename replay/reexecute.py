@@ -24,8 +24,8 @@ from events.codec import InvalidEvent, decode
 from events.hp import HPConfig
 from events.models import CheckpointSaved, MetricsReported, StageDispatched, StageFinished, StudyStarted
 from gpu_worker.checkpoint import CheckpointStore, sha256_hex
-from gpu_worker.object_store import open_checkpoint_store
 from gpu_worker.loader import load_trainer
+from gpu_worker.object_store import open_checkpoint_store
 from gpu_worker.session import TrainingSession
 from gpu_worker.trainer import Trainer
 from replay.audit import AuditError, Source

@@ -14,14 +14,19 @@ import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from events import topics
+from events.codec import InvalidEvent, decode
 from events.models import Event, StudyFinished, StudyStarted, TrialSubmitted
 from gpu_worker.trainer import Trainer
 from projections.state import State
 from replay.audit import AuditError, fold, open_source
-from events import topics
-from events.codec import InvalidEvent, decode
 from stagetree.study import Study, TrialFailed
 from stagetree.tuners import Tuner, TunerResult
+
+
+class Unanswered(RuntimeError):
+    """The replayed tuner asked for a result the log does not hold: the replay ends there (not a
+    failed trial, which a tuner would count as a loss and go on from)."""
 
 
 class _ReplayRuntime:
@@ -45,9 +50,10 @@ class _ReplayRuntime:
             future.set_result(dict(trial.results[steps]))
         elif trial is not None and trial.status == "cancelled":
             future.cancel()
-        else:  # failed live, or a request the live run never made: that branch ends here
-            error = trial.error if trial is not None and trial.status == "failed" else "not answered in the log"
-            future.set_exception(TrialFailed(trial_id, error))
+        elif trial is not None and trial.status == "failed":
+            future.set_exception(TrialFailed(trial_id, trial.error))  # failed live: a loss again
+        else:  # a request the live run never made: the replay ends here
+            future.set_exception(Unanswered(f"trial {trial_id} at {steps} steps is not answered in the log"))
         return future
 
 
@@ -134,7 +140,7 @@ def replay_tuner(source: str | Path, study: str, tuner: Tuner, trainer: Trainer,
     async def go() -> TunerResult | None:
         try:
             return await tuner.run(Study(runtime, study, trainer, seed, merge=mode_merge))  # type: ignore[arg-type]
-        except TrialFailed:  # a synchronous tuner waited on a request the log does not answer
+        except Unanswered:  # the tuner waited on a request the log does not answer
             return None
 
     result = asyncio.run(go())

@@ -1,9 +1,10 @@
 """Critical paths through a stage tree (Hippo §4.3, thesis §4.3.1).
 
 The critical path is the root-to-leaf chain of stages with the largest estimated time
-(steps x seconds per step). A whole path goes to one idle worker as one batch, so consecutive
-stages keep their weights in memory. Only paths whose first stage can start now are
-candidates: its source checkpoint exists, or it starts from a fresh initialisation; stages
+(steps x seconds per step), and of two equally long the one with more steps. A whole path goes
+to one idle worker as one batch, so consecutive stages keep their weights in memory. Only paths
+whose first stage can start now are candidates: its source checkpoint exists, or it starts from
+a fresh initialisation; stages
 hanging off in-flight work wait until the checkpoint they need is saved.
 
 Ties are broken by stage key order, so the choice is a deterministic function of the plan.
@@ -23,11 +24,22 @@ READY = ("fresh", "ckpt")
 
 @dataclass(frozen=True)
 class Path:
-    """A chain of stages, first to last, and its estimated time in seconds."""
+    """A chain of stages, first to last, its estimated time in seconds and its steps (an
+    evaluation-only stage counts one, as in its estimate)."""
 
     plan_key: str
     stages: tuple[Stage, ...]
     est_seconds: float
+    steps: int = 0
+
+
+Length = tuple[float, int]
+"""How long a path is: (estimated seconds, steps). Compared as a tuple, so paths of equal
+estimated time (no measurement yet, or steps measured at 0 s) are told apart by their steps."""
+
+
+def _stage_length(stage: Stage) -> Length:
+    return (stage.est_seconds, max(stage.steps, 1))
 
 
 def top_down(tree: StageTree) -> list[StageKey]:
@@ -41,15 +53,16 @@ def top_down(tree: StageTree) -> list[StageKey]:
     return order
 
 
-def _longest(tree: StageTree, order: list[StageKey] | None = None) -> dict[StageKey, float]:
-    """Longest estimated time in seconds from each stage down to a leaf (the stage included).
+def _longest(tree: StageTree, order: list[StageKey] | None = None) -> dict[StageKey, Length]:
+    """Longest :data:`Length` from each stage down to a leaf (the stage included).
 
     Linear: children are visited before their parent by walking :func:`top_down` backwards.
     """
-    memo: dict[StageKey, float] = {}
+    memo: dict[StageKey, Length] = {}
     for key in reversed(top_down(tree) if order is None else order):
-        below = [memo[c] for c in tree.children.get(key, [])]
-        memo[key] = tree.stages[key].est_seconds + (max(below) if below else 0.0)
+        seconds, steps = _stage_length(tree.stages[key])
+        below = max((memo[c] for c in tree.children.get(key, [])), default=(0.0, 0))
+        memo[key] = (seconds + below[0], steps + below[1])
     return memo
 
 
@@ -71,7 +84,8 @@ def ready_stages(tree: StageTree) -> list[Stage]:
 
 
 def critical_path(tree: StageTree) -> Path | None:
-    """The longest path starting at a ready root stage, or None when nothing can start."""
+    """The longest path (estimated seconds, then steps) starting at a ready root stage, or None
+    when nothing can start. Equal lengths go to the smaller stage key."""
     if not tree.stages:
         return None
     longest = _longest(tree)
@@ -91,4 +105,4 @@ def critical_path(tree: StageTree) -> Path | None:
             if longest[k] > longest[nxt]:
                 nxt = k
         chain.append(tree.stages[nxt])
-    return Path(tree.plan_key, tuple(chain), longest[best.key])
+    return Path(tree.plan_key, tuple(chain), longest[best.key][0], longest[best.key][1])

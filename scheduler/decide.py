@@ -14,7 +14,8 @@ Policies (the thesis's scheduler ablation, §6.3 / HIPPO_SPEC §3.7), named in
 :data:`POLICIES` and recorded in each decision:
 
 * ``"critical-path"`` (Hippo's): the ready root-to-leaf path with the largest estimated time
-  (steps x seconds per step), dispatched as one batch; ties by plan key, then stage key.
+  (steps x seconds per step), dispatched as one batch; ties by steps, then plan key, then stage
+  key. A plan with no measurement estimates its steps at the mean over all measured plans.
 * ``"bfs"`` (breadth-first): one single ready stage at a time, the shallowest first. A ready
   stage is always a root of the transient stage tree (its weights exist), so its depth there
   is 0 for all; what orders breadth-first is how deep into training it sits in the study's
@@ -38,7 +39,7 @@ from typing import Literal, get_args
 from events.models import CheckpointSource, StageDispatched, StageSpec
 from projections.state import Plan, State
 from scheduler.critical_path import Path, critical_path, descendants, ready_stages, top_down
-from scheduler.stage_tree import build_stage_tree
+from scheduler.stage_tree import COLD_SEC_PER_STEP, build_stage_tree, measured_profile
 
 Policy = Literal["critical-path", "bfs", "most-children"]
 POLICIES: tuple[Policy, ...] = get_args(Policy)
@@ -52,7 +53,7 @@ class Choice:
     """A plan's candidate dispatch under a policy; across plans the smallest ``rank`` is
     dispatched, equal ranks going to the smaller plan key.
 
-    ``rank``: ``(-estimated seconds,)`` for "critical-path"; ``(from_step,)`` (steps) for
+    ``rank``: ``(-estimated seconds, -steps)`` for "critical-path"; ``(from_step,)`` (steps) for
     "bfs"; ``(-descendant stages, from_step)`` for "most-children".
     """
 
@@ -67,12 +68,12 @@ def check_policy(policy: str) -> Policy:
     return policy  # type: ignore[return-value]
 
 
-def _choose(plan: Plan, policy: Policy) -> Choice | None:
+def _choose(plan: Plan, policy: Policy, fallback: float) -> Choice | None:
     """The plan's candidate under ``policy`` from a fresh stage tree, or None if nothing is ready."""
-    tree = build_stage_tree(plan)
+    tree = build_stage_tree(plan, fallback)
     if policy == "critical-path":
         path = critical_path(tree)
-        return None if path is None else Choice(path, (-path.est_seconds,))
+        return None if path is None else Choice(path, (-path.est_seconds, -path.steps))
     ready = ready_stages(tree)
     if not ready:
         return None
@@ -86,21 +87,34 @@ def _choose(plan: Plan, policy: Policy) -> Choice | None:
     return Choice(Path(plan.plan_key, (stage,), stage.est_seconds), rank)
 
 
-def plan_choice(plan: Plan, policy: Policy = "critical-path") -> Choice | None:
+def plan_choice(plan: Plan, policy: Policy = "critical-path", fallback: float = COLD_SEC_PER_STEP) -> Choice | None:
     """The plan's candidate under ``policy``, memoised in ``plan.cache`` per (policy,
-    ``plan.revision``).
+    ``plan.revision``, and ``fallback`` while the plan has no measurement of its own).
 
     Hippo rebuilds the transient stage tree for every pass (§3.4); so does this, but only for
     a plan that changed since its last pass: an unchanged revision means an unchanged plan,
     hence the same tree and the same candidate. A plan mutated outside the reducer must bump
     ``plan.revision`` itself.
     """
+    uses_fallback = measured_profile(plan)[0] == 0
+    stamp = (plan.revision, fallback if uses_fallback else None)
     memo = plan.cache.get((_MEMO, policy))
-    if memo is not None and memo[0] == plan.revision:
+    if memo is not None and memo[0] == stamp:
         return memo[1]
-    choice = _choose(plan, policy)
-    plan.cache[(_MEMO, policy)] = (plan.revision, choice)
+    choice = _choose(plan, policy, fallback)
+    plan.cache[(_MEMO, policy)] = (stamp, choice)
     return choice
+
+
+def fallback_sec_per_step(state: State) -> float:
+    """Seconds per step for a plan nothing was measured on yet: the mean over every plan's
+    measured training (a study's trial-based plans train the same model), else the cold
+    estimate (issue 11 item 15: never 1 s against measured milliseconds)."""
+    steps, seconds = 0, 0.0
+    for plan in state.plans.values():
+        s, t = measured_profile(plan)
+        steps, seconds = steps + s, seconds + t
+    return seconds / steps if steps else COLD_SEC_PER_STEP
 
 
 def best_path(state: State, policy: str = "critical-path") -> Path | None:
@@ -111,9 +125,10 @@ def best_path(state: State, policy: str = "critical-path") -> Path | None:
         ValueError: ``policy`` is not one of :data:`POLICIES`.
     """
     policy = check_policy(policy)
+    fallback = fallback_sec_per_step(state)
     best: Choice | None = None
     for plan_key in sorted(state.plans):
-        choice = plan_choice(state.plans[plan_key], policy)
+        choice = plan_choice(state.plans[plan_key], policy, fallback)
         if choice is not None and (best is None or choice.rank < best.rank):
             best = choice
     return None if best is None else best.path
@@ -125,8 +140,9 @@ def decide(state: State, policy: str = "critical-path") -> StageDispatched | Non
 
     The event's ``dispatch_id`` is ``d<number of dispatches so far>``, ``decided_at`` is
     ``state.offset`` (and ``decided_at_partitions`` ``state.offsets``, for the merged view of a
-    partitioned stream: :func:`projections.partitions.merge`) and ``policy`` is recorded, so the same state and policy always give the
-    same decision; header fields (event id, timestamp) are left for the caller to stamp.
+    partitioned stream: :func:`projections.partitions.merge`) and ``policy`` is recorded, so
+    the same state and policy always give the same decision; header fields (event id,
+    timestamp) are left for the caller to stamp.
 
     Raises:
         ValueError: ``policy`` is not one of :data:`POLICIES` (HIPPO_SPEC §3.7).

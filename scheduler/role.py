@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from events import topics
 from events.codec import encode
@@ -187,6 +188,9 @@ class SchedulerRole:
         grace_s: after taking the role, how long no worker is judged (beats replayed to the new
             holder's group member arrive first); default ``heartbeat_timeout_s``.
         clock: monotonic seconds (the liveness clock).
+        checkpoint_budget: bytes of checkpoints the deployment may keep (None: unbounded);
+            evicted objects are deleted from ``store`` (a CheckpointStore) once their
+            CheckpointEvicted events are committed.
 
     :meth:`grant` and :meth:`revoke` (faust's rebalance callbacks) and :meth:`beat` may be called
     from other threads; everything else runs in :meth:`run`'s thread.
@@ -194,7 +198,8 @@ class SchedulerRole:
 
     def __init__(self, log: KafkaLog, *, instance: str, heartbeat_timeout_s: float = 10.0,
                  secret: bytes | None = None, policy: str = "critical-path", seal_interval_s: float = 0.5,
-                 grace_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 grace_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 checkpoint_budget: int | None = None, store: Any = None) -> None:
         self.log = log
         self.instance = instance
         self.producer = f"serve:{instance}"
@@ -203,6 +208,8 @@ class SchedulerRole:
         self.seal_interval_s = seal_interval_s
         self.grace_s = heartbeat_timeout_s if grace_s is None else grace_s
         self.clock = clock
+        self.checkpoint_budget = checkpoint_budget
+        self.store = store
         self.monitor = HeartbeatMonitor(heartbeat_timeout_s)
         self.stop = threading.Event()
         self._granted = 0  # generation of the latest grant; 0: not granted
@@ -245,8 +252,9 @@ class SchedulerRole:
             projector.listeners.append(lambda offset, event, p=p: self._saw(p, offset, event))
         self.follower = Follower(self.log, {(topics.PLAN, p): 0 for p in range(partitions)}, wait_ms=10)
         self.decisions = DecisionAppender(self.log, role_transactional_id(self.log), self.fold, self.follower)
-        self.scheduler = SchedulerService(None, self.fold, commit=self._commit_dispatch, policy=self.policy,
-                                          producer=self.producer)
+        self.scheduler = SchedulerService(None, self.fold, commit=self._commit, policy=self.policy,  # type: ignore[arg-type]
+                                          producer=self.producer, checkpoint_budget=self.checkpoint_budget,
+                                          delete=self._delete if self.store is not None else None)
         ends = self.follower.end_offsets()
         last_seal = last_pass = 0.0
         try:
@@ -337,12 +345,42 @@ class SchedulerRole:
 
     # ------------------------------------------------------------------ decisions
 
-    def _commit_dispatch(self, decision: StageDispatched) -> bool:
-        copy = Write(topics.dispatch_stream(decision.worker_id), decision.worker_id, encode(decision))
-        ((partition, offset),) = self.decisions.append([decision], [copy])
-        return offset not in self.fold.projectors[partition].state.rejected
+    def _commit(self, decisions: list[Event], to_workers: bool) -> list[bool]:
+        """The scheduler service's commit: the decisions, stamped with the prefix they were
+        decided from, in one transaction with (``to_workers``) each one's copy on its worker's
+        stream; whether the reducer accepted each."""
+        prefix = self.decisions.prefix()
+        stamped = [d.model_copy(update=prefix) if isinstance(d, Decision) else d for d in decisions]
+        copies = [Write(topics.dispatch_stream(d.worker_id), d.worker_id, encode(d))  # type: ignore[attr-defined]
+                  for d in stamped] if to_workers else []
+        positions = self.decisions.append(stamped, copies)
+        return [offset not in self.fold.projectors[partition].state.rejected for partition, offset in positions]
+
+    def _delete(self, refs: list[str]) -> None:
+        for ref in refs:
+            self.store.delete(ref)
+
+    def _unreachable(self) -> list[str]:
+        """Alive workers whose id cannot name a dispatch stream (no ``stagetree worker`` joins
+        with one, but any producer may write a WorkerJoined): nothing can reach them."""
+        out = []
+        for worker_id, worker in sorted(self.fold.state.workers.items()):
+            if worker.alive:
+                try:
+                    topics.dispatch_stream(worker_id)
+                except ValueError:
+                    out.append(worker_id)
+        return out
 
     def _liveness(self) -> None:
+        unreachable = self._unreachable()
+        if unreachable:
+            prefix = self.decisions.prefix()
+            self.decisions.append([WorkerLost(producer=self.producer, ts=time.time(), worker_id=w,
+                                              reason="its id cannot name a dispatch stream on Kafka",
+                                              **prefix)  # type: ignore[arg-type]
+                                   for w in unreachable])
+            self._fresh = True
         if self.follower.last_error is not None:
             # beats cannot have arrived while the cluster was unreachable: judge nobody on it
             self.judging_from = max(self.judging_from, self.follower.last_error + self.grace_s)

@@ -1,12 +1,12 @@
 """The scheduler service: after every fold, append the scheduler's decisions to the log.
 
 Used by the embedded coordinator, the cluster simulator and ``stagetree serve``'s scheduler
-role on Kafka alike. Each decision (``decide``, a pure function of the projection) is
-committed, then folded, so the next decision sees that path as running. Embedded, committing
-appends it as a StageDispatched to ``stagetree.plan`` and copies it to ``stagetree.dispatch``;
-on Kafka the scheduler role commits it in one transaction with the worker's copy
-(``stagetree.serve``). Other producers may append between a decision and its record; the
-event's ``decided_at`` (``decided_at_partitions``) names the prefix it was decided from, and a
+role on Kafka alike. Each decision (a pure function of the projection) is committed, then
+folded, so the next decision sees it. Embedded, committing appends it to ``stagetree.plan``
+(a decision for a worker also to ``stagetree.dispatch``); on Kafka the scheduler role commits
+it in one transaction with its copy on the worker's own stream (``scheduler.role``). Other
+producers may append between a decision and its record; the event's ``decided_at``
+(``decided_at_partitions`` on a partitioned stream) names the prefix it was decided from, and a
 decision the reducer rejects on the newer state (its worker was lost meanwhile, say) is
 dead-lettered and simply decided again.
 """
@@ -19,50 +19,80 @@ from collections.abc import Callable
 from opentelemetry.trace import SpanKind
 
 from events import topics, tracing
-from events.log import EventLog, append_events
-from events.models import StageDispatched, TrialSubmitted
+from events.faults import fault_point
+from events.log import EventLog, append_events, event_key
+from events.models import CheckpointRequested, Event, StageDispatched, TrialSubmitted
 from projections.store import Projector
-from scheduler.decide import check_policy, decide
+from scheduler.decide import best_path, check_policy, decide
+from scheduler.eviction import evictions_for_dispatch, fits
+from scheduler.inflight import inflight_decisions
 
-Deliver = Callable[[StageDispatched], None]
-Commit = Callable[[StageDispatched], bool]
-"""Appends a decision and folds up to it; returns whether the reducer accepted it."""
+Deliver = Callable[[Event], None]
+"""Hands a decision for a worker (StageDispatched, PathPreempted, CheckpointRequested) to it."""
+Delete = Callable[[list[str]], None]
+"""Deletes checkpoint objects (refs) from the checkpoint store."""
+Commit = Callable[[list[Event], bool], list[bool]]
+"""Appends decisions (one atomic batch; with ``True``, decisions for workers, each also to its
+worker) and folds up to them; returns, per decision, whether the reducer accepted it."""
 
 
 class SchedulerService:
     """Runs scheduling passes for ``projector``'s state, appending to ``log``.
 
+    A pass decides, in order, each decision recorded with the prefix it was decided from:
+
+    1. about running paths (``scheduler.inflight``): preemptions of paths no trial needs any
+       more, and checkpoints to save where a new request put a boundary inside a running stage;
+    2. then, until no worker is idle or nothing is ready: with a ``checkpoint_budget``, the
+       evictions that make room for the next path (``scheduler.eviction``; the objects are
+       deleted from the store through ``delete`` once the events are durable), and the dispatch
+       itself (``scheduler.decide``).
+
     Args:
         log: where decisions are appended (the projector's log).
         projector: folds the plan stream; its listeners also see the decisions.
-        deliver: optional callback per appended decision (the embedded coordinator's pipes).
+        deliver: optional callback per decision addressed to a worker (the embedded
+            coordinator's pipes, the simulator's workers).
         max_rejections: consecutive rejected decisions tolerated in one pass before giving up
             until the next trigger (a rejection means the state moved on under the decision).
         policy: the scheduling policy, one of ``scheduler.decide.POLICIES`` (HIPPO_SPEC §3.7;
             default Hippo's critical path); recorded in every decision.
         clock: the time stamped on decisions, in seconds since the epoch (the simulator passes
             its virtual clock).
-        commit: appends a decision and folds up to it, returning whether the reducer accepted
-            it (default: append to ``log`` and catch the projector up); ``projector`` may then be
-            anything with a ``state`` (the view decided from) and ``listeners``, e.g. a
-            :class:`projections.partitions.PartitionedFold`.
+        checkpoint_budget: bytes of checkpoints the run may keep (None: unbounded).
+        delete: deletes evicted objects from the checkpoint store (None: nothing to delete).
+        splits: decide CheckpointRequested (saves at a boundary inside a running stage). Off only
+            for the ablation of ``benchmarks/checkpoint_budget.py``: a log made without them does
+            not verify its in-flight decisions, which assume them.
+        commit: appends decisions and folds up to them (see :data:`Commit`); default: append
+            to ``log`` and catch the projector up. ``projector`` may then be anything with a
+            ``state`` (the view decided from, read again after every commit) and ``listeners``,
+            e.g. a :class:`projections.partitions.PartitionedFold`.
         producer: the ``producer`` stamped on decisions.
 
     Raises:
-        ValueError: ``policy`` is not one of ``scheduler.decide.POLICIES``.
+        ValueError: ``policy`` is not one of ``scheduler.decide.POLICIES``, or the budget is not
+            a positive int.
     """
 
     def __init__(self, log: EventLog | None, projector: Projector, deliver: Deliver | None = None,
                  max_rejections: int = 3, policy: str = "critical-path",
-                 clock: Callable[[], float] = time.time, commit: Commit | None = None,
+                 clock: Callable[[], float] = time.time, checkpoint_budget: int | None = None,
+                 delete: Delete | None = None, splits: bool = True, commit: Commit | None = None,
                  producer: str = "scheduler") -> None:
+        if checkpoint_budget is not None and (isinstance(checkpoint_budget, bool)
+                                              or not isinstance(checkpoint_budget, int) or checkpoint_budget < 1):
+            raise ValueError(f"`checkpoint_budget` is {checkpoint_budget!r}, but must be a positive int (bytes)")
         self.log = log
         self.projector = projector
         self.deliver = deliver
         self.max_rejections = max_rejections
         self.policy = check_policy(policy)
         self.clock = clock
-        self.commit = commit if commit is not None else self._append
+        self.checkpoint_budget = checkpoint_budget
+        self.delete = delete
+        self.splits = splits
+        self.commit = commit if commit is not None else self._append_and_fold
         self.producer = producer
         self.trial_traces: dict[str, dict[str, str]] = {}  # trial id -> trace header of its latest submission
         projector.listeners.append(self._remember_trace)
@@ -71,19 +101,60 @@ class SchedulerService:
         if isinstance(event, TrialSubmitted) and event.trace:
             self.trial_traces[event.trial_id] = event.trace
 
+    def _append_and_fold(self, decisions: list[Event], to_workers: bool) -> list[bool]:
+        """Embedded: append decisions to the plan stream (one atomic batch; for workers also to
+        the dispatch stream, keyed by worker) and fold them; whether each was accepted."""
+        assert self.log is not None, "a SchedulerService without a log needs a `commit`"
+        offsets = append_events(self.log, topics.PLAN, [(event_key(d), d) for d in decisions])
+        if to_workers:
+            append_events(self.log, topics.DISPATCH, [(d.worker_id, d) for d in decisions])  # type: ignore[attr-defined]
+        self.projector.catch_up()
+        return [offset not in self.projector.state.rejected for offset in offsets]
+
+    def _append(self, decisions: list[Event], to_workers: bool = False) -> list[bool]:
+        """Stamp, commit and fold decisions; hand those for workers that were accepted to
+        ``deliver``. Whether each was accepted."""
+        now = self.clock()
+        decisions = [d.model_copy(update={"ts": now, "producer": self.producer}) for d in decisions]
+        accepted = self.commit(decisions, to_workers)
+        if to_workers and self.deliver is not None:
+            for ok, decision in zip(accepted, decisions):
+                if ok:
+                    self.deliver(decision)
+        return accepted
+
     def run_pass(self) -> list[StageDispatched]:
-        """Decide and commit until no worker is idle or nothing is ready; returns the decisions."""
+        """Decide and append: decisions about running paths, then evictions and dispatches until
+        no worker is idle or nothing is ready; returns the dispatches."""
+        control = inflight_decisions(self.projector.state, self.checkpoint_budget)
+        if not self.splits:
+            control = [c for c in control if not isinstance(c, CheckpointRequested)]
+        if control:
+            self._append(control, to_workers=True)
         out: list[StageDispatched] = []
         rejections = 0
         while True:
+            if self.checkpoint_budget is not None:
+                evictions = evictions_for_dispatch(self.projector.state, self.checkpoint_budget, self.policy)
+                if evictions:
+                    fault_point("before-eviction-event")
+                    self._append(list(evictions))
+                    fault_point("after-eviction-event")
+                    self._delete_garbage([e.ref for e in evictions])
+            state = self.projector.state
             started_ns = time.time_ns()
-            decision = decide(self.projector.state, self.policy)
+            decision = decide(state, self.policy)
             if decision is None:
                 return out
+            if self.checkpoint_budget is not None:
+                path = best_path(state, self.policy)
+                if path is not None and not fits(state, self.checkpoint_budget, path):
+                    return out  # no room even after evicting: wait for a running path to end
             decision = decision.model_copy(update={"ts": self.clock(), "producer": self.producer})
             if tracing.enabled():
                 decision = self._traced(decision, started_ns)
-            if not self.commit(decision):
+            (accepted,) = self.commit([decision], True)
+            if not accepted:
                 rejections += 1
                 if rejections >= self.max_rejections:
                     return out
@@ -93,13 +164,19 @@ class SchedulerService:
             if self.deliver is not None:
                 self.deliver(decision)
 
-    def _append(self, decision: StageDispatched) -> bool:
-        """Embedded: append to ``stagetree.plan`` and its copy to ``stagetree.dispatch``, fold."""
-        assert self.log is not None, "a SchedulerService without a log needs a `commit`"
-        (offset,) = append_events(self.log, topics.PLAN, [(decision.plan_key, decision)])
-        append_events(self.log, topics.DISPATCH, [(decision.worker_id, decision)])
-        self.projector.catch_up()
-        return offset not in self.projector.state.rejected
+    def _delete_garbage(self, refs: list[str]) -> None:
+        """Delete the objects among ``refs`` that no plan place references any more (evicted, and
+        not saved again since), now that the decisions that released them are durable."""
+        objects = self.projector.state.objects
+        garbage = sorted({r for r in refs if r in objects and objects[r].references == 0})
+        if garbage and self.delete is not None:
+            self.delete(garbage)
+
+    def collect_garbage(self) -> None:
+        """Delete every object no plan place references (at start: a run killed between an
+        eviction event and its deletion leaves its objects behind). Safe only while no worker of
+        this run is writing: call it before workers start."""
+        self._delete_garbage(list(self.projector.state.objects))
 
     def _traced(self, decision: StageDispatched, started_ns: int) -> StageDispatched:
         """Record the pass and the dispatch in the trace of the first trial the path serves

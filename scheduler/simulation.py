@@ -1,26 +1,21 @@
 """Instant in-memory execution of a plan: the real reducer and scheduler, simulated workers.
 
 Used by the property tests of the scheduler (and by the cluster simulator): every dispatched
-path "trains" at once, saving a checkpoint at each stage end (a fake but unique sha256 per
-(plan, node, step)) and reporting metrics that are a pure function of the trained step range,
-so the scheduling logic runs exactly as in production without torch.
+path "trains" at once through the one event sequence of a dispatch
+(:func:`events.execution.run_path`), saving a checkpoint at each stage that trained (a fake but
+unique sha256 per (plan, node, step)) and reporting metrics that are a pure function of the
+trained step range, so the scheduling logic runs exactly as in production without torch.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from events.execution import run_path
 from events.hp import HPConfig
-from events.models import (
-    CheckpointSaved,
-    Event,
-    MetricsReported,
-    StageDispatched,
-    StageFinished,
-    TrialSubmitted,
-    WorkerJoined,
-)
+from events.models import Event, StageDispatched, StageSpec, TrialSubmitted, WorkerJoined
 from projections.reducer import apply
 from projections.state import State
 from scheduler.decide import decide
@@ -29,6 +24,42 @@ from scheduler.decide import decide
 def fake_ref(plan_key: str, node_id: str, step: int) -> str:
     """A stable sha256 standing in for the checkpoint of ``node_id`` at ``step``."""
     return hashlib.sha256(f"{plan_key}/{node_id}/{step}".encode()).hexdigest()
+
+
+class _Instant:
+    """A :class:`~events.execution.PathBackend` that trains nothing: a step takes one second of
+    a virtual clock, a checkpoint is :func:`fake_ref`, the metrics are ``{"step": step}``."""
+
+    def __init__(self, sim: Simulation, dispatch: StageDispatched) -> None:
+        self.sim, self.d = sim, dispatch
+        self.at, self.clock, self.stored, self.node = 0, 0.0, False, dispatch.stages[0].node_id
+
+    def begin(self, d: StageDispatched) -> None:
+        self.at, self.stored = (d.source.step, True) if d.source is not None else (0, False)
+
+    def step(self) -> int:
+        return self.at
+
+    def train(self, spec: StageSpec, until: int, interrupt: Callable[[], bool]) -> None:
+        self.sim.trained.append((self.d.plan_key, spec.node_id, self.at, until))
+        self.clock += until - self.at
+        self.stored = self.stored and until == self.at
+        self.at, self.node = until, spec.node_id
+
+    def evaluate(self, spec: StageSpec, step: int) -> dict[str, float]:
+        return {"step": float(step)}
+
+    def save(self) -> tuple[str, int] | None:
+        if self.stored:
+            return None
+        self.stored = True
+        return fake_ref(self.d.plan_key, self.node, self.at), 1
+
+    def abandon(self) -> None:
+        self.stored = False
+
+    def now(self) -> float:
+        return self.clock
 
 
 @dataclass
@@ -57,21 +88,10 @@ class Simulation:
         self.emit(TrialSubmitted(study_id="sim", trial_id=trial_id, plan_key=plan_key, seed=seed, hp=hp, steps=steps))
 
     def execute(self, dispatch: StageDispatched) -> None:
-        """Finish every stage of ``dispatch`` at once."""
-        for spec in dispatch.stages:
-            self.trained.append((dispatch.plan_key, spec.node_id, spec.from_step, spec.to_step))
-            ref = fake_ref(dispatch.plan_key, spec.node_id, spec.to_step)
-            self.emit(CheckpointSaved(dispatch_id=dispatch.dispatch_id, plan_key=dispatch.plan_key,
-                                      node_id=spec.node_id, step=spec.to_step, ref=ref, size=1))
-            if spec.evaluate:
-                self.emit(MetricsReported(dispatch_id=dispatch.dispatch_id, plan_key=dispatch.plan_key,
-                                          node_id=spec.node_id, step=spec.to_step,
-                                          metrics={"step": float(spec.to_step)}))
-            steps = spec.to_step - spec.from_step
-            self.emit(StageFinished(dispatch_id=dispatch.dispatch_id, worker_id=dispatch.worker_id,
-                                    plan_key=dispatch.plan_key, node_id=spec.node_id,
-                                    from_step=spec.from_step, to_step=spec.to_step,
-                                    seconds=float(steps), train_seconds=float(steps)))
+        """Finish every stage of ``dispatch`` at once, with the events a worker emits
+        (:func:`events.execution.run_path`)."""
+        run_path(dispatch, _Instant(self, dispatch), lambda events: [self.emit(e) for e in events],
+                 dispatch.worker_id)
 
     def dispatch_all(self) -> list[StageDispatched]:
         """Append every decision the scheduler makes now (until no worker is idle or nothing is ready)."""

@@ -27,13 +27,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
+from projections.queries import node_number
 from projections.state import Node, Plan
 
 COLD_SEC_PER_STEP = 1.0
-"""Cold-start estimate of seconds per step before any stage of the plan was measured (the
-thesis's cost estimator predicts 1 with no history, §5.2). Only ratios between stages matter
-to the critical path, so any positive constant gives the same decisions until measurements
-arrive; then unmeasured nodes take the plan's mean measured seconds per step."""
+"""Estimate of seconds per step before any stage of any plan was measured (the thesis's cost
+estimator predicts 1 with no history, §5.2): every stage then costs its steps. Only ratios
+between stages matter to the critical path, so any positive constant gives the same decisions
+until measurements arrive. Then an unmeasured node takes its plan's mean measured seconds per
+step, and a plan with no measurement the mean over all plans (:func:`measured_profile`)."""
 
 SourceKind = Literal["fresh", "ckpt", "stage", "inflight"]
 StageKey = tuple[str, int]
@@ -117,13 +119,26 @@ def _anchor(plan: Plan, node: Node, step: int, ckpt_steps: dict[str, list[int]])
     return best
 
 
-def mean_sec_per_step(plan: Plan) -> float:
+_PROFILE = "stage_tree.profile"  # plan.cache key: (revision, steps, seconds) measured on the plan
+
+
+def measured_profile(plan: Plan) -> tuple[int, float]:
+    """``(steps, seconds)`` of training measured on the plan's nodes, memoised per
+    :attr:`Plan.revision` (a pass over many plans reads each unchanged plan's totals at once)."""
+    memo = plan.cache.get(_PROFILE)
+    if memo is None or memo[0] != plan.revision:
+        steps = sum(n.profile_steps for n in plan.nodes.values())
+        seconds = sum(n.profile_seconds for n in plan.nodes.values())
+        memo = plan.cache[_PROFILE] = (plan.revision, steps, seconds)
+    return memo[1], memo[2]
+
+
+def mean_sec_per_step(plan: Plan, fallback: float = COLD_SEC_PER_STEP) -> float:
     """The plan's measured seconds per step over all nodes (total seconds / total steps), or
-    the cold estimate before any measurement."""
-    steps = sum(n.profile_steps for n in plan.nodes.values())
-    if steps:
-        return sum(n.profile_seconds for n in plan.nodes.values()) / steps
-    return COLD_SEC_PER_STEP
+    ``fallback`` before any measurement of the plan (the mean over other plans, else the cold
+    estimate)."""
+    steps, seconds = measured_profile(plan)
+    return seconds / steps if steps else fallback
 
 
 def sec_per_step(plan: Plan, node: Node, mean: float | None = None) -> float:
@@ -138,11 +153,12 @@ def sec_per_step(plan: Plan, node: Node, mean: float | None = None) -> float:
     return mean_sec_per_step(plan) if mean is None else mean
 
 
-def build_stage_tree(plan: Plan) -> StageTree:
+def build_stage_tree(plan: Plan, fallback: float = COLD_SEC_PER_STEP) -> StageTree:
     """Algorithm 1 of the Hippo paper with the fixes of HIPPO_SPEC §2.2 (see module doc).
 
     Returns every stage needed to answer the plan's pending requests, each step range of each
-    node at most once. Pure: ``plan`` is not modified.
+    node at most once. ``fallback``: seconds per step of a plan with no measurement yet (the
+    scheduler passes the mean over all plans). Pure: ``plan`` is not modified.
 
     Cost: one pass over the nodes to collect pending requests, then work proportional to the
     nodes with pending endpoints (and their ancestors), O(s log s) for s stages.
@@ -164,7 +180,7 @@ def build_stage_tree(plan: Plan) -> StageTree:
     # order a sort of all nodes would give; a parent gaining its first endpoint joins the heap
     # when it comes later in that order.
     def order(n: Node) -> tuple[int, int]:
-        return (-n.depth, int(n.node_id[1:]))
+        return (-n.depth, node_number(n.node_id))
 
     heap = [(*order(plan.nodes[node_id]), node_id) for node_id in endpoints]
     heapq.heapify(heap)
@@ -182,8 +198,8 @@ def build_stage_tree(plan: Plan) -> StageTree:
                 endpoints[up.node_id].add(node.start_step)
 
     tree = StageTree(plan.plan_key)
-    mean = mean_sec_per_step(plan) if endpoints else COLD_SEC_PER_STEP
-    for node_id in sorted(endpoints, key=lambda n: int(n[1:])):
+    mean = mean_sec_per_step(plan, fallback) if endpoints else fallback
+    for node_id in sorted(endpoints, key=node_number):
         node = plan.nodes[node_id]
         sps = sec_per_step(plan, node, mean)
         previous: int | None = None

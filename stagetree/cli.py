@@ -6,8 +6,8 @@ mode, shows live progress, and writes ``DIR/summary.json``. A DIR whose log hold
 takes a new one without --resume: its events join the same log, and when its plan key equals an
 earlier study's it shares that study's search plan (Hippo §7) and is answered from its steps.
 
-Exit codes: 0 success; 1 the study ran but a trial failed or the run broke; 2 bad input
-(study file, flags, run directory).
+Exit codes: 0 success; 1 the study ran but a trial failed (after writing its summary) or the run
+broke; 2 bad input (study file, flags, run directory), reported before anything is created.
 """
 
 from __future__ import annotations
@@ -28,28 +28,34 @@ import orjson
 from rich.console import Console
 from rich.markup import escape
 
-from events.models import StudyFinished, StudyStarted
-from gpu_worker.loader import StudyFileError, load_module, trainer_of
 from events import topics, tracing
 from events.kafka_log import DEFAULT_PLAN_PARTITIONS, KafkaLog, security_from_env
 from events.log import EmbeddedLog, LogError
+from events.models import StudyFinished, StudyStarted
+from gpu_worker.executor import resolve_device
 from gpu_worker.kafka_worker import KafkaWorker, TrainingRunner
+from gpu_worker.loader import StudyFileError, load_module, trainer_of
 from gpu_worker.object_store import open_checkpoint_store
+from projections.summary import build_summary, elapsed_before, plan_events, summary_path
 from replay.audit import AuditError, secret_from
 from replay.commands import register
-from stagetree.simulate_cli import register as register_simulate
 from stagetree.embedded import EmbeddedCoordinator
 from stagetree.kafka_runtime import KafkaRuntime
-from stagetree.serve import default_instance, serve
 from stagetree.progress import Progress
 from stagetree.runtime import RuntimeError_
+from stagetree.serve import default_instance, serve
+from stagetree.simulate_cli import register as register_simulate
+from stagetree.sizes import parse_size
 from stagetree.study import Study, TrialFailed, validate_config
-from stagetree.summary import build_summary, elapsed_before, plan_events
 from stagetree.tuners import Tuner, TunerResult
 
 
 class UsageError(ValueError):
     """Bad command-line input; reported with exit code 2."""
+
+
+class TrialsFailed(RuntimeError):
+    """The study finished and wrote its summary, but some trials failed; exit code 1."""
 
 
 def _study_file(path: str) -> tuple[Any, Any, Tuner, int, str]:
@@ -77,7 +83,7 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
     """Run the tuner of a loaded study file on a ready runtime; returns the summary.
 
     End-to-end time runs from the ready cluster to the answer, plus earlier incarnations' of the
-    same study (other studies on the same log do not count, see :func:`stagetree.summary.elapsed`).
+    same study (other studies on the same log do not count, see :func:`projections.summary.elapsed`).
     """
     _, trainer, tuner, seed, name = loaded
     started = time.monotonic()
@@ -107,9 +113,37 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
 
 
 def _write_summary(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """Write the study's ``summary-<study>.json``, and ``summary.json`` when the directory has
+    none or it is this study's: a study never overwrites another study's summary."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
-    return summary | {"out": str(out)}
+    data = orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+    path = summary_path(out, summary["name"])
+    path.write_bytes(data)
+    main = out / "summary.json"
+    try:
+        owner = orjson.loads(main.read_bytes()).get("name") if main.is_file() else None
+    except (orjson.JSONDecodeError, AttributeError):
+        owner = None
+    if owner is None or owner == summary["name"]:
+        main.write_bytes(data)
+        path = main
+    return summary | {"out": str(out), "summary_file": str(path)}
+
+
+def _check_out(out: Path) -> None:
+    """Refuse a ``--out`` that cannot be a directory, before anything is created (exit 2)."""
+    for part in (out, *out.parents):
+        if part.exists() and not part.is_dir():
+            where = "is a file" if part == out else f"is under {str(part)!r}, which is a file"
+            raise UsageError(f"--out {str(out)!r} {where}, but must be a run directory")
+
+
+def _check_device(spec: str, flag: str = "--device") -> None:
+    """Refuse a device this machine cannot train on, before anything is created (exit 2)."""
+    try:
+        resolve_device(spec)
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("`device`", flag, 1)) from None  # "--device is 'x', but ..."
 
 
 def _studies_in(log_dir: Path) -> set[str]:
@@ -124,24 +158,35 @@ def _studies_in(log_dir: Path) -> set[str]:
 
 async def _run_embedded(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     """Run the study in ``--out``: a new directory, the same study again (``--resume``), or a new
-    study appended to a log that holds other studies (sharing their plan when the keys match)."""
+    study appended to a log that holds other studies (sharing their plan when the keys match).
+
+    Every flag and the directory are checked before anything is created (exit 2, naming the
+    flag and the value). ``--resume`` continues the study's own run; in a directory that holds
+    no run yet (a run killed before its log had a study) it starts the run; in a directory
+    whose runs are all of other studies it is refused (adding a study is done without it).
+    """
     loaded = _study_file(args.file)
     name = loaded[4]
     out = Path(args.out) if args.out else Path("runs") / name
-    has_log = (out / "log").exists()
-    if args.resume and not has_log:
-        raise UsageError(f"--resume: {str(out)!r} holds no run to resume")
-    if has_log and not args.resume:
-        studies = _studies_in(out / "log")
+    _check_out(out)
+    _check_device(args.device)
+    has_log = (out / "log" / "CURRENT").is_file()
+    studies = _studies_in(out / "log") if has_log else set()
+    if args.resume and studies and name not in studies:
+        raise UsageError(f"--resume: {str(out)!r} holds no run of study {name!r} (it holds "
+                         f"{', '.join(map(repr, sorted(studies)))}); to add study {name!r} to this directory, "
+                         "run it without --resume")
+    if not args.resume:
         if name in studies:
             raise UsageError(f"--out {str(out)!r} already holds a run of study {name!r}; pass --resume to continue "
                              "it, or choose another --out (or another `name` in the study file)")
-        if not studies:
-            raise UsageError(f"--out {str(out)!r} already holds a run; pass --resume to continue it or choose "
-                             "another --out")
+        if has_log and not studies:
+            raise UsageError(f"--out {str(out)!r} already holds a run that never started a study; pass --resume "
+                             "to start it there, or choose another --out")
     mode = "trial" if args.no_merge else "merged"
+    budget = args.checkpoint_budget if args.checkpoint_budget is not None else _budget_default()
     async with EmbeddedCoordinator(out, args.file, args.workers, device=args.device,
-                                   secret=secret_from(args.log_key)) as coord:
+                                   secret=secret_from(args.log_key), checkpoint_budget=budget) as coord:
         await coord.ready()
         summary = await _conduct(coord, coord.log, args, loaded, mode)
     return _write_summary(out, summary)
@@ -156,8 +201,11 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
     workers for the duration (a one-machine deployment on real Kafka)."""
     loaded = _study_file(args.file)
     out = Path(args.out) if args.out else Path("runs") / loaded[4]
+    _check_out(out)
     if args.workers and not args.checkpoint_store:
         raise UsageError("--checkpoint-store (or $STAGETREE_CHECKPOINT_STORE) is required to start workers")
+    if args.workers:
+        _check_device(args.device)
     mode = "trial" if args.no_merge else "merged"
     log = _kafka_log(args)
     procs: list[subprocess.Popen[bytes]] = []
@@ -207,7 +255,27 @@ def _print_summary(summary: dict[str, Any], console: Console) -> None:
                       + (f"{q:.3f}" if q else "n/a")
                       + (f"; {earlier} steps answered from earlier studies" if earlier is not None else "")
                       + (f", {since} steps trained since this study started" if since is not None else ""))
-    console.print(f"  summary: {summary['out']}/summary.json")
+    console.print(f"  summary: {summary['summary_file']}")
+    failed = [t for t in summary["trials"] if t["status"] == "failed"]
+    if failed:
+        console.print(f"  [red]{len(failed)} failed[/red] (a failed trial is a loss; see the summary): "
+                      + "; ".join(f"{t['trial_id']}: {escape(str(t.get('error')))}" for t in failed))
+
+
+def _budget_default() -> int | None:
+    value = os.environ.get("STAGETREE_CHECKPOINT_BUDGET")
+    if not value:
+        return None
+    try:
+        return parse_size(value)
+    except argparse.ArgumentTypeError as exc:
+        raise UsageError(f"$STAGETREE_CHECKPOINT_BUDGET {exc}") from None
+
+
+def _budget_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint-budget", type=parse_size, default=None, metavar="SIZE",
+                   help="bytes of checkpoints to keep at most (500MB, 2GiB, ...; default: "
+                        "$STAGETREE_CHECKPOINT_BUDGET, else unbounded); evicted by cost and benefit")
 
 
 def _int_at_least(minimum: int, what: str):  # type: ignore[no-untyped-def]
@@ -254,9 +322,11 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="auto", help="auto (cuda:i when present, else cpu), cpu, or cuda:N")
     run.add_argument("--quiet", action="store_true", help="no live progress display")
     run.add_argument("--log-key", help="HMAC secret of the log's hash chain (default: $STAGETREE_LOG_KEY)")
+    _budget_flag(run)
     _kafka_flags(run)
     run.add_argument("--checkpoint-store", default=os.environ.get("STAGETREE_CHECKPOINT_STORE"),
-                     help="s3://BUCKET/PREFIX or a directory, for Kafka-mode workers (default: $STAGETREE_CHECKPOINT_STORE)")
+                     help="s3://BUCKET/PREFIX or a directory, for Kafka-mode workers "
+                          "(default: $STAGETREE_CHECKPOINT_STORE)")
     run.set_defaults(func=cmd_run)
 
     srv = sub.add_parser("serve", help="Kafka mode: the projector and scheduler (a faust app)")
@@ -272,6 +342,10 @@ def parser() -> argparse.ArgumentParser:
     srv.add_argument("--instance-id", default=os.environ.get("STAGETREE_INSTANCE_ID"),
                      help="this instance's name in its decisions (default: host name and process id)")
     srv.add_argument("--log-key", help="HMAC secret of the plan stream's seals (default: $STAGETREE_LOG_KEY)")
+    _budget_flag(srv)
+    srv.add_argument("--checkpoint-store", default=os.environ.get("STAGETREE_CHECKPOINT_STORE"),
+                     help="s3://BUCKET/PREFIX or a directory: where evicted checkpoints are deleted "
+                          "(needed with --checkpoint-budget; default: $STAGETREE_CHECKPOINT_STORE)")
     srv.set_defaults(func=cmd_serve)
 
     wrk = sub.add_parser("worker", help="Kafka mode: one worker per device")
@@ -307,13 +381,18 @@ def _kafka_log(args: argparse.Namespace, client_id: str = "stagetree") -> KafkaL
 
 
 def cmd_serve(args: argparse.Namespace, console: Console) -> int:
+    budget = args.checkpoint_budget if args.checkpoint_budget is not None else _budget_default()
+    if budget is not None and not args.checkpoint_store:
+        raise UsageError("--checkpoint-budget needs --checkpoint-store (or $STAGETREE_CHECKPOINT_STORE): evicted "
+                         "checkpoints are deleted there")
+    store = open_checkpoint_store(args.checkpoint_store) if budget is not None else None
     instance = args.instance_id or default_instance()
     log = _kafka_log(args, f"stagetree-serve-{instance}")
     role_log = _kafka_log(args, f"stagetree-serve-{instance}-role")
     try:
         serve(log, role_log, Path(args.state_dir), app_id=args.app_id, instance=instance,
               heartbeat_timeout_s=args.heartbeat_timeout, secret=secret_from(args.log_key),
-              session_timeout_s=args.session_timeout)
+              session_timeout_s=args.session_timeout, checkpoint_budget=budget, store=store)
     finally:
         log.close()
         role_log.close()
@@ -349,6 +428,10 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                              "(0 is for Kafka mode with a running deployment)")
         summary = asyncio.run(_run_embedded(args, console))
     _print_summary(summary, console)
+    failed = [t for t in summary["trials"] if t["status"] == "failed"]
+    if failed:
+        raise TrialsFailed(f"{len(failed)} trial(s) failed: "
+                           + "; ".join(f"{t['trial_id']}: {t.get('error')}" for t in failed))
     return 0
 
 
@@ -362,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, StudyFileError, AuditError, LogError, ValueError) as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
-    except (TrialFailed, RuntimeError_) as exc:
+    except (TrialFailed, TrialsFailed, RuntimeError_) as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}")
         return 1
     finally:

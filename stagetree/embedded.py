@@ -5,23 +5,31 @@ It appends what the SDK submits and what workers report, folds the plan stream w
 projector, and after every fold asks the scheduler for decisions, appending each
 StageDispatched (to ``stagetree.plan`` and ``stagetree.dispatch``) before sending it to the
 worker's pipe. Everything runs on one asyncio loop; worker pipes are read by one thread each,
-which only hands raw bytes to the loop.
+which only hands raw bytes to the loop. A worker's batch of events is appended atomically; a
+message that cannot be decoded is dead-lettered. A worker process that exits unexpectedly (at
+start-up or later) is declared lost, its path is dispatched again, and its slot gets a new
+process, up to ``max_restarts`` times.
 """
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import signal
+import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-
 from events import topics, tracing
-from events.codec import InvalidEvent, decode, encode
+from events.codec import InvalidEvent, decode_batch, encode
+from events.deadletter import dead_letter
 from events.log import EmbeddedLog, append_events, event_key
-from events.models import DeadLettered, Event, StageDispatched, WorkerLost
+from events.models import DeadLettered, Event, StageDispatched, WorkerJoined, WorkerLost
+from gpu_worker.checkpoint import LocalCheckpointStore
 from gpu_worker.process import STOP, embedded_worker_main
 from projections.store import ProjectionStore, Projector
 from scheduler.service import SchedulerService
@@ -30,6 +38,36 @@ from stagetree.runtime import RuntimeBase, RuntimeError_
 
 class CoordinatorError(RuntimeError_):
     """The coordinator cannot continue (e.g. its own decision was rejected by the reducer)."""
+
+
+MAX_RESTARTS = 3
+"""How many times a worker slot is started again after its process exited unexpectedly."""
+
+
+def describe_exit(code: int | None) -> str:
+    """A process exit code in words: ``exited with code 1``, ``was killed by SIGKILL``."""
+    if code is None:
+        return "is gone (its pipe closed)"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+@dataclass
+class _Slot:
+    """One worker slot: its current process (``generation`` counts the processes started)."""
+
+    worker_id: str
+    index: int
+    process: mp.process.BaseProcess | None = None
+    conn: Connection | None = None
+    generation: int = 0
+    restarts: int = 0
+    joined: bool = False
+    gave_up: str | None = None  # why the slot was given up (restart budget spent)
 
 
 class EmbeddedCoordinator(RuntimeBase):
@@ -42,6 +80,11 @@ class EmbeddedCoordinator(RuntimeBase):
         device: ``auto`` (``cuda:i`` when present, else cpu), ``cpu`` or ``cuda:N``.
         threads: torch threads per worker.
         secret: HMAC key of the log's hash chain (None: plain sha256).
+        max_restarts: times a worker slot is started again after its process exited
+            unexpectedly (at start-up or later); its path is dispatched again meanwhile.
+        say: where notices go (a worker exited, is started again); default: standard error.
+        checkpoint_budget: bytes of checkpoints the run may keep (None: unbounded); see
+            ``scheduler.eviction``.
 
     Use as an async context manager inside a running loop.
     """
@@ -49,7 +92,8 @@ class EmbeddedCoordinator(RuntimeBase):
     failure_type = CoordinatorError
 
     def __init__(self, run_dir: str | Path, study_file: str | Path, workers: int, *, device: str = "auto",
-                 threads: int = 1, secret: bytes | None = None) -> None:
+                 threads: int = 1, secret: bytes | None = None, max_restarts: int = MAX_RESTARTS,
+                 say: Callable[[str], None] | None = None, checkpoint_budget: int | None = None) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"`workers` is {workers!r}, but must be an int >= 1 in embedded mode")
         self.run_dir = Path(run_dir)
@@ -57,17 +101,21 @@ class EmbeddedCoordinator(RuntimeBase):
         self.workers = workers
         self.device = device
         self.threads = threads
+        self.max_restarts = max_restarts
+        self.say = say if say is not None else (lambda text: print(text, file=sys.stderr, flush=True))
         self.log = EmbeddedLog(self.run_dir / "log", secret=secret)
         self.store = ProjectionStore(self.run_dir / "state")
         super().__init__(Projector(self.log, store=self.store, secret=secret))
         self.projector.catch_up()
         self.checkpoint_dir = self.run_dir / "checkpoints"
-        self._conns: dict[str, Connection] = {}
-        self._procs: dict[str, mp.process.BaseProcess] = {}
+        self._slots: dict[str, _Slot] = {f"w{i}": _Slot(f"w{i}", i) for i in range(workers)}
         self._stopping = False
-        self._inbox: asyncio.Queue[tuple[str, bytes | None]] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inbox: asyncio.Queue[tuple[str, int, bytes | None]] | None = None
         self._pump_task: asyncio.Task[None] | None = None
-        self.scheduler = SchedulerService(self.log, self.projector, deliver=self._send)
+        self.checkpoints = LocalCheckpointStore(self.checkpoint_dir)
+        self.scheduler = SchedulerService(self.log, self.projector, deliver=self._send,
+                                          checkpoint_budget=checkpoint_budget, delete=self._delete)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -80,47 +128,56 @@ class EmbeddedCoordinator(RuntimeBase):
 
     async def start(self) -> None:
         """Declare workers of an earlier incarnation lost, then start this run's workers."""
-        loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         self._inbox = asyncio.Queue()
         stale = [w for w in sorted(self.state.workers) if self.state.workers[w].alive]
         if stale:
             self.append([WorkerLost(producer="coordinator", worker_id=w, reason="coordinator restarted")
                          for w in stale])
-        ctx = mp.get_context("spawn")
-        for i in range(self.workers):
-            worker_id = f"w{i}"
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=embedded_worker_main,
-                args=(child, worker_id, i, str(self.study_file), str(self.checkpoint_dir), self.device, self.threads,
-                      tracing.spec()),
-                name=f"stagetree-worker-{worker_id}",
-                daemon=True,
-            )
-            proc.start()
-            child.close()
-            self._conns[worker_id], self._procs[worker_id] = parent, proc
-            threading.Thread(target=self._read_pipe, args=(loop, worker_id, parent), daemon=True).start()
+        self.scheduler.collect_garbage()  # objects of evictions a crash left undeleted; no worker writes yet
+        for slot in self._slots.values():
+            self._spawn(slot)
         self._pump_task = asyncio.create_task(self._pump())
+
+    def _spawn(self, slot: _Slot) -> None:
+        """Start a worker process for ``slot`` and a thread reading its pipe."""
+        assert self._loop is not None
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=embedded_worker_main,
+            args=(child, slot.worker_id, slot.index, str(self.study_file), str(self.checkpoint_dir), self.device,
+                  self.threads, tracing.spec()),
+            name=f"stagetree-worker-{slot.worker_id}",
+            daemon=True,
+        )
+        proc.start()
+        child.close()
+        slot.generation += 1
+        slot.process, slot.conn, slot.joined = proc, parent, False
+        threading.Thread(target=self._read_pipe, args=(self._loop, slot.worker_id, slot.generation, parent),
+                         daemon=True).start()
 
     async def stop(self) -> None:
         """Stop workers and close the log and the store."""
         self._stopping = True
-        for conn in self._conns.values():
+        for slot in self._slots.values():
             try:
-                conn.send_bytes(STOP)
+                if slot.conn is not None:
+                    slot.conn.send_bytes(STOP)
             except OSError:
                 pass
-        for proc in self._procs.values():
-            await asyncio.get_running_loop().run_in_executor(None, proc.join, 10)
-            if proc.is_alive():
-                proc.kill()
+        for slot in self._slots.values():
+            if slot.process is not None:
+                await asyncio.get_running_loop().run_in_executor(None, slot.process.join, 10)
+                if slot.process.is_alive():
+                    slot.process.kill()
         if self._pump_task is not None:
             self._pump_task.cancel()
         self.log.close()
         self.store.close()
 
-    def _read_pipe(self, loop: asyncio.AbstractEventLoop, worker_id: str, conn: Connection) -> None:
+    def _read_pipe(self, loop: asyncio.AbstractEventLoop, worker_id: str, generation: int, conn: Connection) -> None:
         assert self._inbox is not None
         while True:
             try:
@@ -128,7 +185,7 @@ class EmbeddedCoordinator(RuntimeBase):
             except (EOFError, OSError):
                 data = None
             try:
-                loop.call_soon_threadsafe(self._inbox.put_nowait, (worker_id, data))
+                loop.call_soon_threadsafe(self._inbox.put_nowait, (worker_id, generation, data))
             except RuntimeError:  # loop closed
                 return
             if data is None:
@@ -141,38 +198,74 @@ class EmbeddedCoordinator(RuntimeBase):
             while not self._inbox.empty():
                 items.append(self._inbox.get_nowait())
             events: list[Event] = []
-            dead: list[tuple[str, bytes]] = []
-            for worker_id, data in items:
+            dead: list[DeadLettered] = []
+            for worker_id, generation, data in items:
+                slot = self._slots[worker_id]
+                if generation != slot.generation:
+                    continue  # an earlier process of the slot, already replaced
                 if data is None:
-                    if not self._stopping and self.state.workers.get(worker_id, None) is not None:
-                        events.append(WorkerLost(producer="coordinator", worker_id=worker_id, reason="process exited"))
+                    events += self._exited(slot)
                     continue
                 try:
-                    events.append(decode(data))
+                    batch = decode_batch(data)
                 except InvalidEvent as exc:
-                    letter = DeadLettered(producer="coordinator", stream=f"pipe:{worker_id}", offset=-1,
-                                          reason=exc.reason, raw=data.decode("utf-8", "replace"))
-                    dead.append((worker_id, encode(letter)))
+                    dead.append(dead_letter(f"pipe:{worker_id}", -1, data, exc.reason, producer="coordinator"))
+                    continue
+                for event in batch:
+                    if isinstance(event, DeadLettered):
+                        dead.append(event)  # the worker's own dead letter (a bad dispatch message)
+                    else:
+                        events.append(event)
+                        if isinstance(event, WorkerJoined):
+                            slot.joined = True
             if dead:
-                self.log.append_many(topics.DEADLETTER, dead)
+                self.log.append_many(topics.DEADLETTER, [(letter.stream, encode(letter)) for letter in dead])
             if events:
                 try:
                     self.append(events)
                 except Exception:  # append() handed the failure to every waiting future
                     return
 
+    def _exited(self, slot: _Slot) -> list[Event]:
+        """The events of ``slot``'s process having exited (while not stopping): WorkerLost when it
+        had a record in the log, and a new process unless the restart budget is spent."""
+        if self._stopping:
+            return []
+        proc = slot.process
+        if proc is not None:
+            proc.join(timeout=5)
+        how = describe_exit(proc.exitcode if proc is not None else None)
+        when = "while running" if slot.joined else "during start-up"
+        pid = proc.pid if proc is not None else "?"
+        events: list[Event] = []
+        known = self.state.workers.get(slot.worker_id)
+        if known is not None and known.alive:
+            events.append(WorkerLost(producer="coordinator", worker_id=slot.worker_id,
+                                     reason=f"process {pid} {how} {when}"))
+        if slot.restarts < self.max_restarts:
+            slot.restarts += 1
+            self.say(f"worker {slot.worker_id} (pid {pid}) {how} {when}; starting it again "
+                     f"(restart {slot.restarts} of {self.max_restarts})")
+            self._spawn(slot)
+        else:
+            slot.gave_up = f"worker {slot.worker_id} (pid {pid}) {how} {when}, after {slot.restarts} restarts"
+            slot.process, slot.conn = None, None
+            self.say(f"{slot.gave_up}; not starting it again")
+        return events
+
     # ------------------------------------------------------------------ the Runtime protocol
 
     def append(self, events: list[Event]) -> None:
-        """Stamp and append events to the plan stream, fold, schedule, and resolve futures."""
+        """Stamp and append events to the plan stream (atomically), fold, schedule, and resolve
+        futures."""
         if self.failure is not None:
             raise CoordinatorError(f"the coordinator failed: {self.failure}")
         try:
             append_events(self.log, topics.PLAN, [(event_key(e), e) for e in self.stamp(events)])
             self._fold()
-            if not self._stopping and self._procs and not any(w.alive for w in self.state.workers.values()) \
-                    and not any(p.is_alive() for p in self._procs.values()):
-                raise CoordinatorError("every worker process has exited; see the WorkerLost events")
+            if not self._stopping and all(slot.gave_up for slot in self._slots.values()):
+                raise CoordinatorError("every worker process has exited and was given up: "
+                                       + "; ".join(str(slot.gave_up) for slot in self._slots.values()))
         except Exception as exc:
             self._fail(exc)
             raise
@@ -186,20 +279,44 @@ class EmbeddedCoordinator(RuntimeBase):
         self._notify()
 
     async def ready(self, timeout: float = 300.0) -> None:
-        """Wait until every worker of this run has joined (start-up is not study time).
+        """Wait until every worker slot has joined (start-up is not study time); a worker that
+        dies while starting is started again (up to ``max_restarts`` times).
 
         Raises:
-            CoordinatorError: a worker did not join within ``timeout`` seconds (or exited).
+            CoordinatorError: a slot spent its restart budget, or not every worker joined within
+                ``timeout`` seconds (the message says which and what happened).
         """
         deadline = time.monotonic() + timeout
-        while not all(w in self.state.workers and self.state.workers[w].alive for w in self._procs):
-            if self.failure is not None or time.monotonic() > deadline or \
-                    any(not p.is_alive() for p in self._procs.values()):
-                raise CoordinatorError(f"workers did not start within {timeout} s: see their output above")
+        while not all(self._joined(w) for w in self._slots):
+            given_up = [slot.gave_up for slot in self._slots.values() if slot.gave_up]
+            if given_up:
+                raise CoordinatorError("; ".join(given_up) + ": see its output above")
+            if self.failure is not None:
+                raise CoordinatorError(f"the coordinator failed while workers started: {self.failure}")
+            if time.monotonic() > deadline:
+                waiting = [w for w in sorted(self._slots) if not self._joined(w)]
+                raise CoordinatorError(f"workers {waiting} were still starting after {timeout:g} s (their processes "
+                                       "are alive but have not joined): see their output above")
             await asyncio.sleep(0.02)
 
-    def _send(self, decision: StageDispatched) -> None:
+    def _joined(self, worker_id: str) -> bool:
+        worker = self.state.workers.get(worker_id)
+        return self._slots[worker_id].joined and worker is not None and worker.alive
+
+    def _delete(self, refs: list[str]) -> None:
+        for ref in refs:
+            self.checkpoints.delete(ref)
+
+    def _send(self, decision: Event) -> None:
+        slot = self._slots.get(decision.worker_id)  # type: ignore[attr-defined]
         try:
-            self._conns[decision.worker_id].send_bytes(encode(decision))
-        except (OSError, KeyError):
-            self.append([WorkerLost(producer="coordinator", worker_id=decision.worker_id, reason="pipe closed")])
+            if slot is None or slot.conn is None:
+                raise OSError("no process")
+            slot.conn.send_bytes(encode(decision))
+        except OSError:
+            if not isinstance(decision, StageDispatched):
+                return  # a decision about a path of a worker that is gone: its loss is handled
+            # The process is gone; its pipe's end is handled by the pump (lost, started again).
+            # Until then the dispatch waits on a worker that cannot run it: declare it lost now.
+            self.append([WorkerLost(producer="coordinator", worker_id=decision.worker_id,
+                                    reason="its pipe closed before a dispatch could be sent")])

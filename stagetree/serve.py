@@ -43,9 +43,10 @@ import orjson
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
 from events import topics
+from events.deadletter import dead_letter
 from events.kafka_log import KafkaLog
 from events.log import Record
-from events.models import DeadLettered
+from gpu_worker.checkpoint import CheckpointStore
 from projections.partitions import PartitionStores
 from scheduler.role import SchedulerRole
 
@@ -111,7 +112,8 @@ class Serve:
 
     def __init__(self, log: KafkaLog, role_log: KafkaLog, state_dir: Path, *, app_id: str, instance: str,
                  heartbeat_timeout_s: float = 10.0, secret: bytes | None = None, policy: str = "critical-path",
-                 session_timeout_s: float = 8.0) -> None:
+                 session_timeout_s: float = 8.0, checkpoint_budget: int | None = None,
+                 store: CheckpointStore | None = None) -> None:
         self.log = log
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -119,7 +121,7 @@ class Serve:
         self.partitions = log.partition_count(topics.PLAN)
         self.stores = PartitionStores(log, self.state_dir, secret=secret)
         self.role = SchedulerRole(role_log, instance=instance, heartbeat_timeout_s=heartbeat_timeout_s,
-                                  secret=secret, policy=policy)
+                                  secret=secret, policy=policy, checkpoint_budget=checkpoint_budget, store=store)
         self._opening: dict[int, list[Record]] = {}
         self.app = ServeApp(
             app_id,
@@ -162,12 +164,10 @@ class Serve:
             message = event.message
             try:
                 worker_id = heartbeat_worker(message.value or b"")
-            except ValueError as exc:
-                raw = (message.value or b"").decode("utf-8", "replace")
-                self.role.bad_beat(DeadLettered(
-                    event_id=f"dl-{topics.HEARTBEAT}-{message.partition}-{message.offset}", producer="serve",
-                    stream=topics.HEARTBEAT, offset=message.offset, partition=message.partition,
-                    reason=f"bad heartbeat: {exc}", raw=raw))
+            except ValueError as exc:  # dead-lettered by the role, never skipped silently
+                reason = f"not a heartbeat ({exc}); a heartbeat is {{\"worker_id\": ..., \"ts\": ...}}"
+                self.role.bad_beat(dead_letter(topics.HEARTBEAT, message.offset, bytes(message.value or b""), reason,
+                                               producer=f"serve:{self.instance}"))
                 continue
             self.role.beat(worker_id)
 
@@ -215,9 +215,12 @@ def ensure_topics(log: KafkaLog) -> None:
 
 
 def serve(log: KafkaLog, role_log: KafkaLog, state_dir: Path, *, app_id: str, instance: str | None = None,
-          heartbeat_timeout_s: float = 10.0, secret: bytes | None = None, session_timeout_s: float = 8.0) -> None:
+          heartbeat_timeout_s: float = 10.0, secret: bytes | None = None, session_timeout_s: float = 8.0,
+          checkpoint_budget: int | None = None, store: CheckpointStore | None = None) -> None:
     """Run a serve instance until it is stopped (SIGTERM / SIGINT). ``role_log`` is a second
-    transport, used by the scheduler role's thread alone."""
+    transport, used by the scheduler role's thread alone; ``store`` is the checkpoint store the
+    role deletes evicted checkpoints from (under ``checkpoint_budget`` bytes)."""
     ensure_topics(log)
     Serve(log, role_log, state_dir, app_id=app_id, instance=instance or default_instance(),
-          heartbeat_timeout_s=heartbeat_timeout_s, secret=secret, session_timeout_s=session_timeout_s).run()
+          heartbeat_timeout_s=heartbeat_timeout_s, secret=secret, session_timeout_s=session_timeout_s,
+          checkpoint_budget=checkpoint_budget, store=store).run()

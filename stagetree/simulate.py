@@ -24,19 +24,28 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from events import topics
 from events.log import EmbeddedLog, append_events, event_key
-from events.models import Event, StageDispatched, StudyFinished, StudyStarted, WorkerJoined
+from events.models import (
+    Event,
+    StageDispatched,
+    StageFailed,
+    StageFinished,
+    StageStopped,
+    StudyFinished,
+    StudyStarted,
+    WorkerJoined,
+)
 from gpu_worker.simulated import SimulatedWorker, models_of
 from gpu_worker.trainer import Trainer
 from projections.search_plan import merged_unique_steps
 from projections.store import ProjectionStore, Projector, all_keys
+from projections.summary import build_summary
 from scheduler.service import SchedulerService
 from stagetree.runtime import RuntimeBase, RuntimeError_
 from stagetree.study import Study
-from stagetree.summary import build_summary
 from stagetree.tuners import Tuner, TunerResult
 
 EPOCH = 1.0e9
@@ -64,7 +73,8 @@ class SimulatedCluster(RuntimeBase):
 
     failure_type = SimulationError
 
-    def __init__(self, run_dir: str | Path, workers: int, trainer: Trainer, *, policy: str = "critical-path") -> None:
+    def __init__(self, run_dir: str | Path, workers: int, trainer: Trainer, *, policy: str = "critical-path",
+                 checkpoint_budget: int | None = None, splits: bool = True) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"`workers` is {workers!r}, but must be an int >= 1")
         self.run_dir = Path(run_dir)
@@ -77,9 +87,11 @@ class SimulatedCluster(RuntimeBase):
         self.worker = SimulatedWorker(cost, curve)
         self.now = 0.0
         self.scheduler = SchedulerService(self.log, self.projector, deliver=self._deliver, policy=policy,
-                                          clock=lambda: EPOCH + self.now)
-        self._queue: list[tuple[float, int, list[Event]]] = []
+                                          clock=lambda: EPOCH + self.now, checkpoint_budget=checkpoint_budget,
+                                          delete=self._delete, splits=splits)
+        self._queue: list[tuple[float, int, list[tuple[str, int, Event]]]] = []
         self._seq = 0
+        self._paths: dict[str, _Path] = {}  # running dispatches: what they emit, when
         self.append([WorkerJoined(producer="simulator", worker_id=f"w{i}", device="sim") for i in range(workers)])
 
     # ------------------------------------------------------------------ the Runtime protocol
@@ -102,10 +114,29 @@ class SimulatedCluster(RuntimeBase):
             self._fail(exc)
             raise
 
-    def _deliver(self, decision: StageDispatched) -> None:
-        for at, batch in self.worker.execute(decision):
+    def _deliver(self, decision: Event) -> None:
+        """A dispatch starts its path now; a decision about a running path (preempt, save at a
+        step) reaches its worker now: the path is executed again with it, from its start (the
+        same events up to now, by determinism), and what it emits from now on replaces what was
+        queued."""
+        if isinstance(decision, StageDispatched):
+            path = self._paths[decision.dispatch_id] = _Path(decision, self.now)
+        else:
+            found = self._paths.get(decision.dispatch_id)  # type: ignore[attr-defined]
+            if found is None:
+                return  # the path had ended: nothing to do
+            path = found
+            path.controls.append((self.now - path.started, decision))
+        path.generation += 1
+        emitted = [(at, event) for at, batch in self.worker.execute(path.dispatch, path.controls) for event in batch]
+        for at, event in emitted[path.delivered:]:
             self._seq += 1
-            heapq.heappush(self._queue, (self.now + at, self._seq, batch))
+            heapq.heappush(self._queue, (path.started + at, self._seq, [(path.dispatch.dispatch_id, path.generation,
+                                                                        event)]))
+
+    def _delete(self, refs: list[str]) -> None:
+        for ref in refs:
+            self.worker.checkpoints.pop(ref, None)
 
     # ------------------------------------------------------------------ the virtual clock
 
@@ -119,9 +150,23 @@ class SimulatedCluster(RuntimeBase):
                 return
 
     def _advance(self) -> None:
-        at, _, batch = heapq.heappop(self._queue)
+        """Deliver every queued event of the earliest time (in the order they were emitted), as
+        one batch; events a re-executed path replaced are dropped."""
+        at = self._queue[0][0]
+        batch: list[Event] = []
+        while self._queue and self._queue[0][0] == at:
+            _, _, items = heapq.heappop(self._queue)
+            for dispatch_id, generation, event in items:
+                path = self._paths.get(dispatch_id)
+                if path is None or generation != path.generation:
+                    continue
+                path.delivered += 1
+                batch.append(event)
+                if isinstance(event, (StageFinished, StageStopped, StageFailed)) and path.ended(event):
+                    del self._paths[dispatch_id]
         self.now = max(self.now, at)
-        self.append(batch)
+        if batch:
+            self.append(batch)
 
     async def run(self, coroutines: list[Awaitable[Any]],
                   on_done: Callable[[int, float], None] | None = None) -> list[Any]:
@@ -171,6 +216,25 @@ class SimulatedCluster(RuntimeBase):
 
 
 @dataclass
+class _Path:
+    """A running simulated path: its dispatch, when it started, the decisions about it that
+    reached it (seconds after its start), how many of its events were delivered, and the
+    generation of its queued events (a re-execution makes the earlier ones stale)."""
+
+    dispatch: StageDispatched
+    started: float
+    controls: list[tuple[float, Event]] = field(default_factory=list)
+    delivered: int = 0
+    generation: int = 0
+
+    def ended(self, event: Event) -> bool:
+        if isinstance(event, (StageStopped, StageFailed)):
+            return True
+        last = self.dispatch.stages[-1]
+        return isinstance(event, StageFinished) and (event.node_id, event.to_step) == (last.node_id, last.to_step)
+
+
+@dataclass
 class SimStudy:
     """One study of a simulation: a name, a tuner and a seed (the trainer is the cluster's)."""
 
@@ -211,7 +275,7 @@ class SimulationResult:
 
 def simulate(trainer: Trainer, studies: list[SimStudy], *, workers: int, merge: bool = True,
              policy: str = "critical-path", run_dir: str | Path | None = None,
-             study_file: str = "") -> SimulationResult:
+             study_file: str = "", checkpoint_budget: int | None = None, splits: bool = True) -> SimulationResult:
     """Simulate ``studies`` running at once on ``workers`` simulated GPUs.
 
     Args:
@@ -224,6 +288,10 @@ def simulate(trainer: Trainer, studies: list[SimStudy], *, workers: int, merge: 
         run_dir: where to keep the log and projection; None uses a temporary directory that is
             removed afterwards.
         study_file: recorded in StudyStarted (for ``replay`` and ``report``).
+        checkpoint_budget: bytes of checkpoints the simulated run may keep (None: unbounded);
+            the sizes come from the trainer's cost model (``CostModel.checkpoint_bytes``).
+        splits: save at boundaries inside running stages (off: the ablation of the
+            split-during-execution rule, ``SchedulerService(splits=False)``).
 
     Raises:
         ValueError: no studies, duplicate study names, or bad ``workers``.
@@ -239,16 +307,18 @@ def simulate(trainer: Trainer, studies: list[SimStudy], *, workers: int, merge: 
         temp = tempfile.mkdtemp(prefix="stagetree-sim-")
         run_dir = temp
     try:
-        return asyncio.run(_simulate(trainer, studies, workers, merge, policy, Path(run_dir), study_file))
+        return asyncio.run(_simulate(trainer, studies, workers, merge, policy, Path(run_dir), study_file,
+                                     checkpoint_budget, splits))
     finally:
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
 
 
 async def _simulate(trainer: Trainer, studies: list[SimStudy], workers: int, merge: bool, policy: str,
-                    run_dir: Path, study_file: str) -> SimulationResult:
-    mode = "merged" if merge else "trial"
-    cluster = SimulatedCluster(run_dir, workers, trainer, policy=policy)
+                    run_dir: Path, study_file: str, checkpoint_budget: int | None, splits: bool) -> SimulationResult:
+    mode: Literal["merged", "trial"] = "merged" if merge else "trial"
+    cluster = SimulatedCluster(run_dir, workers, trainer, policy=policy, checkpoint_budget=checkpoint_budget,
+                               splits=splits)
     try:
         sdk = [Study(cluster, s.name, trainer, s.seed, merge=merge) for s in studies]
         cluster.append([
@@ -262,7 +332,7 @@ async def _simulate(trainer: Trainer, studies: list[SimStudy], workers: int, mer
             [s.tuner.run(study) for s, study in zip(studies, sdk)],
             on_done=lambda i, now: done_at.__setitem__(i, now))
         makespan = cluster.now
-        finished = []
+        finished: list[Event] = []
         summaries = []
         for i, (s, result) in enumerate(zip(studies, results)):
             best = result.best
@@ -274,6 +344,7 @@ async def _simulate(trainer: Trainer, studies: list[SimStudy], workers: int, mer
         cluster.append(finished)
         for i, s in enumerate(studies):
             ev = finished[i]
+            assert isinstance(ev, StudyFinished)
             summary = build_summary(cluster.state, s.name, mode=mode, workers=workers, best_trial=ev.best_trial,
                                     best_metric=ev.best_metric, end_to_end_seconds=done_at[i])
             summary["policy"] = policy

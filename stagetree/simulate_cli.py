@@ -21,8 +21,10 @@ from rich.console import Console
 from rich.table import Table
 
 from gpu_worker.loader import StudyFileError, load_module, trainer_of
+from projections.summary import summary_path
 from scheduler.decide import POLICIES
 from stagetree.simulate import SimStudy, SimulationResult, simulate
+from stagetree.sizes import parse_size
 from stagetree.tuners import Tuner
 
 
@@ -71,7 +73,7 @@ def _row(result: SimulationResult) -> dict[str, Any]:
 
 
 def run_simulation(path: str, *, workers: int | None, policy: str, modes: list[str],
-                   out: str | None = None) -> dict[str, Any]:
+                   out: str | None = None, checkpoint_budget: int | None = None) -> dict[str, Any]:
     """Simulate the study file at ``path`` in each of ``modes`` ("merged", "trial"); returns
     the report printed by the command (and written by ``--json``)."""
     trainer, studies, default_workers = load_simulation(path)
@@ -83,11 +85,11 @@ def run_simulation(path: str, *, workers: int | None, policy: str, modes: list[s
             trainer, studies, _ = load_simulation(path)
         run_dir = str(Path(out) / mode) if out else None
         result = simulate(trainer, studies, workers=n, merge=mode == "merged", policy=policy, run_dir=run_dir,
-                          study_file=str(Path(path).resolve()))
+                          study_file=str(Path(path).resolve()), checkpoint_budget=checkpoint_budget)
         rows[mode] = _row(result)
         if out:
             for s in result.summaries:
-                (Path(out) / mode / f"summary-{s['name']}.json").write_bytes(
+                summary_path(Path(out) / mode, s["name"]).write_bytes(
                     orjson.dumps(s, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
     report: dict[str, Any] = {"file": path, "workers": n, "policy": policy, "runs": rows}
     if "merged" in rows and "trial" in rows:
@@ -115,7 +117,8 @@ def print_report(report: dict[str, Any], console: Console) -> None:
 def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     modes = ["trial"] if args.no_merge else (["merged"] if args.mode == "merged" else
                                              ["trial"] if args.mode == "trial" else ["merged", "trial"])
-    report = run_simulation(args.file, workers=args.workers, policy=args.policy, modes=modes, out=args.out)
+    report = run_simulation(args.file, workers=args.workers, policy=args.policy, modes=modes, out=args.out,
+                            checkpoint_budget=args.checkpoint_budget)
     print_report(report, console)
     if args.json:
         Path(args.json).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
@@ -133,4 +136,6 @@ def register(sub: argparse._SubParsersAction, positive: Any) -> None:  # type: i
     sim.add_argument("--no-merge", action="store_true", help="same as --mode trial")
     sim.add_argument("--out", help="keep each mode's log, projection and summaries under OUT/<mode>")
     sim.add_argument("--json", help="also write the report as JSON to this file")
+    sim.add_argument("--checkpoint-budget", type=parse_size, default=None, metavar="SIZE",
+                     help="bytes of checkpoints to keep at most (sizes from the trainer's cost model)")
     sim.set_defaults(func=cmd_simulate)

@@ -29,12 +29,13 @@ renaming a hyper-parameter may shift the draws of the names sorted after it.)
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from pydantic import ValidationError
@@ -354,8 +355,10 @@ class RandomSearchSpace:
             if not isinstance(name, str):
                 raise ValueError(f"`hp_dict` has the name {name!r}, but names must be str")
         self.hp_dict: dict[str, Any] = {name: _spec(name, hp_dict[name]) for name in sorted(hp_dict)}
-        self.n, self.seed, self.filter = int(n), int(seed), filter
-        self._configs = [self.config(i) for i in range(self.n)]
+        self.n: int = int(n)
+        self.seed: int = int(seed)
+        self.filter: Callable[[HPConfig], bool] | None = filter
+        self._configs: list[HPConfig] = [self.config(i) for i in range(self.n)]
 
     def config(self, i: int) -> HPConfig:
         """Configuration ``i`` (unfiltered), drawn from ``default_rng([seed, i])``; any ``i >= 0``.
@@ -415,8 +418,57 @@ def _fixed(where: str, value: Any) -> HPFunction:
             "a list of candidates or a sampler"
         )
     try:
-        return as_hp(value)
+        return as_hp(cast(Any, value))  # checked above: a number, an HPFunction or a dict
     except (TypeError, ValueError) as exc:
         raise ValueError(
             f"{where} is {value!r}, which is not a valid hyper-parameter sequence: {_message(exc)}"
         ) from None
+
+
+# ----------------------------------------------------------------------------- grid spaces
+
+
+def candidates_of(field: str, hp_dict: Mapping[str, Any]) -> dict[str, list[HPFunction]]:
+    """``hp_dict``'s candidate lists as hyper-parameter functions (numbers become Constant).
+
+    Raises:
+        ValueError: a list that is empty or not a list, or an invalid candidate, naming
+            ``field[name]`` and the value.
+    """
+    out: dict[str, list[HPFunction]] = {}
+    for name, values in hp_dict.items():
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+            raise ValueError(f"`{field}[{name!r}]` is {values!r}, but must be a non-empty list of candidates")
+        try:
+            out[name] = [as_hp(v) for v in values]
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"`{field}[{name!r}]`: {exc}") from None
+    return out
+
+
+class GridSearchSpace:
+    """The Cartesian product of candidate sequences per hyper-parameter (Hippo §5.3).
+
+    Args:
+        hp_dict: name -> list of candidates (HPFunction, number, or JSON dict).
+        filter: optional predicate on a configuration; False drops it (conditional spaces).
+
+    Raises:
+        ValueError: an empty candidate list, or an invalid candidate (naming the name).
+    """
+
+    def __init__(self, hp_dict: Mapping[str, Sequence[Any]], filter: Callable[[HPConfig], bool] | None = None) -> None:
+        if not hp_dict:
+            raise ValueError("`hp_dict` is {}, but must name at least one hyper-parameter")
+        self.candidates: dict[str, list[Any]] = dict(candidates_of("hp_dict", hp_dict))
+        self.filter = filter
+
+    def __iter__(self) -> Iterator[HPConfig]:
+        names = list(self.candidates)
+        for combo in itertools.product(*(self.candidates[n] for n in names)):
+            config = dict(zip(names, combo))
+            if self.filter is None or self.filter(config):
+                yield config
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from opentelemetry.trace import SpanKind
 
@@ -145,7 +145,7 @@ class Study:
         trial = self.runtime.state.trials.get(trial_id)
         if trial is None or steps not in trial.results:
             event = TrialSubmitted(producer=f"sdk:{self.name}", study_id=self.name, trial_id=trial_id,
-                                   plan_key=self._plan_for(trial_id), seed=self.seed, hp=config, steps=steps)
+                                   plan_key=self._plan_for(trial_id), seed=self.seed, hp=cast(Any, config), steps=steps)
             previous = self._trial_traces.get(trial_id)
             with tracing.span("trial.submit", parent=previous, new_trace=previous is None, kind=SpanKind.PRODUCER,
                               attributes=tracing.messaging("publish", topics.PLAN, event.event_id,

@@ -43,8 +43,6 @@ class PrivateBroker:
         text = (text.replace("@KAFKA_DATA@", str(data))
                 .replace("127.0.0.1:9092", f"127.0.0.1:{self.port}")
                 .replace("127.0.0.1:9093", f"127.0.0.1:{self.controller_port}"))
-        # an open transaction of a killed producer is aborted soon
-        text += "\ntransaction.abort.timed.out.transaction.cleanup.interval.ms=1000\n"
         self.config = root / "server.properties"
         self.config.write_text(text)
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")

@@ -21,7 +21,8 @@ KEY = "audit-secret"
 
 
 def _run(out: Path, *flags: str, env: dict | None = None) -> None:
-    proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "run", str(STUDY), "--workers", "2", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "run", str(STUDY), "--workers", "2",
+                           "--out", str(out),
                            "--quiet", *flags], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -202,3 +203,39 @@ def test_reexecute_reports_a_divergence_by_trial_node_and_step(run_dir: Path, tm
     out = capsys.readouterr().out
     assert code == 1
     assert "diverged: checkpoint of node n" in out and "at step" in out and "trials " in out
+
+
+def test_a_run_holding_a_record_that_is_not_utf8_exports_verifies_and_imports(run_dir: Path, tmp_path: Path,
+                                                                               capsys) -> None:
+    """Issue 11 item 6: a dead-lettered non-UTF-8 record must not stop an export; every record is
+    carried byte for byte, so verify and import work on the export."""
+    from events import topics
+    from events.log import EmbeddedLog
+    from projections.store import Projector
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    garbage = b"\xff\xfe not an event \x00\x81"
+    log = EmbeddedLog(run / "log")
+    try:
+        offset = log.append(topics.PLAN, "garbage", garbage)
+        store = ProjectionStore(run / "state")
+        Projector(log, store=store).catch_up()  # the live projector dead-letters it
+        store.close()
+    finally:
+        log.close()
+    assert main(["replay", "verify", str(run), "--quiet"]) == 0
+    export = tmp_path / "log.jsonl"
+    assert main(["log", "export", str(run), "--out", str(export)]) == 0
+    rows = [r for r in lines(export)[1:] if r["stream"] == topics.PLAN and r["offset"] == offset]
+    assert len(rows) == 1 and "value_b64" in rows[0] and "value" not in rows[0]
+    assert main(["replay", "verify", str(export), "--checkpoints", str(run / "checkpoints"), "--quiet"]) == 0
+    again = tmp_path / "imported"
+    assert main(["log", "import", str(export), "--out", str(again)]) == 0
+    assert main(["replay", "verify", str(again), "--checkpoints", str(run / "checkpoints"), "--quiet"]) == 0
+    imported = EmbeddedLog(again / "log", read_only=True)
+    try:
+        assert next(iter(imported.read(topics.PLAN, offset, offset + 1))).value == garbage
+    finally:
+        imported.close()
+    capsys.readouterr()

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import torch
 
@@ -27,6 +29,7 @@ from events.models import Event
 from gpu_worker.trainer import Trainer
 from projections.state import State
 from projections.store import ProjectionStore, Projector, snapshot
+from projections.summary import summary_path
 from stagetree.cli import main
 from stagetree.study import Study
 
@@ -308,6 +311,12 @@ name = "tiny"
 """
 
 
+def run_cli(study: Path, out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """``stagetree run STUDY --out OUT`` with one worker, in a fresh process."""
+    return subprocess.run([sys.executable, "-m", "stagetree.cli", "run", str(study), "--workers", "1", "--out",
+                           str(out), "--quiet", *flags], capture_output=True, text=True, timeout=300)
+
+
 @pytest.fixture(autouse=True)
 def _restore_sys_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "path", list(sys.path))  # study files insert examples/
@@ -419,10 +428,62 @@ def test_cli_run_into_existing_out_without_resume(tmp_path: Path, capsys: pytest
     assert sorted(p.name for p in out.iterdir()) == ["log"]
 
 
-def test_cli_resume_without_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_resume_of_nothing_starts_the_run(tmp_path: Path) -> None:
+    """Issue 11 item 11: ``--resume`` where no run exists yet (a run killed before its log had a
+    study, or no directory at all) starts the run; without --resume an empty log is refused."""
     path = write(tmp_path / "study.py", VALID)
+    for out in (tmp_path / "none", tmp_path / "killed-early"):
+        if out.name == "killed-early":
+            EmbeddedLog(out / "log").close()  # the log exists, no study ever started in it
+            refused = run_cli(path, out)
+            assert refused.returncode == 2 and "--resume" in refused.stderr, refused.stderr
+        proc = run_cli(path, out, "--resume")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert orjson.loads((out / "summary.json").read_bytes())["name"] == "tiny"
+
+
+def test_cli_resume_of_another_study_is_refused_and_summaries_are_per_study(tmp_path: Path) -> None:
+    """Issue 11 item 9: ``--resume`` in a directory that holds only other studies is refused
+    (exit 2, naming them), nothing is appended, and no study overwrites another's summary."""
     out = tmp_path / "out"
-    assert cli(["run", str(path), "--out", str(out), "--resume"]) == 2
-    err = squash(capsys.readouterr().err)
-    assert "--resume" in err and squash(str(out)) in err
-    assert not (out / "log").exists()
+    first = run_cli(write(tmp_path / "a.py", VALID), out)
+    assert first.returncode == 0, first.stdout + first.stderr
+    before = (out / "summary.json").read_bytes()
+    other = write(tmp_path / "b.py", VALID.replace('name = "tiny"', 'name = "other"'))
+    log = EmbeddedLog(out / "log", read_only=True)
+    records = log.end_offset(topics.PLAN)
+    log.close()
+    proc = run_cli(other, out, "--resume")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = squash(proc.stderr)
+    assert "--resume" in err and "'other'" in err and "'tiny'" in err and "without--resume" in err
+    log = EmbeddedLog(out / "log", read_only=True)
+    assert log.end_offset(topics.PLAN) == records
+    log.close()
+    added = run_cli(other, out)  # the documented way to add a study
+    assert added.returncode == 0, added.stdout + added.stderr
+    assert (out / "summary.json").read_bytes() == before
+    assert orjson.loads(summary_path(out, "other").read_bytes())["name"] == "other"
+    assert orjson.loads(summary_path(out, "tiny").read_bytes())["name"] == "tiny"
+
+
+def test_cli_flags_are_checked_before_anything_is_created(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 11 item 10: a file as --out, a directory under a file, an unknown device: exit 2
+    naming the flag and value, nothing created, and the corrected run then starts there."""
+    path = write(tmp_path / "study.py", VALID)
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    cases = [(["--out", str(afile)], ["--out", str(afile), "is a file"]),
+             (["--out", str(afile / "sub")], ["--out", "which is a file"]),
+             (["--out", str(tmp_path / "dev"), "--device", "bogus"], ["--device", "'bogus'"]),
+             (["--out", str(tmp_path / "dev"), "--device", "cuda:7"], ["--device", "'cuda:7'"])]
+    for flags, needles in cases:
+        assert cli(["run", str(path), "--quiet", *flags]) == 2
+        err = squash(capsys.readouterr().err)
+        assert "Traceback" not in err and all(squash(n) in err for n in needles), err
+    assert not (tmp_path / "dev").exists()
+    proc = run_cli(path, tmp_path / "dev", "--device", "cpu")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+

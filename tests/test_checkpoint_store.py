@@ -38,6 +38,7 @@ from gpu_worker.checkpoint import (
     CheckpointRef,
     CheckpointStore,
     LocalCheckpointStore,
+    StorageError,
     decode_state,
     encode_state,
 )
@@ -363,7 +364,7 @@ def test_failed_write_leaves_no_object_and_no_temporary_file(
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", refuse)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(StorageError, match="disk full"):  # an I/O failure is the store's, not the checkpoint's
         store.put(data)
     monkeypatch.undo()
     assert all_files(tmp_path) == []

@@ -19,11 +19,10 @@ import pytest
 
 from events import topics
 from events.codec import decode
-from events.log import EmbeddedLog, chain_next
-from events.models import StageDispatched, StageFailed, StageFinished
-from projections.reducer import Rejected, apply
+from events.log import EmbeddedLog
+from events.models import CheckpointSaved, MetricsReported, StageDispatched, StageFailed, StageFinished
 from projections.state import State
-from projections.store import ProjectionStore, snapshot
+from projections.store import ProjectionStore, fold_records, snapshot
 from scheduler.decide import decide, same_decision
 
 pytestmark = pytest.mark.e2e
@@ -61,21 +60,18 @@ def test_every_dispatch_is_what_the_scheduler_computes_from_the_log_prefix(merge
     the stored one byte for byte."""
     log = EmbeddedLog(merged_dir / "log")
     try:
-        state = State()
         checked = 0
-        for record in log.read(topics.PLAN):
-            state.chain = chain_next(bytes.fromhex(state.chain), topics.PLAN, record.offset, record.key,
-                                     record.value).hex()
-            event = decode(record.value)
+
+        def check(record: object, event: object, state: State) -> None:
+            nonlocal checked
             if isinstance(event, StageDispatched):
                 assert event.decided_at == state.offset
                 recomputed = decide(state)
-                assert recomputed is not None and same_decision(recomputed, event), record.offset
+                assert recomputed is not None and same_decision(recomputed, event), event.dispatch_id
                 checked += 1
-            try:
-                apply(state, event, record.offset)
-            except Rejected as exc:
-                state.rejected[record.offset] = str(exc)
+
+        state = State()
+        fold_records(state, log.read(topics.PLAN), on_event=check)  # the projector's own fold
         assert checked > 10
         assert not state.rejected
     finally:
@@ -125,9 +121,25 @@ def test_kill_and_resume_finishes_with_the_same_results(merged: dict, tmp_path: 
     finished = [(e.plan_key, e.node_id, e.from_step, e.to_step) for e in before if isinstance(e, StageFinished)]
     assert finished, "nothing had finished before the kill"
 
+    # Whole after the crash (issue 11 item 12): every metric recorded came with its stage's
+    # checkpoint and accounting, in one atomic batch.
+    for i, e in enumerate(before):
+        if isinstance(e, MetricsReported):
+            batch = before[i:i + 3]
+            assert [type(x) for x in batch[1:]] in ([CheckpointSaved, StageFinished], [StageFinished]), batch
+
     resumed = run(out, "--resume")
     assert per_trial(resumed) == per_trial(merged)
     assert resumed["best_trial"] == merged["best_trial"]
+    assert resumed["executed_steps"] >= resumed["unique_steps"]
+    state = State()
+    fold_records(state, EmbeddedLog(out / "log", read_only=True).read(topics.PLAN))
+    for plan in state.plans.values():
+        for node in plan.nodes.values():
+            parent = plan.nodes.get(node.parent_id) if node.parent_id else None
+            for step in node.metrics:
+                assert step in node.ckpt or (parent is not None and step == node.start_step and step in parent.ckpt), \
+                    f"{node.node_id} has metrics at step {step} but no checkpoint there"
     after = _events(out)[len(before):]
     for e in after:
         if isinstance(e, StageDispatched):
@@ -156,3 +168,37 @@ def test_a_failing_trainer_fails_its_trial_with_the_error(tmp_path: Path) -> Non
     assert "loss diverged at step 12" in proc.stderr
     failed = [e for e in _events(out) if isinstance(e, StageFailed)]
     assert len(failed) == 1 and failed[0].kind == "error" and failed[0].to_step == 20
+    # A failed trial is a loss (issue 11 item 17): the study finished, its summary is written
+    # with the error, and the answer is the trial that did not fail.
+    summary = orjson.loads((out / "summary.json").read_bytes())
+    statuses = {t["hp"]["lr"]["value"]: (t["status"], t.get("error")) for t in summary["trials"]}
+    assert statuses[0.5][0] == "failed" and "loss diverged at step 12" in statuses[0.5][1]
+    assert statuses[0.05] == ("done", None)
+    best = next(t for t in summary["trials"] if t["trial_id"] == summary["best_trial"])
+    assert best["hp"]["lr"]["value"] == 0.05
+
+
+DIES = Path(__file__).parent / "studies" / "dies_at_startup.py"
+
+
+def test_a_worker_killed_during_start_up_is_started_again(tmp_path: Path) -> None:
+    """Issue 11 item 8: kill -9 of a worker while it starts does not end the run; the message
+    says what happened (no made-up timeout)."""
+    env = {**os.environ, "STAGETREE_TEST_DIE": f"once:{tmp_path / 'killed-once'}"}
+    proc = subprocess.run([*STAGETREE, "run", str(DIES), "--workers", "2", "--out", str(tmp_path / "run"), "--quiet"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "was killed by SIGKILL during start-up; starting it again (restart 1 of 3)" in proc.stderr, proc.stderr
+    summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
+    assert {t["status"] for t in summary["trials"]} == {"done"}
+
+
+def test_a_worker_that_cannot_start_ends_the_run_saying_why(tmp_path: Path) -> None:
+    env = {**os.environ, "STAGETREE_TEST_DIE": "always"}
+    proc = subprocess.run([*STAGETREE, "run", str(DIES), "--workers", "1", "--out", str(tmp_path / "run"), "--quiet"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = " ".join(proc.stderr.split())
+    assert "cannot build its trainer" in err  # the worker's own output
+    assert "exited with code 1 during start-up, after 3 restarts" in err, err
+    assert "did not start within" not in err

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from pathlib import Path
 
@@ -22,21 +23,25 @@ from hypothesis import strategies as st
 
 from events import topics
 from events.codec import InvalidEvent, decode, encode, from_dict, to_dict
-from events.hp import Constant, Cosine, CyclicLR, Exponential, Linear, MultiStep, Piecewise, Warmup
-from events.log import event_key, EmbeddedLog, append_events
+from events.hp import Constant, Cosine, CyclicLR, Exponential, Linear, MultiStep, Piecewise, Warmup, hp_to_json
+from events.log import EmbeddedLog, append_events, event_key
 from events.models import (
     EVENT_TYPES,
+    CheckpointEvicted,
+    CheckpointRequested,
     CheckpointSaved,
     CheckpointSource,
     DeadLettered,
-    LogSealed,
     Event,
+    LogSealed,
     MetricsReported,
+    PathPreempted,
     StageDispatched,
     StageFailed,
     StageFinished,
     StageSpec,
     StageStarted,
+    StageStopped,
     StudyFinished,
     StudyStarted,
     TrialCancelled,
@@ -63,7 +68,8 @@ HP = {
 
 def sample_events() -> list[Event]:
     """One instance of every event type, with non-default header fields."""
-    header = {"producer": "test", "ts": 1712345678.25, "trace": {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}}
+    header = {"producer": "test", "ts": 1712345678.25,
+              "trace": {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}}
     return [
         StudyStarted(**header, study_id="s", name="digits", plan_key="pk", mode="merged", workers=2, seed=7,
                      trainer="DigitsTrainer@1", metric="val_acc", metric_mode="max"),
@@ -93,6 +99,15 @@ def sample_events() -> list[Event]:
         WorkerLost(**header, worker_id="w0", reason="heartbeat timeout"),
         DeadLettered(**header, stream=topics.PLAN, offset=3, reason="not JSON", raw="\x00garbage\ufffd"),
         LogSealed(**header, stream=topics.PLAN, offset=41, chain="ab" * 32, algorithm="hmac-sha256"),
+        StageStopped(**header, dispatch_id="d0", worker_id="w0", plan_key="pk", node_id="n0", from_step=100,
+                     to_step=150, step=120, seconds=1.5, train_seconds=1.25),
+        PathPreempted(**header, dispatch_id="d0", worker_id="w0", plan_key="pk", decided_at=44, until_stage=0,
+                      until_step=130, reason="no trial needs steps after 130"),
+        PathPreempted(dispatch_id="d1", worker_id="w1", plan_key="pk", decided_at=45),
+        CheckpointRequested(**header, dispatch_id="d0", worker_id="w0", plan_key="pk", node_id="n0", step=125,
+                            evaluate=True, decided_at=46, checkpoint_budget=10**9),
+        CheckpointEvicted(**header, plan_key="pk", node_id="n0", step=100, ref=SHA, size=123456, decided_at=47,
+                          checkpoint_budget=500_000, reason="recompute 100 steps x 0.01 s, reuse 0.5"),
     ]
 
 
@@ -193,7 +208,8 @@ def test_missing_field_is_invalid(field: str) -> None:
         ("hp", {"lr": {"kind": "Nope"}}, "Nope"),
         ("hp", {"lr": {"kind": "MultiStep", "init": 0.1, "milestones": [200, 100], "gamma": 0.1}}, "[200, 100]"),
         ("hp", {"lr": {"kind": "Cosine", "init": 0.1, "min_value": 0.0, "period": 10, "gamma": 0.5}}, "0.5"),
-        ("hp", {"lr": {"kind": "Warmup", "init": 0.0, "period": 0, "then": {"kind": "Constant", "value": 1}}}, "period"),
+        ("hp", {"lr": {"kind": "Warmup", "init": 0.0, "period": 0, "then": {"kind": "Constant", "value": 1}}},
+         "period"),
     ],
 )
 def test_wrong_field_value_is_invalid(field: str, value: object, shown: str) -> None:
@@ -455,12 +471,14 @@ def test_invalid_events_are_dead_lettered_and_change_nothing(sim: Simulation, tm
         assert projector.state.offset == bad_offsets[-1]
         assert sorted(projector.state.rejected) == bad_offsets
         reasons = projector.state.rejected
-        assert "not JSON" in reasons[bad_offsets[0]]
-        assert "TrialExploded" in reasons[bad_offsets[1]]
-        assert node_id in reasons[bad_offsets[2]] and "plan" in reasons[bad_offsets[2]]
-        assert "nope" in reasons[bad_offsets[3]]
-        assert "d-unknown" in reasons[bad_offsets[4]]
-        assert "dead-letter" in reasons[bad_offsets[5]]
+        assert "not JSON" in reasons[bad_offsets[0]].reason
+        assert "TrialExploded" in reasons[bad_offsets[1]].reason
+        assert node_id in reasons[bad_offsets[2]].reason and "plan" in reasons[bad_offsets[2]].reason
+        assert "nope" in reasons[bad_offsets[3]].reason
+        assert "d-unknown" in reasons[bad_offsets[4]].reason
+        assert "dead-letter" in reasons[bad_offsets[5]].reason
+        assert all(reasons[o].sha256 == hashlib.sha256(raw).hexdigest() and reasons[o].size == len(raw)
+                   for o, raw in zip(bad_offsets, bad))
         assert after == snapshot(projector.state)
 
         letters = [decode(r.value) for r in log.read(topics.DEADLETTER)]
@@ -468,8 +486,9 @@ def test_invalid_events_are_dead_lettered_and_change_nothing(sim: Simulation, tm
         for letter, offset, raw in zip(letters, bad_offsets, bad):
             assert isinstance(letter, DeadLettered)
             assert letter.stream == topics.PLAN and letter.offset == offset
-            assert letter.reason == reasons[offset]
+            assert letter.reason == reasons[offset].reason
             assert letter.raw == raw.decode("utf-8", "replace")
+            assert letter.sha256 == hashlib.sha256(raw).hexdigest() and letter.size == len(raw)
 
         # Later valid events still fold, to the same state as a log without the bad records.
         append_events(log, topics.PLAN, [(record_key(e), e) for e in events[cut:]])
@@ -499,7 +518,7 @@ def test_reducer_rejects_before_changing_anything(sim: Simulation) -> None:
     bad = MetricsReported(dispatch_id="d0", plan_key="plan", node_id="n999", step=100, metrics={"step": 1.0})
     with pytest.raises(Rejected, match="n999"):
         apply(state, bad, 40)
-    assert state.offset == 40  # consumed
+    assert state.offset == 39  # the folder records a rejection and consumes its offset, not apply
     assert strip(snapshot(state), b"meta") == strip(before, b"meta")
     assert bad.event_id not in state.seen
 
@@ -588,3 +607,109 @@ def test_ids_with_control_characters_are_invalid(field: str) -> None:
     kwargs = {"worker_id": "w0", "device": "cpu", field: "a\x1fb"}
     with pytest.raises(ValueError, match=field):
         WorkerJoined(**kwargs)
+
+
+# ----------------------------------------------------------------------------- issue 11: poisoned records
+
+
+def _raw_trial(trial_id: str, hp: dict, steps: int) -> bytes:
+    """A TrialSubmitted as a foreign producer may write it: valid JSON, not validated here."""
+    return orjson.dumps({"type": "TrialSubmitted", "version": 1, "event_id": f"e-{trial_id}", "producer": "x",
+                         "ts": 1.0, "trace": None,
+                         "payload": {"study_id": "s", "trial_id": trial_id, "plan_key": "plan", "seed": 0,
+                                     "hp": {k: hp_to_json(v) for k, v in hp.items()}, "steps": steps}})
+
+
+def test_a_trial_whose_values_overflow_is_dead_lettered_and_restarts_fold_on(tmp_path: Path) -> None:
+    """Issue 11 item 3: ``Piecewise([Exponential(1, 2), Constant(5)], [1100])`` for 1,200 steps
+    cannot train (its learning rate leaves the float range at step 1024). It is refused at the
+    contract (the SDK cannot even build it) and, written raw by another producer, dead-lettered
+    with its reason; the projector never crashes on it, before or after a restart."""
+    good = {"lr": Exponential(1.0, 2.0)}
+    bad = {"lr": Piecewise([Exponential(1.0, 2.0), Constant(5.0)], [1100])}
+    with pytest.raises(ValueError, match=r"hp\['lr'\].*step 1024"):
+        TrialSubmitted(study_id="s", trial_id="b", plan_key="plan", seed=0, hp=bad, steps=1200)
+    log = EmbeddedLog(tmp_path / "log")
+    try:
+        log.append(topics.PLAN, "plan", _raw_trial("a", good, 1000))
+        log.append(topics.PLAN, "plan", _raw_trial("b", bad, 1200))
+        log.append(topics.PLAN, "plan", _raw_trial("c", {"lr": Exponential(1.0, 2.0)}, 1001))
+        for attempt in range(2):  # a fresh projector (a restart) folds the same log the same way
+            store = ProjectionStore(tmp_path / f"state{attempt}")
+            projector = Projector(log, store=store, dead_letters=attempt == 0)
+            projector.catch_up()
+            assert sorted(projector.state.trials) == ["a", "c"]
+            assert list(projector.state.rejected) == [1]
+            assert "step 1024" in projector.state.rejected[1].reason and "lr" in projector.state.rejected[1].reason
+            assert projector.state.offset == 2
+            store.close()
+        assert [decode(r.value).offset for r in log.read(topics.DEADLETTER)] == [1]
+    finally:
+        log.close()
+
+
+def test_an_unexpected_exception_never_advances_the_offset(sim: Simulation, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 11 item 3: a defect in a handler (fault injected into the reducer's table) is not a
+    rejection: the event is neither applied nor skipped, what was folded before it is committed,
+    and the next catch_up after the defect is gone applies it."""
+    from projections import reducer
+
+    log = write_log(tmp_path / "log", sim.events)
+    try:
+        store = ProjectionStore(tmp_path / "state")
+        projector = Projector(log, store=store)
+        first = next(i for i, e in enumerate(sim.events) if isinstance(e, MetricsReported))
+
+        def broken(state: State, ev: Event, touched: set) -> None:
+            raise RuntimeError("a defect")
+
+        monkeypatch.setitem(reducer._HANDLERS, MetricsReported, broken)
+        for _ in range(2):  # a second catch_up on the same projector must not skip the event
+            with pytest.raises(RuntimeError, match="a defect"):
+                projector.catch_up()
+            assert projector.state.offset == first - 1
+            assert orjson.loads(store.records()[b"meta"])["offset"] == first - 1  # the prefix is committed
+            assert not projector.state.rejected and log.end_offset(topics.DEADLETTER) == 0
+        monkeypatch.undo()
+        projector.catch_up()
+        assert strip(store.records(), b"meta") == strip(snapshot(sim.state), b"meta")
+        again = Projector(log, dead_letters=False)
+        again.catch_up()
+        assert projector.state.chain == again.state.chain
+        store.close()
+    finally:
+        log.close()
+
+
+def test_dead_letters_are_committed_with_the_state_capped_and_never_lost(tmp_path: Path) -> None:
+    """Issue 11 item 4: a 16 MiB bad record gives a dead letter of a few KiB (capped reason and
+    raw, the record's sha256 and size) held in the projection in the same batch as the state and
+    offset; a crash before the letter reaches the dead-letter stream loses nothing: the next
+    projector publishes it, once."""
+    huge = {"lr": {"kind": "Constant", "value": "x" * (16 * 2**20)}}
+    raw = orjson.dumps({"type": "TrialSubmitted", "version": 1, "event_id": "e-huge", "producer": "x", "ts": 1.0,
+                        "trace": None, "payload": {"study_id": "s", "trial_id": "t", "plan_key": "plan", "seed": 0,
+                                                   "hp": huge, "steps": 10}})
+    log = EmbeddedLog(tmp_path / "log")
+    try:
+        log.append(topics.PLAN, "plan", raw)
+        store = ProjectionStore(tmp_path / "state")
+        # The committing projector "crashes" before publishing: dead_letters=False stands for it.
+        Projector(log, store=store, dead_letters=False).catch_up()
+        records = store.records()
+        rejection = orjson.loads(records[b"rejected\x1f%016d" % 0])
+        assert rejection["sha256"] == hashlib.sha256(raw).hexdigest() and rejection["size"] == len(raw)
+        assert len(rejection["reason"]) < 2_000 and "lr" in rejection["reason"]
+        assert orjson.loads(records[b"meta"])["offset"] == 0
+        assert log.end_offset(topics.DEADLETTER) == 0
+        store.close()
+        for _ in range(2):  # restarts publish the missing letter, once
+            store = ProjectionStore(tmp_path / "state")
+            Projector(log, store=store).catch_up()
+            store.close()
+        (letter,) = [decode(r.value) for r in log.read(topics.DEADLETTER)]
+        assert isinstance(letter, DeadLettered) and letter.offset == 0 and letter.size == len(raw)
+        assert len(encode(letter)) < 8_000
+    finally:
+        log.close()

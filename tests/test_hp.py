@@ -26,6 +26,7 @@ from events.hp import (
     as_hp,
     breakpoints,
     canonical_json,
+    check_computable,
     config_from_json,
     config_to_json,
     config_values,
@@ -33,6 +34,8 @@ from events.hp import (
     hp_from_json,
     hp_to_json,
     same_piece,
+    same_value,
+    value_key,
 )
 
 # --------------------------------------------------------------------------- strategies
@@ -204,8 +207,66 @@ def test_equality_is_strict_about_int_and_float() -> None:
     assert Constant(128) != Constant(128.0)
     assert canonical_json({"bs": Constant(128)}) != canonical_json({"bs": Constant(128.0)})
     assert Constant(128) == Constant(128) and hash(Constant(128)) == hash(Constant(128))
-    # The values are equal, so the two configs never diverge.
-    assert first_divergence({"bs": Constant(128)}, {"bs": Constant(128.0)}, 0, 1000) == 1000
+    # An int batch size and a float one are different trainings (setup is called on the change),
+    # so the two configs share no step although 128 == 128.0 (issue 11 item 2).
+    assert first_divergence({"bs": Constant(128)}, {"bs": Constant(128.0)}, 0, 1000) == 0
+    assert first_divergence({"bs": MultiStep(32, [10], 2)}, {"bs": Piecewise([Constant(32), Constant(64.0)], [10])},
+                            0, 20) == 10
+    assert first_divergence({"m": Constant(0.0)}, {"m": Constant(-0.0)}, 0, 5) == 0
+
+
+def test_same_value_is_the_one_rule_for_values() -> None:
+    assert same_value(3, 3) and same_value(0.5, 0.5)
+    assert not same_value(3, 3.0) and not same_value(0.0, -0.0) and not same_value(True, 1)
+    keys = {value_key(v) for v in (3, 3.0, 0.0, -0.0, 1.5)}
+    assert len(keys) == 5
+    assert value_key(1.5) == value_key(3 / 2)
+    assert not same_piece(("const", 32), ("const", 32.0))
+    assert not same_piece(("exp", 1.0, 0.5, 0), ("exp", 1, 0.5, 0))
+
+
+def test_a_value_that_cannot_be_computed_differs_from_any_other() -> None:
+    # Both trials are valid (every value they train with is a float), and they agree on steps
+    # 0..1023; at 1024 the first one's exponential would overflow, which must not crash the
+    # scan (issue 11 item 3): the configs diverge there.
+    a = {"lr": Exponential(1.0, 2.0)}
+    b = {"lr": Piecewise([Exponential(1.0, 2.0), Constant(1.0)], [1024])}
+    assert a["lr"].first_uncomputable(1000) is None and b["lr"].first_uncomputable(1200) is None
+    assert first_divergence(a, b, 0, 1200) == 1024
+
+
+@pytest.mark.parametrize(("fn", "steps", "first_bad"), [
+    (Exponential(1.0, 2.0), 1000, None),
+    (Exponential(1.0, 2.0), 1100, 1024),
+    (Piecewise([Exponential(1.0, 2.0), Constant(5.0)], [1100]), 1200, 1024),
+    (Exponential(2, 2), 2**62, 62),  # an int leaving 64 bits, judged without computing 2**(2**62)
+    (Exponential(0.1, 2), 10**18, 1024),
+    (Exponential(1.0, 0.5), 10**18, None),  # underflow to 0.0 is a value
+    (Warmup(0.0, 10, Exponential(1.0, 2.0)), 2000, 1034),
+    (Warmup(0.0, 10, Exponential(2.0**1023, 2.0)), 12, 11),  # then(1) = 2**1024 overflows
+    (MultiStep(1.0, [5, 10], 1e300), 20, 10),
+    (Linear(1e300, 1e300), 10**18, 179_769_313),  # 1e300 * 179769313 leaves the float range
+    (Cosine(0.1, 0.0, 1), 10**18, None),  # periodic: no scan of 10**18 pieces
+    (CyclicLR(0.01, 0.1, 1, 1), 10**18, None),
+])
+def test_first_uncomputable(fn: HPFunction, steps: int, first_bad: int | None) -> None:
+    assert fn.first_uncomputable(steps) == first_bad
+    if first_bad is not None:
+        with pytest.raises(ArithmeticError):
+            value = fn.value(first_bad)
+            if isinstance(value, int) and not -(2**63) <= value < 2**63:
+                raise OverflowError("int beyond 64 bits")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise OverflowError("not finite")
+        if first_bad:
+            fn.value(first_bad - 1)  # the step before is fine
+
+
+def test_check_computable_names_the_hyper_parameter() -> None:
+    check_computable({"lr": Exponential(1.0, 2.0)}, 1000)
+    with pytest.raises(ValueError, match=r"`hp\['lr'\]` is Exponential\(init=1.0, gamma=2.0\), whose value at "
+                                         r"step 1024 leaves the float range.*1100 steps"):
+        check_computable({"lr": Exponential(1.0, 2.0), "bs": Constant(32)}, 1100)
 
 
 def test_as_hp() -> None:
@@ -373,7 +434,7 @@ family_configs = st.fixed_dictionaries(
 
 
 def _brute_force(a: HPConfig, b: HPConfig, start: int, stop: int) -> int:
-    diverged = (s for s in range(start, stop) if any(a[k].value(s) != b[k].value(s) for k in a))
+    diverged = (s for s in range(start, stop) if any(not same_value(a[k].value(s), b[k].value(s)) for k in a))
     return next(diverged, stop)
 
 

@@ -1,30 +1,38 @@
 """Kafka mode as a team runs it: workers that drain on SIGTERM and hand their path back, bad
-records dead-lettered instead of crashing anything, and several studies at once on one
-deployment; each bit for bit equal to embedded mode, trial by trial."""
+records dead-lettered instead of crashing anything, several studies at once on one deployment,
+and a broker restart in the middle of a study; each bit for bit equal to embedded mode, trial by
+trial."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from events import topics
-from events.codec import decode
-from events.models import CheckpointSaved, DeadLettered, StageDispatched, StageFinished, WorkerLost
-from gpu_worker.kafka_worker import SIGTERM_HOOK_ENV
 from kafka_cluster import (
     CLI,
     STUDIES,
     Deployment,
     assert_no_duplicate_or_conflicting_decisions,
     assert_what_must_hold_after_faults,
+    checkpoints_saved,
     kafka_log,
     kafka_state,
     per_trial,
     summary_of,
     verify_deployment,
+    wait_for,
 )
+from private_kafka import PrivateBroker
+
+from events import topics
+from events.codec import decode
+from events.models import CheckpointSaved, DeadLettered, StageDispatched, StageFinished, WorkerLost
+from gpu_worker.kafka_worker import SIGTERM_HOOK_ENV
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 
@@ -108,7 +116,8 @@ def test_studies_run_at_once_on_one_deployment(embedded: Path, embedded_others: 
         cluster.worker("w0")
         cluster.worker("w1")
         cluster.joined("w0", "w1")
-        runs = {name: cluster.run(STUDIES / f"{name}.py", out=name) for name in ("tiny_sha", "tiny_sha_b", "tiny_sha_c")}
+        names = ("tiny_sha", "tiny_sha_b", "tiny_sha_c")
+        runs = {name: cluster.run(STUDIES / f"{name}.py", out=name) for name in names}
         for run in runs.values():
             cluster.finish(run)
     finally:
@@ -131,4 +140,44 @@ def test_studies_run_at_once_on_one_deployment(embedded: Path, embedded_others: 
             assert all(e.to_step <= a or b <= e.from_step for a, b in ranges), (e, ranges)
             ranges.append((e.from_step, e.to_step))
     assert_no_duplicate_or_conflicting_decisions(state, events)
+    verify_deployment(env)
+
+
+@pytest.fixture
+def private_broker(infra_env: dict[str, str], tmp_path: Path) -> Iterator[PrivateBroker]:
+    """A Kafka broker of this test's own (it is stopped and restarted mid-study)."""
+    broker = PrivateBroker(tmp_path / "kafka")
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+def test_a_broker_restart_mid_study(embedded: Path, infra_env: dict[str, str], private_broker: PrivateBroker,
+                                    tmp_path: Path) -> None:
+    """The broker stops (cleanly) in the middle of a study and comes back a few seconds later:
+    the serve instance, the workers and the SDK reconnect by themselves, and the study finishes
+    with the same per-trial results as embedded mode; the log verifies."""
+    tag = uuid.uuid4().hex[:10]
+    env = {**os.environ, **infra_env, "STAGETREE_BOOTSTRAP_SERVERS": private_broker.bootstrap,
+           "STAGETREE_TOPIC_PREFIX": f"restart-{tag}.", "STAGETREE_CHECKPOINT_STORE": f"s3://stagetree/test-{tag}"}
+    cluster = Deployment(env, tmp_path)
+    try:
+        cluster.serve("A")
+        cluster.worker("w0")
+        cluster.worker("w1")
+        cluster.joined("w0", "w1")
+        run = cluster.run()
+        wait_for(lambda: checkpoints_saved(env) >= 4, "some checkpoints")
+        private_broker.stop()
+        time.sleep(3)
+        private_broker.start()
+        cluster.finish(run)
+    finally:
+        cluster.close()
+    state, events = kafka_state(env)
+    assert per_trial(summary_of(tmp_path / "run")) == per_trial(summary_of(embedded))
+    assert_no_duplicate_or_conflicting_decisions(state, events)
+    assert_what_must_hold_after_faults(env, tmp_path / "run", embedded, [cluster.state_dir("A")])
     verify_deployment(env)

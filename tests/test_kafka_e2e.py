@@ -18,14 +18,6 @@ import orjson
 import pytest
 import torch
 from confluent_kafka import Consumer, TopicPartition
-
-from events import topics
-from events.codec import decode
-from events.kafka_log import KafkaLog, partition_for
-from events.models import CheckpointSaved, StageDispatched, StageFailed, WorkerLost
-from gpu_worker.loader import load_module, trainer_of
-from gpu_worker.object_store import open_checkpoint_store
-from gpu_worker.session import TrainingSession
 from kafka_cluster import (
     CLI,
     STUDY,
@@ -40,6 +32,14 @@ from kafka_cluster import (
     verify_deployment,
     wait_for,
 )
+
+from events import topics
+from events.codec import decode
+from events.kafka_log import KafkaLog, partition_for
+from events.models import CheckpointSaved, StageDispatched, StageFailed, WorkerLost
+from gpu_worker.loader import load_module, trainer_of
+from gpu_worker.object_store import open_checkpoint_store
+from gpu_worker.session import TrainingSession
 from projections.store import search_plan_records
 from scheduler.role import STALL_HOOK_ENV
 from stagetree.kafka_runtime import KafkaRuntime

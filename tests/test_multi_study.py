@@ -23,9 +23,9 @@ from events.hp import Constant, Piecewise, config_from_json, first_divergence
 from events.log import EmbeddedLog, append_events
 from events.models import StageDispatched, StageFinished, StudyFinished, StudyStarted, TrialSubmitted
 from projections.search_plan import merged_unique_steps
+from projections.summary import build_summary, elapsed, k_wise_merge_rate, sharing_steps, summary_path
 from scheduler.simulation import Simulation
 from stagetree import cli
-from stagetree.summary import build_summary, elapsed, k_wise_merge_rate, sharing_steps
 
 STUDIES = Path(__file__).parent / "studies"
 STAGETREE = [sys.executable, "-m", "stagetree.cli"]
@@ -192,10 +192,10 @@ def _run(study: str, out: Path, *flags: str) -> subprocess.CompletedProcess[str]
                            *flags], capture_output=True, text=True, timeout=600)
 
 
-def _summary_of(study: str, out: Path) -> dict:
+def _summary_of(study: str, out: Path, name: str) -> dict:
     proc = _run(study, out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return orjson.loads((out / "summary.json").read_bytes())
+    return orjson.loads(summary_path(out, name).read_bytes())  # one summary per study
 
 
 def _hp_steps(summary: dict) -> list[tuple[dict, int]]:
@@ -213,8 +213,10 @@ def _plan_events(out: Path) -> list:
 @pytest.mark.e2e
 def test_a_later_study_in_the_same_run_directory_trains_only_what_the_first_did_not(tmp_path: Path) -> None:
     out = tmp_path / "shared"
-    a = _summary_of("tiny_sha.py", out)
-    b = _summary_of("tiny_sha_b.py", out)
+    a = _summary_of("tiny_sha.py", out, "tiny")
+    b = _summary_of("tiny_sha_b.py", out, "tiny-b")
+    # The directory's summary.json stays the first study's: a later study never overwrites it.
+    assert orjson.loads((out / "summary.json").read_bytes())["name"] == "tiny"
     assert (a["name"], b["name"]) == ("tiny", "tiny-b")
     events = _plan_events(out)
     keys = {e.study_id: e.plan_key for e in events if isinstance(e, StudyStarted)}

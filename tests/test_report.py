@@ -23,8 +23,10 @@ import orjson
 import pytest
 
 from events.hp import Constant
-from events.models import StageDispatched, StageFailed, StageFinished, StageStarted, StageSpec, WorkerLost
+from events.models import StageDispatched, StageFailed, StageFinished, StageSpec, StageStarted, WorkerLost
 from projections.state import Node, Plan, State, Trial
+from projections.summary import summary_path
+from replay import audit  # our own module: an import regression must fail, never skip
 from replay.report import (
     PICTURES,
     SAVINGS_ROWS,
@@ -156,7 +158,6 @@ def test_cli_reads_an_audit_file_and_rejects_bad_input(run_dir: Path, tmp_path: 
 
 @pytest.mark.e2e
 def test_cli_verify_runs_the_audit(run_dir: Path, tmp_path: Path) -> None:
-    pytest.importorskip("replay.audit")
     assert main([str(run_dir), "--out", str(tmp_path / "v"), "--verify"]) == 0
     doc = (tmp_path / "v" / "index.html").read_text()
     assert 'class="audit ok"' in doc, doc[doc.index('id="audit"'):][:2000]
@@ -168,6 +169,7 @@ def test_without_summary_json_the_table_is_computed_from_the_log(run_dir: Path, 
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
     (copy / "summary.json").unlink()
+    summary_path(copy, summary["name"]).unlink()  # every study's own summary too
     doc = build_report(copy, tmp_path / "out").read_text(encoding="utf-8")
     assert "computed from the log" in doc
     cells = table(doc)
@@ -261,7 +263,6 @@ def test_stage_runs_pair_start_and_end_events() -> None:
 
 @pytest.mark.e2e
 def test_report_of_a_jsonl_export(run_dir: Path, summary: dict, tmp_path: Path) -> None:
-    audit = pytest.importorskip("replay.audit")
     export = tmp_path / "run.jsonl"
     audit.export_log(audit.open_source(run_dir), export)
     doc = build_report(export, tmp_path / "out").read_text(encoding="utf-8")

@@ -55,7 +55,8 @@ def test_fig6_search_plan_gives_fig7_stages() -> None:
     # The critical path is the H3 chain down to H4: 5 + 5 + 10 steps at the cold estimate.
     path = critical_path(tree)
     assert path is not None
-    assert [(s.node_id, s.from_step, s.to_step) for s in path.stages] == [("n2", 30, 35), ("n2", 35, 40), ("n3", 40, 50)]
+    assert [(s.node_id, s.from_step, s.to_step) for s in path.stages] == [("n2", 30, 35), ("n2", 35, 40),
+                                                                         ("n3", 40, 50)]
 
 
 def test_fig6_running_stage_is_not_scheduled_again() -> None:
@@ -215,3 +216,94 @@ def test_trials_arriving_during_execution_are_covered(spec, workers, split) -> N
     assert all(t.status == "done" for t in sim.state.trials.values())
     assert max(_dispatch_counts(sim).values()) <= 2
     assert sim.state.stats.executed_steps >= distinct_prefix_steps(trials)
+
+
+# ----------------------------------------------------------------------------- issue 11: the sharing rule
+
+
+def test_int_and_float_values_of_the_same_number_do_not_share_a_node() -> None:
+    """``Constant(32)`` and ``Constant(32.0)`` are different trainings (a DataLoader rejects a
+    float batch size): neither the sharing scan nor the child index may merge them."""
+    sim = Simulation(workers=1)
+    sim.submit("int", {"bs": Constant(32)}, 10)
+    sim.submit("float", {"bs": Constant(32.0)}, 10)
+    nodes = sim.state.plans["plan"].nodes
+    assert sim.state.trials["int"].requests[10] != sim.state.trials["float"].requests[10]
+    assert len(nodes) == 2 and all(n.parent_id is None for n in nodes.values())
+    # At a branch step: both double the batch size at step 5, one to 64, one to 64.0.
+    sim.submit("a", {"bs": MultiStep(32, [5], 2)}, 10)
+    sim.submit("b", {"bs": Piecewise([Constant(32), Constant(64.0)], [5])}, 10)
+    sim.submit("c", {"bs": Piecewise([Constant(32), Constant(64)], [5])}, 10)  # same values as a: shares
+    a, b, c = (nodes[sim.state.trials[t].requests[10]] for t in "abc")
+    assert a.node_id == c.node_id != b.node_id
+    assert b.start_step == 5 and b.parent_id == nodes["n0"].node_id == "n0"
+    sim.run()
+    assert sim.state.trials["int"].results and sim.state.trials["float"].results
+
+
+def test_a_trial_sharing_up_to_where_the_other_would_overflow_is_placed() -> None:
+    """Placing a valid trial whose scan reaches a step where the node's own sequence cannot be
+    computed any more must not raise (issue 11 item 3): that value differs from everything."""
+    sim = Simulation(workers=1)
+    sim.submit("a", {"lr": Exponential(1.0, 2.0)}, 1000)
+    sim.submit("b", {"lr": Piecewise([Exponential(1.0, 2.0), Constant(1.0)], [1024])}, 1100)
+    plan = sim.state.plans["plan"]
+    b = plan.nodes[sim.state.trials["b"].requests[1100]]
+    assert (b.parent_id, b.start_step) == ("n0", 1024)  # shares steps 0..1023 with a's node
+    sim.run()
+    assert not sim.state.rejected
+    assert {(n, a, z) for _, n, a, z in sim.trained} == {("n0", 0, 1000), ("n0", 1000, 1024), ("n1", 1024, 1100)}
+
+
+# ----------------------------------------------------------------------------- issue 11: cost estimates
+
+
+def _measured(sim: Simulation, plan_key: str, trial_id: str, steps: int, train_seconds: float) -> None:
+    """Train ``trial_id`` (alone on ``plan_key``) to ``steps``, measured at ``train_seconds``."""
+    from events.models import CheckpointSaved, MetricsReported, StageFinished
+
+    sim.submit(trial_id, {"lr": Constant(0.1)}, steps, plan_key=plan_key)
+    (d,) = sim.dispatch_all()
+    (spec,) = d.stages
+    base = {"dispatch_id": d.dispatch_id, "plan_key": plan_key, "node_id": spec.node_id}
+    sim.emit(CheckpointSaved(**base, step=steps, ref=fake_ref(plan_key, spec.node_id, steps), size=1))
+    sim.emit(MetricsReported(**base, step=steps, metrics={"m": 1.0}))
+    sim.emit(StageFinished(**base, worker_id=d.worker_id, from_step=0, to_step=steps, seconds=train_seconds,
+                           train_seconds=train_seconds))
+
+
+def test_a_never_measured_plan_is_estimated_from_the_measured_ones() -> None:
+    """Trial-based plans train the same model: a plan with no measurement takes the others'
+    seconds per step, not 1 s, so it does not outrank a longer measured path (issue 11 item 15)."""
+    sim = Simulation(workers=1)
+    _measured(sim, "p", "t0", 10, train_seconds=0.01)  # 1 ms per step on plan p
+    sim.submit("long", {"lr": Constant(0.1)}, 110, plan_key="p")  # 100 more steps: 0.1 s
+    sim.submit("short", {"lr": Constant(0.2)}, 50, plan_key="q")  # never measured: 50 steps
+    (d,) = sim.dispatch_all()
+    assert (d.plan_key, d.stages[-1].to_step) == ("p", 110)
+
+
+def test_paths_of_equal_estimated_time_are_told_apart_by_steps() -> None:
+    """Steps measured at 0 s make every path cost 0: the longer one in steps goes first, not the
+    smaller key (issue 11 item 15)."""
+    sim = Simulation(workers=1)
+    _measured(sim, "a", "t0", 10, train_seconds=0.0)
+    _measured(sim, "b", "t1", 10, train_seconds=0.0)
+    sim.submit("few", {"lr": Constant(0.1)}, 20, plan_key="a")  # 10 more steps
+    sim.submit("many", {"lr": Constant(0.1)}, 60, plan_key="b")  # 50 more steps
+    (d,) = sim.dispatch_all()
+    assert (d.plan_key, d.stages[-1].to_step) == ("b", 60)
+
+
+def test_a_finished_trial_asked_for_an_earlier_step_is_done_again_when_answered() -> None:
+    """Issue 11 item 14: a trial done at 20 steps, then asked for step 10 (never evaluated),
+    is pending until step 10 is answered, then done (not pending for ever)."""
+    sim = Simulation(workers=1)
+    sim.submit("t", {"lr": Constant(0.1)}, 20)
+    sim.run()
+    assert sim.state.trials["t"].status == "done"
+    sim.submit("t", {"lr": Constant(0.1)}, 10)
+    assert sim.state.trials["t"].status == "pending"
+    sim.run()
+    trial = sim.state.trials["t"]
+    assert sorted(trial.results) == [10, 20] and trial.status == "done"

@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import get_args
 
 import pytest
+import test_scheduler  # the random trial families of the scheduler property tests
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import test_scheduler  # the random trial families of the scheduler property tests
 
 from events import topics
 from events.codec import decode, encode
@@ -41,7 +40,8 @@ from projections.reducer import apply
 from projections.state import Plan, State
 from projections.store import ProjectionStore, Projector, all_keys, snapshot
 from replay.audit import open_source, verify
-from scheduler.critical_path import READY, Path as StagePath, critical_path
+from scheduler.critical_path import READY, critical_path
+from scheduler.critical_path import Path as StagePath
 from scheduler.decide import POLICIES, decide
 from scheduler.service import SchedulerService
 from scheduler.simulation import Simulation, fake_ref
@@ -323,7 +323,7 @@ def _ref_anchor(plan: Plan, node, step: int):
     return best
 
 
-def ref_stage_tree(plan: Plan) -> StageTree:
+def ref_stage_tree(plan: Plan, fallback: float = 1.0) -> StageTree:
     endpoints: dict[str, set[int]] = defaultdict(set)
     requested: dict[str, set[int]] = defaultdict(set)
     for node in plan.nodes.values():
@@ -341,7 +341,7 @@ def ref_stage_tree(plan: Plan) -> StageTree:
     for node_id in sorted(endpoints, key=lambda n: int(n[1:])):
         node = plan.nodes[node_id]
         measured = node.sec_per_step()
-        sps = measured if measured is not None else mean_sec_per_step(plan)
+        sps = measured if measured is not None else mean_sec_per_step(plan, fallback)
         previous = None
         for end in sorted(endpoints[node_id]):
             evaluate = end in requested[node_id]
@@ -357,7 +357,8 @@ def ref_stage_tree(plan: Plan) -> StageTree:
             elif covers(plan.nodes[node.parent_id], node.start_step):
                 stage = Stage(node_id, node.start_step, end, evaluate, "inflight")
             else:
-                stage = Stage(node_id, node.start_step, end, evaluate, "stage", parent=(node.parent_id, node.start_step))
+                stage = Stage(node_id, node.start_step, end, evaluate, "stage",
+                              parent=(node.parent_id, node.start_step))
             previous = end
             if stage is not None:
                 tree.stages[stage.key] = Stage(stage.node_id, stage.from_step, stage.to_step, stage.evaluate,
@@ -376,9 +377,18 @@ def _ref_depth(tree: StageTree, key) -> int:
     return depth
 
 
-def _ref_longest(tree: StageTree, key) -> float:
-    below = [_ref_longest(tree, c) for c in tree.children.get(key, [])]
-    return tree.stages[key].est_seconds + (max(below) if below else 0.0)
+def _ref_longest(tree: StageTree, key) -> tuple[float, int]:
+    """(estimated seconds, steps) of the longest path down from ``key``: ties by steps."""
+    below = max((_ref_longest(tree, c) for c in tree.children.get(key, [])), default=(0.0, 0))
+    stage = tree.stages[key]
+    return (stage.est_seconds + below[0], max(stage.steps, 1) + below[1])
+
+
+def ref_fallback(state: State) -> float:
+    """Seconds per step of an unmeasured plan: the mean over every measured node of every plan."""
+    nodes = [n for plan in state.plans.values() for n in plan.nodes.values()]
+    steps = sum(n.profile_steps for n in nodes)
+    return sum(n.profile_seconds for n in nodes) / steps if steps else 1.0
 
 
 def _ref_descendants(tree: StageTree, key) -> int:
@@ -386,7 +396,8 @@ def _ref_descendants(tree: StageTree, key) -> int:
 
 
 def ref_critical_path(tree: StageTree) -> StagePath | None:
-    roots = [tree.stages[k] for k in sorted(tree.stages) if tree.stages[k].parent is None and tree.stages[k].source in READY]
+    roots = [tree.stages[k] for k in sorted(tree.stages)
+             if tree.stages[k].parent is None and tree.stages[k].source in READY]
     if not roots:
         return None
     best = roots[0]
@@ -400,18 +411,18 @@ def ref_critical_path(tree: StageTree) -> StagePath | None:
             if _ref_longest(tree, k) > _ref_longest(tree, nxt):
                 nxt = k
         chain.append(tree.stages[nxt])
-    return StagePath(tree.plan_key, tuple(chain), _ref_longest(tree, best.key))
+    return StagePath(tree.plan_key, tuple(chain), *_ref_longest(tree, best.key))
 
 
 def ref_choice(state: State, policy: str) -> list[tuple[str, int, int]] | None:
     """The stages ``policy`` dispatches next, computed the slow way (HIPPO_SPEC §3.7)."""
     candidates = []
     for plan_key in sorted(state.plans):
-        tree = ref_stage_tree(state.plans[plan_key])
+        tree = ref_stage_tree(state.plans[plan_key], ref_fallback(state))
         if policy == "critical-path":
             path = ref_critical_path(tree)
             if path is not None:
-                candidates.append(((-path.est_seconds, plan_key), path.stages))
+                candidates.append(((-path.est_seconds, -path.steps, plan_key), path.stages))
             continue
         for stage in tree.stages.values():
             if stage.source in READY:
@@ -468,7 +479,8 @@ class Checked(Simulation):
             assert (None if memo is None else stages_of(memo)) == (
                 ref_choice(self.state, policy) if self.state.idle_workers() else None)
         for plan in self.state.plans.values():
-            tree, ref = build_stage_tree(plan), ref_stage_tree(plan)
+            fallback = ref_fallback(self.state)
+            tree, ref = build_stage_tree(plan, fallback), ref_stage_tree(plan, fallback)
             assert tree.stages == ref.stages and tree.children == ref.children
             assert critical_path(tree) == ref_critical_path(ref)
 

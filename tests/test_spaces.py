@@ -247,13 +247,14 @@ BAD: list[tuple[Callable[[], Any], str]] = [
      "its parameters are ['init', 'period', 'then']"),
     (lambda: RandomSearchSpace({"lr": Sampled(Warmup, init=0.0, period=3)}, 1, 0),
      "`hp_dict['lr']`: `Sampled(Warmup)` is missing the parameter 'then'"),
-    (lambda: RandomSearchSpace({"lr": Sampled(3, a=1)}, 1, 0), "`hp_dict['lr']`: `Sampled.fn` is 3, but must be callable"),
+    (lambda: RandomSearchSpace({"lr": Sampled(3, a=1)}, 1, 0),
+     "`hp_dict['lr']`: `Sampled.fn` is 3, but must be callable"),
     (lambda: RandomSearchSpace({"lr": Sampled(lambda value: value, rate=1.0)}, 1, 0),
      "`hp_dict['lr']`: `Sampled(<lambda>)`: missing a required argument: 'value'"),
     # a draw that is not a valid sequence names the hyper-parameter (gamma must be > 0)
     (lambda: RandomSearchSpace(
         {"lr": Sampled(MultiStep, init=1.0, milestones=[5], gamma=Uniform(-1.0, 0.0))}, 2, 0),
-     "`hp_dict['lr']`: configuration 0 (seed 0) is not a valid hyper-parameter sequence: gamma: Value error, "
+     "`hp_dict['lr']`: configuration 0 (seed 0) is not a valid hyper-parameter sequence: MultiStep: "
      "`gamma` is "),
     # a draw of the wrong type: Milestones on its own samples a tuple, not a sequence
     (lambda: RandomSearchSpace({"m": Milestones(2, 1, 5)}, 1, 0),

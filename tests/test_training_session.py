@@ -306,7 +306,11 @@ def test_session_rejects_bad_calls() -> None:
 
 
 def test_step_seed_is_stable_and_63_bit() -> None:
-    assert step_seed(7, 3) == step_seed(7, 3)
+    # Pinned values: the seeds of every step must be the same in every process, on every
+    # platform and Python version, or a resumed run trains other bits (issue 11 item 18).
+    assert step_seed(7, 3) == 277536969457835854
+    assert step_seed(0, 0) == 7267929194294395901
+    assert step_seed(2**63 - 1, 10**9) == 5323819536072168373
     seeds = {step_seed(seed, step) for seed in range(4) for step in range(50)}
     assert len(seeds) == 200
     assert all(0 <= value < 2**63 for value in seeds)
@@ -401,3 +405,69 @@ def test_sampler_rejects_bad_arguments() -> None:
         ResumableSampler(6, 1).load_state_dict(sampler.state_dict())
     with pytest.raises(ValueError, match="position .* 9"):
         sampler.load_state_dict({**sampler.state_dict(), "position": 9})
+
+
+class LabelSmoothing(digits.DigitsTrainer):
+    """The digits CNN whose *evaluation* depends on a tuned value: ``val_loss`` is the
+    cross-entropy with ``label_smoothing`` (issue 11 item 1)."""
+
+    hyperparameters = ("lr", "batch_size", "momentum", "label_smoothing")
+
+    def build(self, seed: int, device: torch.device) -> None:
+        super().build(seed, device)
+        self.smoothing = 0.0  # the build default: what a session that never called setup uses
+
+    def setup(self, hp: dict[str, float | int]) -> None:
+        super().setup(hp)
+        if "label_smoothing" in hp:
+            self.smoothing = float(hp["label_smoothing"])
+
+    def evaluate(self) -> dict[str, float]:
+        self.model.eval()
+        logits = self.model(self.val_images)
+        self.model.train()
+        loss = torch.nn.functional.cross_entropy(logits, self.val_labels, label_smoothing=self.smoothing)
+        return {"val_loss": loss.item()}
+
+
+SMOOTHED = {"lr": Constant(0.1), "batch_size": Constant(16), "momentum": Constant(0.0),
+            "label_smoothing": Constant(0.3)}
+
+
+def test_evaluate_right_after_load_sees_the_tuned_values() -> None:
+    """An evaluation-only stage loads a checkpoint and evaluates without training a step: the
+    session must hold the values of step s-1 applied, as a straight run does at s."""
+    session = TrainingSession(LabelSmoothing(), 7)
+    session.start_fresh()
+    session.train(SMOOTHED, 6)
+    expected = session.evaluate()
+    resumed = TrainingSession(LabelSmoothing(), 7)
+    resumed.load(session.save())
+    assert resumed.evaluate() == expected
+    build_default = TrainingSession(LabelSmoothing(), 7)
+    build_default.load(session.save())
+    build_default.trainer.smoothing = 0.0
+    assert build_default.evaluate() != expected  # the test would see the defect
+
+
+def test_an_evaluation_only_dispatch_reports_what_a_straight_run_reports(tmp_path: Path) -> None:
+    """Through the path executor: a checkpoint exists at step 6 but its metrics do not (a later
+    study asks for a step an earlier one only checkpointed); the evaluation-only stage reports
+    the straight run's metrics bit for bit."""
+    from events.models import CheckpointSource, MetricsReported, StageDispatched, StageSpec
+    from gpu_worker.checkpoint import LocalCheckpointStore
+    from gpu_worker.executor import PathExecutor
+
+    session = TrainingSession(LabelSmoothing(), 7)
+    session.start_fresh()
+    session.train(SMOOTHED, 6)
+    expected = session.evaluate()
+    store = LocalCheckpointStore(tmp_path)
+    ref = store.put(session.save())
+    dispatch = StageDispatched(dispatch_id="d0", worker_id="w0", plan_key="p", seed=7, decided_at=0,
+                               source=CheckpointSource(node_id="n0", step=6, ref=ref.ref),
+                               stages=[StageSpec(node_id="n0", hp=SMOOTHED, from_step=6, to_step=6, evaluate=True)])
+    events: list = []
+    PathExecutor(LabelSmoothing(), "w0", store, torch.device("cpu")).run(dispatch, events.extend)
+    (metrics,) = [e for e in events if isinstance(e, MetricsReported)]
+    assert metrics.metrics == expected

@@ -20,7 +20,7 @@ from events.hp import Constant, MultiStep, Piecewise
 from events.models import Event, TrialSubmitted
 from gpu_worker.trainer import Trainer
 from projections.state import State
-from stagetree.study import Study
+from stagetree.study import Study, TrialFailed
 from stagetree.tuners import (
     EarlyStopTuner,
     GridSearch,
@@ -76,7 +76,12 @@ class FormulaRuntime:
             assert isinstance(event, TrialSubmitted)
             values = {name: fn.value(event.steps - 1) for name, fn in event.hp.items()}
             batch.append((values["x"], values["y"], event.steps))
-            metrics = self.formula(values, event.steps)
+            try:
+                metrics = self.formula(values, event.steps)
+            except FloatingPointError as exc:  # the formula's way to say "the trainer raised"
+                for future in self._waiters.pop((event.trial_id, event.steps), []):
+                    future.set_exception(TrialFailed(event.trial_id, str(exc)))
+                continue
             for future in self._waiters.pop((event.trial_id, event.steps), []):
                 future.set_result(dict(metrics))
         self.batches.append(batch)
@@ -119,6 +124,57 @@ def test_rungs() -> None:
     assert rungs(5, 6, 4) == [5, 6]
     assert rungs(1, 100, 10) == [1, 10, 100]
     assert SuccessiveHalving(space_x(2), "acc", min_steps=30, max_steps=480, reduction=4).rungs() == [30, 120, 480]
+
+
+def test_rungs_refuse_a_reduction_that_never_reaches_max_steps() -> None:
+    """Issue 11 item 7: the public function looped forever with reduction <= 1."""
+    for reduction in (1, 0, -2):
+        with pytest.raises(ValueError, match=f"`reduction` is {reduction}, but must be an int >= 2"):
+            rungs(1, 100, reduction)
+    with pytest.raises(ValueError, match="`min_steps` is 10, but must be <= max_steps 5"):
+        rungs(10, 5, 2)
+
+
+# ============================================================================ a failed trial is a loss
+
+
+def _failing_x0(values: dict[str, float], steps: int) -> dict[str, float]:
+    """Configuration x == 0 fails at any steps (its trainer raises); the others score x."""
+    if values["x"] == 0:
+        raise FloatingPointError("loss diverged")
+    return {"acc": values["x"] + values["y"] * 0.01 + steps * 0.001, "loss": 1.0 / (1 + steps + values["x"])}
+
+
+def _all_tuner_families() -> list[tuple[str, Any]]:
+    from stagetree.tuners import ASHA, PBT, Hyperband, MedianStopping, MLtunerTuner
+
+    space = space_x(8)
+    return [
+        ("GridSearch", GridSearch(space, steps=4, metric="acc")),
+        ("SuccessiveHalving", SuccessiveHalving(space, "acc", min_steps=1, max_steps=8, reduction=2)),
+        ("EarlyStopTuner", EarlyStopTuner(Schedule.from_milestones((2, 8), (4, 4), (8, 2)), space, "acc")),
+        ("Hyperband", Hyperband(space, "acc", min_steps=1, max_steps=9, reduction=3)),
+        ("ASHA", ASHA(space, "acc", min_steps=1, max_steps=8, reduction=2)),
+        ("ASHA causal", ASHA(space, "acc", min_steps=1, max_steps=8, reduction=2, causal=True)),
+        ("MedianStopping", MedianStopping(space, "acc", max_steps=8, interval=2, min_trials=2)),
+        ("PBT", PBT(space, "acc", population=8, interval=2, max_steps=8, mutations={"y": [0, 1, 2]})),
+        ("MLtunerTuner", MLtunerTuner([{"x": 1, "y": 0}], "acc", tunables={"x": [0, 1, 2, 3]}, max_steps=8,
+                                      epoch_steps=2, trial_steps=2, points=2, patience=2)),
+    ]
+
+
+@pytest.mark.parametrize(("family", "tuner"), _all_tuner_families(), ids=[f for f, _ in _all_tuner_families()])
+def test_a_failed_trial_is_a_loss_in_every_tuner(family: str, tuner: Any) -> None:
+    """Issue 11 item 17, one rule for all tuners: the study goes on, the failed trial has its
+    error, is never requested again after failing, and is never the answer."""
+    result, runtime, study = tune(tuner, _failing_x0)
+    failed = [r for r in result.trials if r.failed]
+    assert failed and all(r.error == "loss diverged" and r.metrics == {} for r in failed)
+    assert result.best is not None and not result.best.failed and result.best.hp["x"].value(0) != 0
+    # Requests of the failing configuration all went out in one batch (several steps at once, or
+    # one configuration in two Hyperband brackets), before its failure was known: none after.
+    batches = [i for i, batch in enumerate(runtime.batches) if any(x == 0 for x, _, _ in batch)]
+    assert len(batches) == 1, f"{family} asked the failed trial again in batches {batches}"
 
 
 # ============================================================================ successive halving

@@ -25,12 +25,17 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from gpu_worker.simulated import CostModel, CurveModel, SimulatedTrainer
+from stagetree import CostModel, CurveModel, GridSearchSpace, SimulatedTrainer
 from stagetree.hp import Constant, Cosine, CyclicLR, Exponential, Linear, MultiStep, Piecewise, Warmup
-from stagetree.tuners import GridSearchSpace
 
 WORKERS = 40
 """The papers' cluster: 5 x p2.8xlarge, 8 K80 GPUs each (HIPPO_SPEC §8.1)."""
+
+# Checkpoint sizes (bytes): float32 weights plus the optimizer state the studies use.
+RESNET56_CHECKPOINT = 7_000_000  # 0.86 M parameters, SGD momentum
+RESNET20_CHECKPOINT = 2_200_000  # 0.27 M parameters, SGD momentum
+MOBILENETV2_CHECKPOINT = 18_000_000  # 2.2 M parameters, SGD momentum
+BERT_BASE_CHECKPOINT = 1_320_000_000  # 110 M parameters, Adam (two moments)
 
 # ----------------------------------------------------------------------------- ResNet56 / CIFAR-10
 
@@ -40,7 +45,7 @@ def resnet56_trainer() -> SimulatedTrainer:
     return SimulatedTrainer(
         "resnet56-cifar10", ("lr", "batch_size", "momentum", "weight_decay", "optimizer"),
         cost=CostModel(base_seconds=100.0, scale={"batch_size": (128, -0.3)}, load_seconds=10.0, save_seconds=10.0,
-                       eval_seconds=8.0),
+                       eval_seconds=8.0, checkpoint_bytes=RESNET56_CHECKPOINT),
         curve=CurveModel(best_lr=0.1, rate=0.06, max_acc=0.97, noise=0.002,
                          bonus={"optimizer": {2.0: -0.008}, "weight_decay": {1e-3: -0.004}}))
 
@@ -81,7 +86,7 @@ def mobilenetv2_trainer() -> SimulatedTrainer:
     return SimulatedTrainer(
         "mobilenetv2-cifar10", ("lr", "batch_size", "cutout"),
         cost=CostModel(base_seconds=115.0, scale={"batch_size": (128, -0.3)}, load_seconds=8.0, save_seconds=8.0,
-                       eval_seconds=10.0),
+                       eval_seconds=10.0, checkpoint_bytes=MOBILENETV2_CHECKPOINT),
         curve=CurveModel(best_lr=0.1, rate=0.06, max_acc=0.985, noise=0.002,
                          bonus={"cutout": {18.0: 0.002, 20.0: 0.003}}))
 
@@ -123,7 +128,7 @@ def bert_trainer() -> SimulatedTrainer:
     return SimulatedTrainer(
         "bert-base-squad2", ("lr", "seq_len"),
         cost=CostModel(base_seconds=2.6, scale={"seq_len": (384, 1.3)}, load_seconds=20.0, save_seconds=20.0,
-                       eval_seconds=300.0),
+                       eval_seconds=300.0, checkpoint_bytes=BERT_BASE_CHECKPOINT),
         curve=CurveModel(best_lr=5e-5, rate=0.0004, max_acc=0.79, chance=0.0, initial_loss=4.0, min_loss=0.6,
                          acc_scale=1.5, noise=0.002, lr_hp="lr", momentum_hp="momentum", batch_size_hp="batch_size",
                          bonus={"seq_len": {512.0: 0.004}}))
@@ -156,7 +161,7 @@ def resnet20_trainer() -> SimulatedTrainer:
     return SimulatedTrainer(
         "resnet20-cifar10", ("lr", "batch_size"),
         cost=CostModel(base_seconds=30.0, scale={"batch_size": (128, -0.3)}, load_seconds=4.0, save_seconds=4.0,
-                       eval_seconds=3.0),
+                       eval_seconds=3.0, checkpoint_bytes=RESNET20_CHECKPOINT),
         curve=CurveModel(best_lr=0.1, rate=0.06, max_acc=0.95, noise=0.002))
 
 
@@ -185,8 +190,7 @@ def product_size(space: GridSearchSpace) -> int:
 def resnet20_studies(k: int) -> list[Any]:
     """The multi-study case S``k``: subspaces 0..k-1, grid search to 100 epochs each, seed 0,
     all on one plan (same trainer and seed)."""
-    from stagetree.simulate import SimStudy
-    from stagetree.tuners import GridSearch
+    from stagetree import GridSearch, SimStudy
 
     return [SimStudy(f"resnet20-study{i}", GridSearch(resnet20_subspace(i), 100, metric="val_acc", mode="max"), 0)
             for i in range(k)]

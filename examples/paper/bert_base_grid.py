@@ -8,7 +8,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _paper import WORKERS, bert_space, bert_trainer  # noqa: E402
 
-from stagetree.tuners import GridSearch  # noqa: E402
+from stagetree import GridSearch  # noqa: E402
 
 name = "bert-base-grid"
 seed = 0

@@ -7,7 +7,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _paper import WORKERS, mobilenetv2_space, mobilenetv2_trainer  # noqa: E402
 
-from stagetree.tuners import GridSearch  # noqa: E402
+from stagetree import GridSearch  # noqa: E402
 
 name = "mobilenetv2-grid"
 seed = 0

@@ -8,7 +8,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _paper import WORKERS, resnet56_space, resnet56_trainer  # noqa: E402
 
-from stagetree.tuners import SuccessiveHalving  # noqa: E402
+from stagetree import SuccessiveHalving  # noqa: E402
 
 name = "resnet56-sha"
 seed = 0

@@ -7,7 +7,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 from digits import DigitsTrainer  # noqa: E402
 
-from stagetree.tuners import GridSearch, GridSearchSpace  # noqa: E402
+from stagetree import GridSearch, GridSearchSpace  # noqa: E402
 
 
 class ExplodingTrainer(DigitsTrainer):

@@ -9,8 +9,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 from digits import DigitsTrainer  # noqa: E402
 
+from stagetree import GridSearchSpace, SuccessiveHalving  # noqa: E402
 from stagetree.hp import Constant, MultiStep  # noqa: E402
-from stagetree.tuners import GridSearchSpace, SuccessiveHalving  # noqa: E402
 
 name = "tiny-b"
 seed = 7

@@ -10,9 +10,12 @@ much the other studies on its plan gave it.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from events import topics
@@ -20,10 +23,23 @@ from events.codec import InvalidEvent, decode
 from events.hp import config_to_json
 from events.log import EventLog
 from events.models import Event, StageFinished, StudyFinished, StudyStarted
+from projections.queries import study_needs
 from projections.search_plan import merged_unique_steps
 from projections.state import State, Trial
 
 TRIAL_PLAN_SEPARATOR = "/trial/"  # mode "trial": every trial's plan key is <key>/trial/<trial id>
+
+_FILE_SAFE = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def summary_path(run_dir: Path, study_id: str) -> Path:
+    """Where a study's summary lives in a run directory: ``summary-<study>.json``, one per study
+    (a name that is not file-safe becomes ``_``-separated plus 8 hex characters of its sha256,
+    so two names never share a file)."""
+    if _FILE_SAFE.fullmatch(study_id) and study_id not in (".", ".."):
+        return run_dir / f"summary-{study_id}.json"
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", study_id).strip("._") or "study"
+    return run_dir / f"summary-{safe}-{hashlib.sha256(study_id.encode()).hexdigest()[:8]}.json"
 
 
 def elapsed(events: Iterable[Event], study_id: str) -> float:
@@ -103,26 +119,6 @@ def k_wise_merge_rate(state: State, study_ids: Iterable[str]) -> float | None:
     return total / unique if unique else None
 
 
-def needed_ranges(state: State, study_id: str) -> dict[tuple[str, str], tuple[int, int]]:
-    """The steps the study's trials need, per ``(plan_key, node_id)``: ``[node.start_step, end)``
-    with ``end`` the largest step a trial of the study asks on or below that node (steps). Their
-    lengths sum to the unique steps of the study's trials in its plan (thesis §4.2.1)."""
-    end: dict[tuple[str, str], int] = {}
-    for trial in state.trials.values():
-        if trial.study_id != study_id or trial.steps not in trial.requests:
-            continue
-        plan = state.plans[trial.plan_key]
-        node = plan.nodes.get(trial.requests[trial.steps])
-        stop = trial.steps
-        while node is not None:
-            key = (plan.plan_key, node.node_id)
-            if end.get(key, -1) < stop:
-                end[key] = stop
-            stop = node.start_step
-            node = plan.nodes[node.parent_id] if node.parent_id is not None else None
-    return {key: (state.plans[key[0]].nodes[key[1]].start_step, stop) for key, stop in end.items()}
-
-
 def _covered(ranges: list[tuple[int, int]], lo: int, hi: int) -> int:
     """Length of ``[lo, hi)`` covered by the union of ``ranges`` (steps)."""
     covered, reach = 0, lo
@@ -140,7 +136,7 @@ def sharing_steps(state: State, events: Iterable[Event], study_id: str) -> tuple
     ``events`` is the plan stream in log order. The study's first StudyStarted splits it: the
     StageFinished events before it on the study's plans give, per node, the step ranges already
     trained (nodes are never split, so a node's step s is the same prefix for every trial through
-    it); ``steps_from_earlier_studies`` is how many steps of :func:`needed_ranges` they cover (a
+    it); ``steps_from_earlier_studies`` is how many steps of :func:`projections.queries.study_needs` they cover (a
     union, so a range trained twice counts once). ``executed_steps_since_start`` sums
     ``to_step - from_step`` of the StageFinished events on the study's plans after it (retrained
     steps count again). Without a StudyStarted of the study, nothing is earlier: (0, all).
@@ -158,7 +154,7 @@ def sharing_steps(state: State, events: Iterable[Event], study_id: str) -> tuple
                 trained[(event.plan_key, event.node_id)].append((event.from_step, event.to_step))
     if not started:
         return 0, sum(b - a for ranges in trained.values() for a, b in ranges)  # all of it is "since"
-    earlier = sum(_covered(trained.get(key, []), lo, hi) for key, (lo, hi) in needed_ranges(state, study_id).items())
+    earlier = sum(_covered(trained.get(key, []), lo, hi) for key, (lo, hi) in study_needs(state, study_id).items())
     return earlier, since
 
 
@@ -186,6 +182,10 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
     causally earlier ones (NASPipe's bubble). Executed steps and worker-seconds
     count the study's own plans, so studies on other plans of the same log do not mix in; but a
     plan shared with other studies (Hippo §7) counts every study's steps and seconds on it.
+
+    Checkpoints (of the whole run directory or deployment, every study's): ``checkpoint_bytes``
+    the bytes of the checkpoint objects kept at the end, ``peak_checkpoint_bytes`` the most ever
+    kept at once, ``checkpoints_evicted`` how many a checkpoint budget evicted.
 
     Sharing between studies (thesis §4.2.2): ``studies_sharing_plan`` lists the studies with
     trials on the study's plan key (itself included, see :func:`studies_sharing_plan`);
@@ -215,6 +215,7 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
                 "steps": t.steps,
                 "metrics": t.results.get(t.steps),
                 "status": t.status,
+                **({"error": t.error} if t.status == "failed" else {}),
             }
             for t in trials
         ],
@@ -227,6 +228,9 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
         "worker_seconds": worker_seconds,
         "end_to_end_seconds": end_to_end_seconds,
         "idle_worker_seconds": max(0.0, workers * end_to_end_seconds - worker_seconds),
+        "checkpoint_bytes": state.stats.checkpoint_bytes,
+        "peak_checkpoint_bytes": state.stats.peak_checkpoint_bytes,
+        "checkpoints_evicted": state.stats.evictions,
         "studies_sharing_plan": sharing,
         "k_wise_merge_rate": k_wise_merge_rate(state, sharing),
         "steps_from_earlier_studies": earlier,

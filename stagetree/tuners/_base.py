@@ -1,0 +1,157 @@
+"""The shared base of stagetree's tuners: results, the :class:`Tuner` base class, argument checks.
+
+A tuner drives a :class:`~stagetree.study.Study`: it submits trials, awaits their metrics and
+decides what to train next. Every decision depends only on metrics (never on timing or
+unrecorded randomness), so a re-run over the same log takes the same decisions. Units:
+``steps`` are optimizer updates of the trainer. One module per algorithm sits on this base
+(Optuna's layout for samplers); :mod:`stagetree.tuners` re-exports them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from events.hp import HPConfig
+from stagetree.study import Study, TrialFailed
+
+Mode = Literal["max", "min"]
+
+
+@dataclass
+class TrialResult:
+    """One configuration's outcome: the metrics at the largest steps it was trained to, or, when
+    its training failed (the trainer raised), no metrics and the ``error``."""
+
+    trial_id: str
+    hp: HPConfig
+    steps: int
+    metrics: dict[str, float]
+    error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+
+@dataclass
+class TunerResult:
+    """What a tuner found: the best trial, every trial's last result, and the tuner's decisions
+    in the order it took them (tuples such as ``("promote", trial_id, from_steps, to_steps)``,
+    ``("stop", trial_id, steps)``, ``("exploit", trial_id, donor_id, steps, new_trial_id)``)."""
+
+    best: TrialResult | None
+    metric: str
+    mode: Mode
+    trials: list[TrialResult] = field(default_factory=list)
+    decisions: list[tuple[Any, ...]] = field(default_factory=list)
+
+
+class Tuner(ABC):
+    """Base of tuners: a search space (any iterable of configurations, e.g. a
+    :class:`GridSearchSpace` or a :class:`RandomSearchSpace`), the metric to optimise and its
+    direction.
+
+    **A failed trial is a loss**, in every tuner: a trial whose training failed (the trainer
+    raised) has no metrics; it is stopped where it failed and never continues, and it is never
+    promoted, kept, chosen as a donor or given as the answer. Where a tuner keeps a fraction of
+    the trials of a rung (SuccessiveHalving, Hyperband, EarlyStopTuner, ASHA) it counts as one
+    of the rung's trials, ranked below every result; statistics over results (MedianStopping's
+    median, PBT's quantiles) use only the results that exist. The study goes on; its summary
+    lists the trial as "failed" with the error.
+    """
+
+    def __init__(self, space: Iterable[HPConfig], metric: str, mode: Mode = "max") -> None:
+        if mode not in ("max", "min"):
+            raise ValueError(f"`mode` is {mode!r}, but must be 'max' or 'min'")
+        if not metric:
+            raise ValueError(f"`metric` is {metric!r}, but must name a metric")
+        self.space = space
+        self.metric = metric
+        self.mode: Mode = mode
+
+    @abstractmethod
+    async def run(self, study: Study) -> TunerResult:
+        """Tune ``study`` and return the result."""
+
+    def score(self, metrics: Mapping[str, float | None]) -> float:
+        """The metric as a quantity to maximise; a null (non-finite) value ranks last.
+
+        Raises:
+            KeyError: the metric was not reported (the message lists what was).
+        """
+        if self.metric not in metrics:
+            raise KeyError(f"metric {self.metric!r} not reported; reported: {sorted(metrics)}")
+        value = metrics[self.metric]
+        if value is None:
+            return float("-inf")
+        return float(value) if self.mode == "max" else -float(value)
+
+    def result_score(self, result: TrialResult) -> float:
+        """:meth:`score` of a result; a failed trial scores below everything (``-inf`` for
+        results whose metric is null, then failed trials)."""
+        return -math.inf if result.failed else self.score(result.metrics)
+
+    def rank(self, results: list[TrialResult]) -> list[TrialResult]:
+        """Best first, failed trials last; ties broken by trial id so the order is deterministic."""
+        return sorted(results, key=lambda r: (r.failed, -self.result_score(r), r.trial_id))
+
+    def keep(self, results: list[TrialResult], count: int) -> list[TrialResult]:
+        """The best ``count`` results that did not fail (what a rung keeps or promotes)."""
+        return [r for r in self.rank(results)[:count] if not r.failed]
+
+    async def _train(self, study: Study, configs: list[HPConfig], steps: int) -> list[TrialResult]:
+        """Train ``configs`` to ``steps`` at once; a failed trial is a result with its error."""
+        outcomes = await asyncio.gather(*[study.submit(c, steps) for c in configs], return_exceptions=True)
+        results = []
+        for config, outcome in zip(configs, outcomes):
+            trial_id = study.trial_id(study.config(config))
+            if isinstance(outcome, TrialFailed):
+                results.append(TrialResult(trial_id, config, steps, {}, error=outcome.error or "failed"))
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                results.append(TrialResult(trial_id, config, steps, outcome))
+        return results
+
+    def _result(self, final: list[TrialResult], everything: dict[str, TrialResult]) -> TunerResult:
+        best = next((r for r in self.rank(final) if not r.failed), None)
+        return TunerResult(best, self.metric, self.mode, sorted(everything.values(), key=lambda r: r.trial_id))
+
+
+def positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    """``value`` if it is an int >= ``minimum`` (a bool is not); else ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` is {value!r}, but must be an int >= {minimum}")
+    return value
+
+
+def check_causal(causal: Any) -> bool:
+    if not isinstance(causal, bool):
+        raise ValueError(f"`causal` is {causal!r}, but must be True or False")
+    return causal
+
+
+def check_reduction(reduction: Any) -> int:
+    """The reduction factor (eta) of successive halving: an int >= 2."""
+    return positive_int("reduction", reduction, 2)
+
+
+def check_range(min_steps: Any, max_steps: Any) -> tuple[int, int]:
+    """``(min_steps, max_steps)``: positive ints, ``min_steps <= max_steps``."""
+    positive_int("min_steps", min_steps)
+    positive_int("max_steps", max_steps)
+    if min_steps > max_steps:
+        raise ValueError(f"`min_steps` is {min_steps}, but must be <= max_steps {max_steps}")
+    return min_steps, max_steps
+
+
+def stable_seed(*parts: str) -> int:
+    """A seed in [0, 2**63) from sha256 of ``parts`` (study names, trial ids, steps): the same on
+    every run and platform, so a tuner's random choices are a function of what the log holds."""
+    return int.from_bytes(hashlib.sha256("\0".join(parts).encode()).digest()[:8], "big") >> 1

@@ -1,0 +1,113 @@
+"""Population based training (Jaderberg et al. 2017) on the search plan."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from events.hp import HPConfig, continue_with
+from stagetree.spaces import candidates_of
+from stagetree.study import Study
+from stagetree.tuners._base import Mode, TrialResult, Tuner, TunerResult, check_causal, positive_int, stable_seed
+from stagetree.tuners._inbox import ResultInbox
+
+
+class PBT(Tuner):
+    """Population based training (Jaderberg et al., "Population Based Training of Neural
+    Networks", 2017, §3), on the search plan.
+
+    The first ``population`` configurations of the space train in ``interval``-step
+    generations up to ``max_steps``. When a member's result at step ``g`` is handed over and it
+    is in the bottom ``quantile`` of the results at ``g`` so far (while the top ``quantile`` holds
+    at least one other trial), it *exploits*: it takes the configuration of a trial drawn from
+    the top ``quantile`` (the donor) and *explores* from step ``g`` on: every hyper-parameter
+    named in ``mutations`` is resampled from its candidates with probability
+    ``resample_probability``, else moved to a neighbouring candidate (by the value at ``g``).
+    The new member is a new trial whose sequences equal the donor's up to ``g``
+    (:func:`continue_with`), so the search plan branches a new node at the donor's step ``g``
+    and the member starts from the donor's checkpoint there: exploiting copies no weights, and
+    a PBT schedule is an ordinary hyper-parameter sequence that report and replay show.
+
+    Random choices come from :func:`stable_seed` of ``(study, trial id, step)``. Units: steps.
+    With ``causal=True`` each generation is a causal group. Assumes results at equal steps
+    compare across members.
+
+    Raises:
+        ValueError: bad counts, a quantile outside (0, 0.5], a probability outside [0, 1], or a
+            mutation that names no candidates.
+    """
+
+    def __init__(self, space: Iterable[HPConfig], metric: str, mode: Mode = "max", *, population: int,
+                 interval: int, max_steps: int, mutations: Mapping[str, Sequence[Any]], quantile: float = 0.25,
+                 resample_probability: float = 0.25, causal: bool = False) -> None:
+        super().__init__(space, metric, mode)
+        self.population = positive_int("population", population)
+        self.interval = positive_int("interval", interval)
+        self.max_steps = positive_int("max_steps", max_steps)
+        if not isinstance(quantile, (int, float)) or not 0 < quantile <= 0.5:
+            raise ValueError(f"`quantile` is {quantile!r}, but must be in (0, 0.5]")
+        if not isinstance(resample_probability, (int, float)) or not 0 <= resample_probability <= 1:
+            raise ValueError(f"`resample_probability` is {resample_probability!r}, but must be in [0, 1]")
+        if not mutations:
+            raise ValueError("`mutations` is empty, but must name at least one hyper-parameter to explore")
+        self.mutations = candidates_of("mutations", mutations)
+        self.quantile = float(quantile)
+        self.resample_probability = float(resample_probability)
+        self.causal = check_causal(causal)
+
+    def generations(self) -> list[int]:
+        """The steps at which members are compared: every ``interval`` steps, and ``max_steps``."""
+        return [*range(self.interval, self.max_steps, self.interval), self.max_steps]
+
+    def explore(self, config: HPConfig, at: int, rng: np.random.Generator) -> HPConfig:
+        """``config`` up to step ``at``, with the mutated hyper-parameters changed from ``at`` on."""
+        out = dict(config)
+        for name in sorted(self.mutations):
+            if name not in config:
+                raise ValueError(f"`mutations` names {name!r}, which the configuration {sorted(config)} lacks")
+            candidates = self.mutations[name]
+            current = config[name].value(at)
+            index = next((i for i, c in enumerate(candidates) if c.value(0) == current), None)
+            if index is None or rng.random() < self.resample_probability:
+                choice = candidates[int(rng.integers(len(candidates)))]
+            else:
+                step = 1 if rng.random() < 0.5 else -1
+                choice = candidates[min(max(index + step, 0), len(candidates) - 1)]
+            out[name] = continue_with(config[name], choice, at)
+        return out
+
+    async def run(self, study: Study) -> TunerResult:
+        gens = self.generations()
+        inbox: ResultInbox[int] = ResultInbox(study, self.causal)  # payload: the generation
+        for config in itertools.islice(iter(self.space), self.population):
+            inbox.submit(config, gens[0], 0, 0)
+        at_gen: list[list[TrialResult]] = [[] for _ in gens]
+        everything: dict[str, TrialResult] = {}
+        final: list[TrialResult] = []
+        decisions: list[tuple[Any, ...]] = []
+        async for g, result in inbox.results():
+            everything[result.trial_id] = result
+            if result.failed:
+                continue  # the member ends; quantiles use results that exist
+            at_gen[g].append(result)
+            if g + 1 == len(gens):
+                final.append(result)
+                continue
+            ranked = self.rank(at_gen[g])
+            cut = int(len(ranked) * self.quantile)
+            top, bottom = ranked[:cut], ranked[len(ranked) - cut:] if cut else []
+            nxt = result.hp
+            if cut and any(b.trial_id == result.trial_id for b in bottom) \
+                    and all(t.trial_id != result.trial_id for t in top):
+                rng = np.random.default_rng(stable_seed(study.name, result.trial_id, str(gens[g])))
+                donor = top[int(rng.integers(len(top)))]
+                nxt = self.explore(donor.hp, gens[g], rng)
+                decisions.append(("exploit", result.trial_id, donor.trial_id, gens[g],
+                                  study.trial_id(study.config(nxt))))
+            inbox.submit(nxt, gens[g + 1], g + 1, g + 1)
+        out = self._result(final, everything)
+        out.decisions = decisions
+        return out

@@ -1,0 +1,135 @@
+"""The path executor (gpu_worker/executor.py): the events of a dispatch and how it meets faults.
+
+Issue 11 item 12: a stage's end (its metrics, checkpoint and StageFinished) is one batch, emitted
+only after the checkpoint is written and verified, so no crash can record metrics without the
+stage's checkpoint and accounting. Item 16: a store that fails (a full disk) is retried and then
+the path is handed back: no trial ever fails for it, and the path is dispatched again.
+"""
+
+from __future__ import annotations
+
+import errno
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from events.hp import Constant, MultiStep
+from events.models import (
+    CheckpointSaved,
+    Event,
+    MetricsReported,
+    StageDispatched,
+    StageFailed,
+    StageFinished,
+    StageStarted,
+    TrialSubmitted,
+    WorkerJoined,
+)
+from gpu_worker.checkpoint import CheckpointRef, LocalCheckpointStore, StorageError
+from gpu_worker.executor import PathExecutor
+from projections.reducer import apply
+from projections.state import State
+from scheduler.decide import decide
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from digits import DigitsTrainer  # noqa: E402
+
+CONFIG = {"lr": MultiStep(0.1, [3], 0.1), "batch_size": Constant(16), "momentum": Constant(0.0)}
+
+
+class FullDisk(LocalCheckpointStore):
+    """A local store whose disk is full for the first ``full`` writes (a fault at the edge)."""
+
+    def __init__(self, root: Path, full: int) -> None:
+        super().__init__(root)
+        self.full = full
+
+    def put(self, data: bytes) -> CheckpointRef:
+        if self.full > 0:
+            self.full -= 1
+            raise StorageError(f"writing checkpoint failed: {OSError(errno.ENOSPC, 'No space left on device')}")
+        return super().put(data)
+
+
+class Cluster:
+    """The real reducer and scheduler, and one worker whose events are folded as they come."""
+
+    def __init__(self) -> None:
+        self.state = State()
+        self.offset = -1
+        self.batches: list[list[Event]] = []
+
+    def emit(self, events: list[Event]) -> None:
+        self.batches.append(list(events))
+        for event in events:
+            self.offset += 1
+            apply(self.state, event, self.offset)
+
+    def dispatch(self) -> StageDispatched:
+        decision = decide(self.state)
+        assert decision is not None
+        self.emit([decision])
+        return decision
+
+
+@pytest.fixture
+def cluster() -> Cluster:
+    c = Cluster()
+    c.emit([WorkerJoined(worker_id="w0", device="cpu")])
+    c.emit([TrialSubmitted(study_id="s", trial_id="short", plan_key="p", seed=3, hp=CONFIG, steps=2),
+            TrialSubmitted(study_id="s", trial_id="long", plan_key="p", seed=3, hp=CONFIG, steps=5)])
+    return c
+
+
+def executor(store: LocalCheckpointStore, sleeps: list[float] | None = None) -> PathExecutor:
+    return PathExecutor(DigitsTrainer(), "w0", store, torch.device("cpu"), storage_backoff_s=0.5,
+                        sleep=(sleeps.append if sleeps is not None else lambda s: None))
+
+
+def test_the_end_of_a_stage_is_one_batch_after_its_checkpoint(cluster: Cluster, tmp_path: Path) -> None:
+    d = cluster.dispatch()
+    assert [(s.from_step, s.to_step) for s in d.stages] == [(0, 2), (2, 5)]
+    before = len(cluster.batches)
+    executor(LocalCheckpointStore(tmp_path)).run(d, cluster.emit)
+    kinds = [[type(e) for e in batch] for batch in cluster.batches[before:]]
+    assert kinds == [[StageStarted], [MetricsReported, CheckpointSaved, StageFinished],
+                     [StageStarted], [MetricsReported, CheckpointSaved, StageFinished]]
+    assert cluster.state.trials["short"].status == cluster.state.trials["long"].status == "done"
+    assert cluster.state.stats.executed_steps == 5
+
+
+def test_a_full_disk_is_retried_with_backoff(cluster: Cluster, tmp_path: Path) -> None:
+    sleeps: list[float] = []
+    store = FullDisk(tmp_path, full=2)
+    executor(store, sleeps).run(cluster.dispatch(), cluster.emit)
+    assert sleeps == [0.5, 1.0]  # two failed tries, the third wrote
+    assert not any(isinstance(e, StageFailed) for batch in cluster.batches for e in batch)
+    assert cluster.state.trials["long"].status == "done"
+
+
+def test_a_disk_that_stays_full_hands_the_path_back_and_fails_no_trial(cluster: Cluster, tmp_path: Path) -> None:
+    store = FullDisk(tmp_path, full=3)
+    first = cluster.dispatch()
+    executor(store).run(first, cluster.emit)
+    failed = [e for batch in cluster.batches for e in batch if isinstance(e, StageFailed)]
+    assert [(f.kind, f.from_step, f.to_step) for f in failed] == [("storage", 0, 2)]
+    assert "No space left" in failed[0].error
+    # No metrics were recorded for a stage whose checkpoint could not be written.
+    assert not any(isinstance(e, MetricsReported) for batch in cluster.batches for e in batch)
+    assert {t.status for t in cluster.state.trials.values()} == {"pending"}
+    assert cluster.state.workers["w0"].dispatch_id is None
+    # The same path is dispatched again and, the disk freed, trains.
+    again = cluster.dispatch()
+    assert again.dispatch_id != first.dispatch_id and again.stages == first.stages
+    executor(store).run(again, cluster.emit)
+    assert {t.status for t in cluster.state.trials.values()} == {"done"}
+
+
+def test_the_local_store_reports_an_io_failure_as_a_storage_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"not a directory")
+    store = LocalCheckpointStore(blocker / "checkpoints")  # a real OS error: the root is under a file
+    with pytest.raises(StorageError, match="writing checkpoint"):
+        store.put(b"state")

@@ -1,0 +1,65 @@
+"""The public API (issue 13 item 1): ``from stagetree import ...`` is all a user needs.
+
+A study file that imports only from :mod:`stagetree` runs, for every tuner family; the old
+import paths keep working; importing the package does not import torch or the tuners (names
+resolve on first use).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+import stagetree
+
+STUDY = Path(__file__).parent / "studies" / "public_api.py"
+FAMILIES = ["GridSearch", "SuccessiveHalving", "EarlyStopTuner", "ASHA", "Hyperband", "MedianStopping", "PBT",
+            "MLtunerTuner"]
+
+
+def test_every_public_name_resolves() -> None:
+    for name in stagetree.__all__:
+        assert getattr(stagetree, name) is not None, name
+    assert stagetree.hp.MultiStep(0.1, [5], 0.1).value(5) == pytest.approx(0.01)
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        stagetree.Nope  # noqa: B018
+
+
+def test_the_old_import_paths_still_work() -> None:
+    from gpu_worker.trainer import Trainer
+    from stagetree.mltuner import MLtunerTuner
+    from stagetree.spaces import GridSearchSpace as SpacesGrid
+    from stagetree.tuners import GridSearchSpace, RandomSearchSpace, SuccessiveHalving, continue_with, stable_seed
+
+    assert Trainer is stagetree.Trainer and MLtunerTuner is stagetree.MLtunerTuner
+    assert GridSearchSpace is SpacesGrid is stagetree.GridSearchSpace
+    assert RandomSearchSpace is stagetree.RandomSearchSpace and SuccessiveHalving is stagetree.SuccessiveHalving
+    assert callable(continue_with) and callable(stable_seed)
+
+
+def test_importing_the_package_imports_nothing_heavy() -> None:
+    code = "import sys, stagetree; print(sorted(m for m in ('torch', 'stagetree.tuners') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_package_is_typed() -> None:
+    assert (Path(stagetree.__file__).parent / "py.typed").is_file()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_study_file_importing_only_stagetree_runs(family: str, tmp_path: Path) -> None:
+    env = {**os.environ, "STAGETREE_TEST_TUNER": family}
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "run", str(STUDY), "--workers", "1", "--out",
+                           str(out), "--quiet"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = orjson.loads((out / "summary.json").read_bytes())
+    assert summary["name"] == f"public-{family}" and summary["best_trial"] is not None
+    assert all(t["status"] in ("done", "cancelled") for t in summary["trials"])
