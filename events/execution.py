@@ -34,6 +34,7 @@ clock, at the edge (a simulated backend's clock is virtual).
 from __future__ import annotations
 
 import traceback
+from collections import deque
 from collections.abc import Callable
 from typing import Literal, Protocol
 
@@ -93,9 +94,11 @@ class PathBackend(Protocol):
         """Metrics of the weights in hand (at ``step`` of ``spec``'s node)."""
         ...
 
-    def save(self) -> tuple[str, int] | None:
-        """Store the weights in hand if they are not stored yet: ``(sha256 ref, size in bytes)``
-        of the verified object, or None when they are (an evaluation-only stage, say)."""
+    def save(self) -> SaveHandle | None:
+        """Store the weights in hand if they are not stored yet, or None when they are (an
+        evaluation-only stage, say). The handle gives ``(sha256 ref, size in bytes)`` of the
+        verified object once written; a backend may write in the background while the next
+        stage trains (the weights are snapshotted before this returns)."""
         ...
 
     def abandon(self) -> None:
@@ -105,6 +108,30 @@ class PathBackend(Protocol):
     def now(self) -> float:
         """Seconds on the backend's clock."""
         ...
+
+
+class SaveHandle(Protocol):
+    """A checkpoint being stored: :meth:`result` blocks until it is written and verified and
+    returns ``(ref, size)``, or raises :class:`StageFault` (kind "storage")."""
+
+    def done(self) -> bool:
+        ...
+
+    def result(self) -> tuple[str, int]:
+        ...
+
+
+class Saved:
+    """A :class:`SaveHandle` already written (backends that store synchronously)."""
+
+    def __init__(self, ref: str, size: int) -> None:
+        self.value = (ref, size)
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> tuple[str, int]:
+        return self.value
 
 
 class Control(Protocol):
@@ -163,6 +190,16 @@ class _Steering:
         return min(steps) if steps else None
 
 
+class _Pending:
+    """An end batch waiting for its checkpoint's write: the events before CheckpointSaved, and
+    ``after()``, the events after it, made when the batch goes out (a path's last StageFinished
+    counts the time its worker waited for the writes)."""
+
+    def __init__(self, spec: StageSpec, step: int, handle: SaveHandle | None, before: list[Event],
+                 after: Callable[[], list[Event]]) -> None:
+        self.spec, self.step, self.handle, self.before, self.after = spec, step, handle, before, after
+
+
 def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: str,
              stamp: Callable[[Event], Event] = lambda e: e, control: Control | None = None,
              should_stop: Callable[[], bool] | None = None) -> bool:
@@ -171,23 +208,52 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
     timestamp, trace context), acting on what ``control`` says at step boundaries. Never raises
     for a failing stage. Records spans when tracing.
 
+    Checkpoint writes may finish after the next stage has started training: a stage's end batch
+    goes out, in stage order, once its write is verified (checked at step boundaries, and waited
+    for before the path ends); its ``seconds`` end when the checkpoint was handed to the writer,
+    so the time a write overlaps the next stage counts once.
+
     ``should_stop`` is asked before every stage after the first (a worker draining on SIGTERM):
-    when it answers True the path ends there, after the last finished stage's checkpoint, with
-    no event, and ``run_path`` returns False (the rest is for the worker to hand back); True
-    otherwise."""
+    when it answers True the path ends there, once the finished stages' writes are verified and
+    their end batches emitted, and ``run_path`` returns False (the rest is for the worker to hand
+    back); True otherwise.
+    """
     base = {"dispatch_id": d.dispatch_id, "plan_key": d.plan_key}
     first = d.stages[0]
     steering = _Steering(d, control if control is not None else NoControl())
+    pending: deque[_Pending] = deque()
 
     def failed(spec: StageSpec, kind: FaultKind, error: str, ref: str | None = None) -> None:
         emit([stamp(StageFailed(**base, worker_id=worker_id, node_id=spec.node_id, from_step=spec.from_step,
                                 to_step=spec.to_step, kind=kind, error=error, ref=ref))])
 
-    def saved(spec: StageSpec, step: int) -> list[Event]:
+    def save(spec: StageSpec, step: int) -> SaveHandle | None:
         with tracing.span("checkpoint.save", attributes={"stagetree.node_id": spec.node_id, "stagetree.step": step}):
-            ref = backend.save()
-        return [] if ref is None else [stamp(CheckpointSaved(**base, node_id=spec.node_id, step=step, ref=ref[0],
-                                                             size=ref[1]))]
+            return backend.save()
+
+    def release(block: bool) -> bool:
+        """Emit the end batches whose writes are done (all of them with ``block``), in order;
+        False when a write failed (its stage's StageFailed is emitted; the path ends)."""
+        while pending and (block or pending[0].handle is None or pending[0].handle.done()):
+            entry = pending.popleft()
+            saved: list[Event] = []
+            if entry.handle is not None:
+                try:
+                    ref, size = entry.handle.result()
+                except StageFault as fault:
+                    pending.clear()
+                    backend.abandon()
+                    failed(entry.spec, fault.kind, fault.error, fault.ref)
+                    return False
+                saved = [stamp(CheckpointSaved(**base, node_id=entry.spec.node_id, step=entry.step, ref=ref,
+                                               size=size))]
+            batch = [*entry.before, *saved, *entry.after()]
+            if batch:
+                emit(batch)
+        return True
+
+    def interrupt() -> bool:
+        return steering.control.waiting() or bool(pending and (pending[0].handle is None or pending[0].handle.done()))
 
     started = backend.now()
     try:
@@ -198,61 +264,72 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
         return True
     for i, spec in enumerate(d.stages):
         if i and should_stop is not None and should_stop():
-            return False
+            return not release(True)  # a write that failed ended the path with its StageFailed
         stage = {"node_id": spec.node_id, "from_step": spec.from_step, "to_step": spec.to_step}
         attrs = {f"stagetree.{k}": v for k, v in stage.items()}
         with tracing.span("stage", attributes=attrs):
             emit([stamp(StageStarted(dispatch_id=d.dispatch_id, worker_id=worker_id, plan_key=d.plan_key, **stage))])
-            end: list[Event] = []
             try:
                 if backend.step() != spec.from_step:
                     raise RuntimeError(f"stage starts at step {spec.from_step}, "
                                        f"but the weights are at {backend.step()}")
                 train_seconds = 0.0
                 while True:
+                    if not release(False):
+                        return True
                     steering.update()
                     at = backend.step()
                     stop = steering.stop_in(i, spec)
                     if stop is not None and at >= stop:
+                        handle = save(spec, at)
                         now = backend.now()
-                        emit([*saved(spec, at), stamp(StageStopped(**base, worker_id=worker_id, **stage, step=at,
-                                                                   seconds=now - started,
-                                                                   train_seconds=train_seconds))])
+                        stopped = stamp(StageStopped(**base, worker_id=worker_id, **stage, step=at,
+                                                     seconds=now - started, train_seconds=train_seconds))
+                        pending.append(_Pending(spec, at, handle, [], lambda e=stopped: [e]))
+                        release(True)
                         return True
                     if at >= spec.to_step:
                         break
                     target = min(x for x in (spec.to_step, stop, steering.next_save(spec, at)) if x is not None)
                     t0 = backend.now()
                     with tracing.span("train", attributes=attrs):
-                        backend.train(spec, target, steering.control.waiting)
+                        backend.train(spec, target, interrupt)
                     train_seconds += backend.now() - t0
                     at = backend.step()
                     if at < spec.to_step and (spec.node_id, at) in steering.saves:  # a split inside the stage
                         evaluate = steering.saves.pop((spec.node_id, at))
-                        mid: list[Event] = []
+                        before: list[Event] = []
                         if evaluate:
-                            mid.append(stamp(MetricsReported(**base, node_id=spec.node_id, step=at,
-                                                             metrics=dict(backend.evaluate(spec, at)))))
-                        mid += saved(spec, at)
-                        if mid:
-                            emit(mid)
+                            before.append(stamp(MetricsReported(**base, node_id=spec.node_id, step=at,
+                                                                metrics=dict(backend.evaluate(spec, at)))))
+                        pending.append(_Pending(spec, at, save(spec, at), before, list))
+                end: list[Event] = []
                 if spec.evaluate:
                     with tracing.span("evaluate", attributes=attrs):
                         metrics = backend.evaluate(spec, spec.to_step)
                     end.append(stamp(MetricsReported(**base, node_id=spec.node_id, step=spec.to_step,
                                                      metrics=dict(metrics))))
-                end += saved(spec, spec.to_step)
+                handle = save(spec, spec.to_step)
             except StageFault as fault:
-                backend.abandon()
-                failed(spec, fault.kind, fault.error, fault.ref)
+                if release(True):
+                    backend.abandon()
+                    failed(spec, fault.kind, fault.error, fault.ref)
                 return True
             except Exception as exc:  # the trainer's own code failed: report, never crash the worker
-                backend.abandon()
-                failed(spec, "error", "".join(traceback.format_exception_only(exc)).strip())
+                if release(True):
+                    backend.abandon()
+                    failed(spec, "error", "".join(traceback.format_exception_only(exc)).strip())
                 return True
             now = backend.now()
-            end.append(stamp(StageFinished(**base, worker_id=worker_id, **stage, seconds=now - started,
-                                           train_seconds=train_seconds)))
-            emit(end)
-            started = now
+            finish = StageFinished(**base, worker_id=worker_id, **stage, seconds=now - started,
+                                   train_seconds=train_seconds)
+            if i + 1 < len(d.stages):
+                stamped = stamp(finish)
+                pending.append(_Pending(spec, spec.to_step, handle, end, lambda e=stamped: [e]))
+                started = now
+            else:  # the last stage holds the worker until every write of the path is verified
+                t0 = started
+                pending.append(_Pending(spec, spec.to_step, handle, end, lambda f=finish, t0=t0: [
+                    stamp(f.model_copy(update={"seconds": backend.now() - t0}))]))
+                release(True)
     return True

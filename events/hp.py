@@ -16,12 +16,16 @@ decomposed into elementary pieces: ``pieces(stop)`` lists ``(start_step, key)`` 
   ``start_value + (end_value - start_value) * (step - origin) / period``
 * ``("cos", init, min_value, length, origin)``:
   ``min_value + (init - min_value) * (1 + cos(pi * (step - origin) / length)) / 2``
+* ``("pow", start_value, end_value, period, power, origin)``:
+  ``start_value + (end_value - start_value) * ((step - origin) / period) ** power``
 
 ``value(step)`` is computed by evaluating the key of the piece holding ``step``, so two pieces
 with the same key give bitwise-equal values. Keys are compared by value *and* type
 (:func:`same_piece`): ``3 == 3.0``, but ``3 * 3 ** 40 != 3.0 * 3 ** 40``. Degenerate pieces
-(``exp`` with init 0 or gamma 1, ``lin`` with slope 0, ``ramp`` with equal ends, ``cos`` with
-``init == min_value``) are written as ``("const", v)``, ``v`` being their value at the origin.
+(``exp`` with init 0 or gamma 1, ``lin`` with slope 0, ``ramp`` or ``pow`` with equal ends, ``cos``
+with ``init == min_value``) are written as ``("const", v)``, ``v`` being their value at the origin;
+a ``pow`` piece of power 1 is the ``ramp`` piece of the same ends and period (the same function,
+so a :class:`PowerRamp` of power 1 merges with a :class:`Warmup` ramp).
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ __all__ = [
     "Piece",
     "PieceKey",
     "Piecewise",
+    "PowerRamp",
     "Warmup",
     "as_hp",
     "breakpoints",
@@ -161,6 +166,8 @@ def _eval_piece(key: PieceKey, step: int) -> int | float:
         case ("cos", init, min_value, length, origin):
             cosine = math.cos(math.pi * (step - origin) / length)
             value = min_value + (init - min_value) * (1 + cosine) / 2
+        case ("pow", start_value, end_value, period, power, origin):
+            value = start_value + (end_value - start_value) * ((step - origin) / period) ** power
         case _:
             raise ValueError(f"`key` is {key!r}, which is not a known piece")
     return value
@@ -172,9 +179,14 @@ def _piece(*key: Any) -> PieceKey:
     constant = (
         (formula == "exp" and (params[0] == 0 or params[1] == 1))
         or (formula == "lin" and params[1] == 0)
-        or (formula in ("ramp", "cos") and params[0] == params[1])
+        or (formula in ("ramp", "cos", "pow") and params[0] == params[1])
     )
-    return ("const", _eval_piece(key, key[-1])) if constant else key
+    if constant:
+        return ("const", _eval_piece(key, key[-1]))
+    if formula == "pow" and params[3] == 1:
+        start_value, end_value, period, _, origin = params
+        return ("ramp", start_value, end_value, period, origin)
+    return key
 
 
 def _shift(key: PieceKey, offset: int) -> PieceKey:
@@ -533,6 +545,41 @@ class Warmup(HPFunction):
         return _shift(key, self.period), None if end is None else end + self.period
 
 
+class PowerRamp(HPFunction):
+    """From ``init`` to ``end_value`` over ``period`` steps along a power curve, then ``end_value``.
+
+    For ``step < period``: ``init + (end_value - init) * (step / period) ** power``; for
+    ``step >= period``: ``end_value``. Power 1 is a linear ramp (the same canonical piece as a
+    :class:`Warmup` ramp), power 0.5 the "1-sqrt" cooldown of warmup-stable-decay schedules
+    (``init * (1 - sqrt(step / period))`` down to 0; Hägele et al., "Scaling Laws and
+    Compute-Optimal Training Beyond Fixed Training Durations", NeurIPS 2024, §3), power 2 the
+    "1-square" one. Inside :class:`Piecewise` it runs in its own frame, so a cooldown that starts
+    at step ``c`` is ``Piecewise([stable, PowerRamp(peak, 0.0, length, 0.5)], [c])``.
+
+    Raises ValueError if ``period < 1``, ``power <= 0`` or a number is not finite.
+    """
+
+    kind: Literal["PowerRamp"] = "PowerRamp"
+    init: Number
+    end_value: Number
+    period: Period
+    power: PositiveNumber
+
+    def __init__(self, init: float, end_value: float, period: int, power: float, **data: Any) -> None:
+        super().__init__(init=init, end_value=end_value, period=period, power=power, **data)
+
+    def _first_uncomputable(self, stop: int) -> int | None:
+        # values lie between init and end_value, unless their difference leaves the float range
+        if stop == 0 or self.init == self.end_value or math.isfinite(float(self.end_value) - float(self.init)):
+            return None
+        return 0
+
+    def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
+        if step < self.period:
+            return _piece("pow", self.init, self.end_value, self.period, self.power, 0), self.period
+        return ("const", self.end_value), None
+
+
 class CyclicLR(HPFunction):
     """Triangular cycles between ``init`` and ``max_value``.
 
@@ -628,7 +675,7 @@ class Piecewise(HPFunction):
 
 
 HP = Annotated[
-    Constant | MultiStep | Exponential | Linear | Cosine | Warmup | CyclicLR | Piecewise,
+    Constant | MultiStep | Exponential | Linear | Cosine | Warmup | CyclicLR | Piecewise | PowerRamp,
     Field(discriminator="kind"),
 ]
 """Any hyper-parameter sequence; JSON objects are told apart by their ``kind``."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import struct
 import threading
 from collections.abc import Iterator, Sequence
@@ -136,6 +137,16 @@ def chain_next(prev: bytes, stream: str, offset: int, key: str, value: bytes, se
     if secret:
         return hmac.new(secret, msg, hashlib.sha256).digest()
     return hashlib.sha256(msg).digest()
+
+
+KEY_ENV = "STAGETREE_LOG_KEY"
+"""The environment variable holding the HMAC secret of the hash chain."""
+
+
+def secret_from(flag: str | None) -> bytes | None:
+    """The chain's HMAC secret: the flag's value, else ``$STAGETREE_LOG_KEY``, else None."""
+    value = flag if flag is not None else os.environ.get(KEY_ENV)
+    return value.encode() if value else None
 
 
 def chain_algorithm(secret: bytes | None) -> str:

@@ -36,3 +36,9 @@ def dispatch_stream(worker_id: str) -> str:
         raise ValueError(f"worker id {worker_id!r} must be 1 to 200 characters of A-Z a-z 0-9 . _ - "
                          "(it names the worker's dispatch topic on Kafka)")
     return f"{DISPATCH}.{worker_id}"
+
+
+OPTUNA = "stagetree.optuna"
+"""Optuna's journal (``stagetree.integration.optuna``): one record per journal operation, keyed
+by a unique request id; not part of a plan's history, not read by the projector. In a run
+directory it is hash-chained like every stream; on Kafka its topic is ``<prefix>stagetree.optuna``."""

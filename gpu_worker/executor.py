@@ -12,15 +12,18 @@ here, at the edge, and the measurements travel in the events.
 from __future__ import annotations
 
 import functools
+import queue
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TypeVar
 
 import torch
 from opentelemetry.trace import SpanKind
 
 from events import topics, tracing
-from events.execution import Control, Emit, StageFault, run_path
+from events.execution import Control, Emit, Saved, SaveHandle, StageFault, run_path
 from events.models import Event, StageDispatched, StageSpec
 from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing, CheckpointStore, StorageError
 from gpu_worker.session import TrainingSession
@@ -47,6 +50,52 @@ def resolve_device(spec: str = "auto", index: int = 0) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"`device` is {spec!r}, but CUDA is not available here")
     return device
+
+
+class _Write:
+    """A :class:`~events.execution.SaveHandle` over the writer thread's future."""
+
+    def __init__(self, future: Future[tuple[str, int]]) -> None:
+        self.future = future
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self) -> tuple[str, int]:
+        return self.future.result()
+
+
+class _Writer:
+    """The thread writing a worker's checkpoints in the background: it takes every checkpoint
+    queued when it wakes (at most ``batch``) and stores them with one group commit
+    (``put_many``), so a path of short stages is not held by one fsync per checkpoint."""
+
+    def __init__(self, write: Callable[[list[bytes]], list[tuple[str, int]]], name: str, batch: int = 32) -> None:
+        self.write, self.batch = write, batch
+        self.queue: queue.SimpleQueue[tuple[bytes, Future[tuple[str, int]]]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, data: bytes) -> Future[tuple[str, int]]:
+        future: Future[tuple[str, int]] = Future()
+        self.queue.put((data, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            jobs = [self.queue.get()]
+            while len(jobs) < self.batch:
+                try:
+                    jobs.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                results = self.write([data for data, _ in jobs])
+            except BaseException as exc:  # handed to every waiting stage (a StageFault: "storage")
+                for _, future in jobs:
+                    future.set_exception(exc)
+            else:
+                for (_, future), result in zip(jobs, results):
+                    future.set_result(result)
 
 
 class PathExecutor:
@@ -89,8 +138,10 @@ class PathExecutor:
         self.storage_backoff_s = storage_backoff_s
         self.sleep = sleep
         self._session: TrainingSession | None = None
-        self._holding: tuple[int, str] | None = None  # (seed, ref) when the weights in memory are stored
+        self._latest: SaveHandle | None = None  # the last checkpoint of the weights in memory
+        self._dirty = False  # trained since that checkpoint (or fresh)
         self._seed = 0
+        self._writer = _Writer(self._put_many, f"checkpoint-writer-{worker_id}")
 
     def stamp(self, event: Event) -> Event:
         """Set producer, timestamp and (when tracing) the current span's context on ``event``."""
@@ -115,12 +166,13 @@ class PathExecutor:
         """Hold the weights ``d`` starts from; the weights this worker just saved are reused
         without reloading (same bytes, same result, invariant 1)."""
         self._seed = d.seed
-        if d.source is not None and self._session is not None and self._holding == (d.seed, d.source.ref):
+        if d.source is not None and self._session is not None and self._held() == (d.seed, d.source.ref):
             return
-        self._session, self._holding = None, None
+        self._session, self._latest, self._dirty = None, None, False
         session = TrainingSession(self.trainer, d.seed, self.device)
         if d.source is None:
             session.start_fresh()
+            self._dirty = True  # fresh weights are stored nowhere
         else:
             ref = d.source.ref
             try:
@@ -131,8 +183,17 @@ class PathExecutor:
                 raise StageFault("checkpoint_missing", str(exc), ref) from exc
             except StorageError as exc:
                 raise StageFault("storage", str(exc)) from exc
-            self._holding = (d.seed, ref)
+            self._latest = Saved(ref, 0)
         self._session = session
+
+    def _held(self) -> tuple[int, str] | None:
+        """``(seed, ref)`` when the weights in memory are exactly a stored checkpoint."""
+        if self._session is None or self._dirty or self._latest is None or not self._latest.done():
+            return None
+        try:
+            return self._seed, self._latest.result()[0]
+        except StageFault:
+            return None
 
     def _require(self) -> TrainingSession:
         if self._session is None:
@@ -145,27 +206,36 @@ class PathExecutor:
     def train(self, spec: StageSpec, until: int, interrupt: Callable[[], bool]) -> None:
         session = self._require()
         if until > session.step:
-            self._holding = None  # the weights in memory are no longer a stored checkpoint
+            self._dirty = True  # the weights in memory are no longer a stored checkpoint
         session.train(spec.hp, until, interrupt)
 
     def evaluate(self, spec: StageSpec, step: int) -> dict[str, float]:
         return self._require().evaluate()
 
-    def save(self) -> tuple[str, int] | None:
-        """Write the weights in memory unless they are a stored checkpoint already (the source of
-        an evaluation-only stage), verified by sha256 before the event that names them."""
-        if self._holding is not None:
+    def save(self) -> SaveHandle | None:
+        """Snapshot the weights in memory (serialized here, on the training thread) unless they
+        are a stored checkpoint already, and write them on the writer thread: hashed, written,
+        verified by sha256 before the handle completes (and before the event that names them)."""
+        if not self._dirty:
             return None
         data = self._require().save()
+        self._dirty = False
+        self._latest = _Write(self._writer.submit(data))
+        return self._latest
+
+    def _put_many(self, datas: list[bytes]) -> list[tuple[str, int]]:
+        """Store checkpoints (one group commit where the store has ``put_many``), retried while
+        the store fails; then a StageFault of kind "storage"."""
+        put_many = getattr(self.store, "put_many", None)
         try:
-            ref = self._stored(functools.partial(self.store.put, data))
+            refs = self._stored(functools.partial(put_many, datas)) if put_many is not None else \
+                [self._stored(functools.partial(self.store.put, data)) for data in datas]
         except (StorageError, CheckpointCorrupt) as exc:  # the store's fault, not the trial's
             raise StageFault("storage", f"{type(exc).__name__}: {exc}") from exc
-        self._holding = (self._seed, ref.ref)
-        return ref.ref, ref.size
+        return [(r.ref, r.size) for r in refs]
 
     def abandon(self) -> None:
-        self._session, self._holding = None, None
+        self._session, self._latest, self._dirty = None, None, False
 
     def now(self) -> float:
         return self.clock()

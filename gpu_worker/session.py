@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -28,12 +29,24 @@ CHECKPOINT_FORMAT = 1
 def set_determinism() -> None:
     """Make torch choose deterministic kernels, process-wide.
 
-    Sets ``torch.use_deterministic_algorithms(True)`` and disables cuDNN
-    autotuning; when CUDA is available also sets (if unset)
-    ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, which must happen before the first
-    cuBLAS call of the process.
+    The effect of ``torch.use_deterministic_algorithms(True)`` without its cost: that function
+    imports torch's compiler stack (``torch._inductor``, ``torch._dynamo``: seconds of start-up and
+    hundreds of MB per worker) only to set inductor's ``deterministic`` flag. Here the flag is set
+    through ``TORCHINDUCTOR_DETERMINISTIC=1`` (read when inductor is imported, as a trainer using
+    ``torch.compile`` does later) or directly when inductor is loaded already, and the kernels'
+    switch through ``torch._C._set_deterministic_algorithms`` (falling back to the public call on
+    a torch without it). Also disables cuDNN autotuning; when CUDA is available sets (if unset)
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, which must happen before the first cuBLAS call.
     """
-    torch.use_deterministic_algorithms(True)
+    os.environ.setdefault("TORCHINDUCTOR_DETERMINISTIC", "1")
+    inductor = sys.modules.get("torch._inductor.config")
+    if inductor is not None:
+        inductor.deterministic = True  # type: ignore[attr-defined]
+    switch = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if switch is None:
+        torch.use_deterministic_algorithms(True)
+    else:
+        switch(True, warn_only=False)
     torch.backends.cudnn.benchmark = False
     if torch.cuda.is_available():
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

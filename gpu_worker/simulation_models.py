@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from events.execution import run_path
+from events.execution import Saved, run_path
 from events.hp import HPFunction
 from events.models import Event, StageDispatched, StageSpec
 
@@ -299,7 +299,7 @@ class SimulatedWorker:
         self._spend(self.cost.eval_seconds)
         return self.curve.metrics(self._loss, spec.hp, step, self._dispatch.seed)
 
-    def save(self) -> tuple[str, int] | None:
+    def save(self) -> Saved | None:
         assert self._dispatch is not None
         if self._stored:
             return None
@@ -307,7 +307,7 @@ class SimulatedWorker:
         ref = checkpoint_ref(self._dispatch.plan_key, self._node, self._loss, self._step)
         self.checkpoints[ref] = self._loss
         self._stored = True
-        return ref, self.cost.checkpoint_bytes
+        return Saved(ref, self.cost.checkpoint_bytes)
 
     def abandon(self) -> None:
         self._stored = False

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +37,15 @@ import orjson
 
 from events import topics
 from events.codec import InvalidEvent, decode
-from events.log import CHAIN_START, EmbeddedLog, Record, chain_algorithm, chain_next
+from events.log import (  # noqa: F401 (KEY_ENV, secret_from: re-exported from their old home)
+    CHAIN_START,
+    KEY_ENV,
+    EmbeddedLog,
+    Record,
+    chain_algorithm,
+    chain_next,
+    secret_from,
+)
 from events.models import CheckpointSaved, LogSealed
 from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing
 from gpu_worker.object_store import open_checkpoint_store
@@ -51,17 +58,10 @@ EXPORT_FORMAT = "stagetree-log"
 EXPORT_VERSION = 2
 """Version 2 writes a record whose bytes are not UTF-8 (a dead-lettered record) as ``value_b64``
 (base64) instead of ``value``; version 1 exports (``value`` only) still read."""
-KEY_ENV = "STAGETREE_LOG_KEY"
 
 
 class AuditError(ValueError):
     """A source cannot be read (missing, not a run dir or export, malformed export)."""
-
-
-def secret_from(flag: str | None) -> bytes | None:
-    """The chain's HMAC secret: the flag's value, else ``$STAGETREE_LOG_KEY``, else None."""
-    value = flag if flag is not None else os.environ.get(KEY_ENV)
-    return value.encode() if value else None
 
 
 def projection_digest(records: dict[bytes, bytes]) -> str:

@@ -13,7 +13,7 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from events.execution import run_path
+from events.execution import Saved, run_path
 from events.hp import HPConfig
 from events.models import Event, StageDispatched, StageSpec, TrialSubmitted, WorkerJoined
 from projections.reducer import apply
@@ -49,11 +49,11 @@ class _Instant:
     def evaluate(self, spec: StageSpec, step: int) -> dict[str, float]:
         return {"step": float(step)}
 
-    def save(self) -> tuple[str, int] | None:
+    def save(self) -> Saved | None:
         if self.stored:
             return None
         self.stored = True
-        return fake_ref(self.d.plan_key, self.node, self.at), 1
+        return Saved(fake_ref(self.d.plan_key, self.node, self.at), 1)
 
     def abandon(self) -> None:
         self.stored = False

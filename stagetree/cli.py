@@ -40,6 +40,7 @@ from projections.summary import build_summary, elapsed_before, plan_events, summ
 from replay.audit import AuditError, secret_from
 from replay.commands import register
 from stagetree.embedded import EmbeddedCoordinator
+from stagetree.export.commands import register as register_export
 from stagetree.kafka_runtime import KafkaRuntime
 from stagetree.progress import Progress
 from stagetree.runtime import RuntimeError_
@@ -360,6 +361,7 @@ def parser() -> argparse.ArgumentParser:
     wrk.set_defaults(func=cmd_worker)
     register(sub, _positive)
     register_simulate(sub, _positive)
+    register_export(sub)
     return p
 
 

@@ -56,3 +56,25 @@ def deployment(infra_env: dict[str, str]) -> dict[str, str]:
     tag = uuid.uuid4().hex[:10]
     return {**os.environ, **infra_env, "STAGETREE_TOPIC_PREFIX": f"test-{tag}.",
             "STAGETREE_CHECKPOINT_STORE": f"s3://stagetree/test-{tag}"}
+
+
+@pytest.fixture(scope="session")
+def wsd_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``examples/wsd_cooldown.py`` at its test size (``WSD_SIZE=test``) run with ``stagetree run``
+    on 2 workers, merged and ``--no-merge``: ``{"merged": run dir, "trial": run dir}``. Shared by
+    the example's tests and the tracker exports' (about 35 s on 2 cores)."""
+    import os
+    import sys
+
+    out = {}
+    env = {**os.environ, "WSD_SIZE": "test"}
+    for mode, flags in (("merged", []), ("trial", ["--no-merge"])):
+        run = tmp_path_factory.mktemp(f"wsd-{mode}") / "run"
+        proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "run", str(REPO / "examples" / "wsd_cooldown.py"),
+                               "--workers", "2", "--out", str(run), "--quiet", *flags],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            pytest.fail(f"stagetree run of the WSD example ({mode}) failed:\n{proc.stdout}\n{proc.stderr}",
+                        pytrace=False)
+        out[mode] = run
+    return out

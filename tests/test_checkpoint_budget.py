@@ -301,6 +301,8 @@ def test_cancelling_a_trial_preempts_its_running_path(tmp_path: Path) -> None:
     events = plan_events(out)
     assert any(isinstance(e, PathPreempted) for e in events)
     (stopped,) = [e for e in events if isinstance(e, StageStopped)]
-    assert stopped.to_step == 400 and 10 <= stopped.step < 400
+    # LONG's worker may be anywhere when SHORT's answer comes (a loaded machine slows one worker
+    # more than the other): it stops at its next step boundary, long before 400.
+    assert stopped.to_step == 400 and 0 <= stopped.step < 400
     assert summary(out)["executed_steps"] == 10 + stopped.step < 410
     assert main(["replay", "verify", str(out), "--quiet"]) == 0

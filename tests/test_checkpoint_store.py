@@ -810,3 +810,16 @@ def test_decoding_garbage_raises_checkpoint_error() -> None:
         decode_state(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="cannot decode"):
         decode_state(encode_state({"object": Opaque()}))
+
+
+def test_local_put_many_stores_several_objects_with_one_group_commit(tmp_path: Path) -> None:
+    store = LocalCheckpointStore(tmp_path)
+    first = store.put(b"already here")
+    datas = [b"one", b"two", b"one", b"already here", b"three" * 1000]
+    refs = store.put_many(datas)
+    assert [r.ref for r in refs] == [hashlib.sha256(d).hexdigest() for d in datas]
+    assert [r.size for r in refs] == [len(d) for d in datas]
+    assert refs[3].ref == first.ref
+    for data, ref in zip(datas, refs):
+        assert store.get(ref.ref) == data
+    assert sorted(p.name for p in all_files(tmp_path)) == sorted({r.ref for r in refs})  # no temporary file left

@@ -21,6 +21,7 @@ from events.hp import (
     Linear,
     MultiStep,
     Piecewise,
+    PowerRamp,
     Warmup,
     _eval_piece,
     as_hp,
@@ -52,6 +53,7 @@ leaves: st.SearchStrategy[HPFunction] = st.one_of(
     st.builds(Linear, numbers, numbers),
     st.builds(Cosine, numbers, numbers, periods, st.integers(1, 3) | st.floats(1.0, 3.0)),
     st.builds(CyclicLR, numbers, numbers, periods, periods),
+    st.builds(PowerRamp, numbers, numbers, periods, st.sampled_from([0.5, 1, 1.0, 2]) | st.floats(0.05, 4.0)),
 )
 
 
@@ -101,6 +103,10 @@ configs: st.SearchStrategy[HPConfig] = st.dictionaries(
             Piecewise([Constant(1), Linear(10, -1), Exponential(8, 0.5)], [3, 5]),
             [1, 1, 1, 10, 9, 8.0, 4.0, 2.0],
         ),
+        # 1-sqrt cooldown: 1 - sqrt(step / 4), then 0 for good.
+        (PowerRamp(1.0, 0.0, 4, 0.5), [1.0, 0.5, 1 - math.sqrt(0.5), 1 - math.sqrt(0.75), 0.0, 0.0]),
+        (PowerRamp(1.0, 0.0, 4, 2), [1.0, 0.9375, 0.75, 0.4375, 0.0, 0.0]),
+        (PowerRamp(0.0, 2.0, 4, 1), [0.0, 0.5, 1.0, 1.5, 2.0, 2.0]),
     ],
     ids=lambda v: str(v)[:40] if isinstance(v, HPFunction) else "",
 )
@@ -136,6 +142,10 @@ def _reference(fn: HPFunction, step: int) -> float:
             if rest < fn.period_up:
                 return fn.init + (fn.max_value - fn.init) * rest / fn.period_up
             return fn.max_value + (fn.init - fn.max_value) * (rest - fn.period_up) / fn.period_down
+        case PowerRamp():
+            if step >= fn.period:
+                return fn.end_value
+            return fn.init + (fn.end_value - fn.init) * (step / fn.period) ** fn.power
         case Piecewise():
             i = sum(b <= step for b in fn.boundaries)
             return _reference(fn.functions[i], step - (fn.boundaries[i - 1] if i else 0))
@@ -248,6 +258,8 @@ def test_a_value_that_cannot_be_computed_differs_from_any_other() -> None:
     (Linear(1e300, 1e300), 10**18, 179_769_313),  # 1e300 * 179769313 leaves the float range
     (Cosine(0.1, 0.0, 1), 10**18, None),  # periodic: no scan of 10**18 pieces
     (CyclicLR(0.01, 0.1, 1, 1), 10**18, None),
+    (PowerRamp(1.0, 0.0, 10, 0.5), 10**18, None),  # bounded by its ends
+    (PowerRamp(-1e308, 1e308, 10, 0.5), 5, 0),  # the ends' difference leaves the float range
 ])
 def test_first_uncomputable(fn: HPFunction, steps: int, first_bad: int | None) -> None:
     assert fn.first_uncomputable(steps) == first_bad
@@ -303,6 +315,10 @@ def test_as_hp() -> None:
         (lambda: Cosine(0.1, 0.0, 0), "period", "0"),
         (lambda: Warmup(0.0, -3, Constant(0.1)), "period", "-3"),
         (lambda: CyclicLR(0.01, 0.1, 5, 0), "period_down", "0"),
+        (lambda: PowerRamp(0.1, 0.0, 0, 0.5), "period", "0"),
+        (lambda: PowerRamp(0.1, 0.0, 10, 0), "power", "0"),
+        (lambda: PowerRamp(0.1, 0.0, 10, -0.5), "power", "-0.5"),
+        (lambda: PowerRamp(0.1, math.nan, 10, 0.5), "end_value", "nan"),
         (lambda: Piecewise([Constant(0.1), Constant(0.01)], [50, 60]), "boundaries", "[50, 60]"),
         (lambda: Piecewise([Constant(0.1), Constant(0.01)], [0]), "boundaries", "[0]"),
         (
@@ -363,6 +379,7 @@ def test_pieces_shift_inner_frames() -> None:
         (Warmup(0.1, 10, Constant(0.1)), ("const", 0.1)),
         (Piecewise([Constant(0.1), Constant(0.1)], [50]), ("const", 0.1)),
         (MultiStep(0.1, [10, 20], 1), ("const", 0.1)),
+        (PowerRamp(0.1, 0.1, 10, 0.5), ("const", 0.1)),
     ],
     ids=str,
 )
@@ -382,6 +399,25 @@ def test_pieces_cover_the_range_and_compute_the_values(fn: HPFunction, stop: int
     for (start, key), end in zip(pieces, bounds):
         for s in range(start, end):
             assert fn.value(s) == _eval_piece(key, s)
+
+
+def test_power_ramp_pieces_and_the_linear_one_is_a_warmup_ramp() -> None:
+    """A cooldown is one ``pow`` piece, then the end value; power 1 is the same canonical piece
+    as a Warmup ramp, so the two merge (equal keys give bitwise-equal values)."""
+    wsd = Piecewise([Warmup(0.0, 10, Constant(1.0)), PowerRamp(1.0, 0.0, 20, 0.5)], [60])
+    assert wsd.pieces(100) == [
+        (0, ("ramp", 0.0, 1.0, 10, 0)),
+        (10, ("const", 1.0)),
+        (60, ("pow", 1.0, 0.0, 20, 0.5, 60)),
+        (80, ("const", 0.0)),
+    ]
+    linear = PowerRamp(1.0, 0.0, 20, 1)
+    ramp = Warmup(1.0, 20, Constant(0.0))
+    assert linear.pieces(100) == ramp.pieces(100) == [(0, ("ramp", 1.0, 0.0, 20, 0)), (20, ("const", 0.0))]
+    assert [linear.value(s) for s in range(30)] == [ramp.value(s) for s in range(30)]
+    assert PowerRamp(1.0, 0.0, 20, 1.0).pieces(30) == linear.pieces(30)
+    assert PowerRamp(1.0, 0.0, 20, 1.0) != linear  # the parameters differ; the function does not
+    assert hp_to_json(linear) == {"kind": "PowerRamp", "init": 1.0, "end_value": 0.0, "period": 20, "power": 1}
 
 
 def test_breakpoints_are_the_union_of_piece_starts() -> None:
@@ -420,6 +456,10 @@ LR_FAMILY = [
     Piecewise([Constant(0.1), Constant(0.01)], [100]),
     Piecewise([Cosine(0.1, 0.0, 50), Constant(0.1)], [100]),
     Piecewise([Warmup(0.0, 10, Constant(0.1)), Cosine(0.1, 0.0, 50, 2)], [60]),
+    Piecewise([Warmup(0.0, 10, Constant(0.1)), PowerRamp(0.1, 0.0, 40, 0.5)], [60]),
+    Piecewise([Warmup(0.0, 10, Constant(0.1)), PowerRamp(0.1, 0.0, 40, 1)], [60]),
+    Piecewise([Warmup(0.0, 10, Constant(0.1)), Warmup(0.1, 40, Constant(0.0))], [60]),
+    Piecewise([Warmup(0.0, 10, Constant(0.1)), PowerRamp(0.1, 0.0, 20, 2)], [80]),
 ]
 BS_FAMILY = [
     Constant(128),

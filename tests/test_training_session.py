@@ -471,3 +471,21 @@ def test_an_evaluation_only_dispatch_reports_what_a_straight_run_reports(tmp_pat
     PathExecutor(LabelSmoothing(), "w0", store, torch.device("cpu")).run(dispatch, events.extend)
     (metrics,) = [e for e in events if isinstance(e, MetricsReported)]
     assert metrics.metrics == expected
+
+
+def test_determinism_is_set_without_importing_torchs_compiler() -> None:
+    """set_determinism has the effect of torch.use_deterministic_algorithms(True) without its
+    import of torch._inductor and torch._dynamo (seconds and hundreds of MB per worker); a
+    trainer importing inductor later (torch.compile) still gets its deterministic flag."""
+    import subprocess
+
+    code = ("import sys, torch\n"
+            "from gpu_worker.session import set_determinism\n"
+            "set_determinism()\n"
+            "assert torch.are_deterministic_algorithms_enabled()\n"
+            "assert 'torch._inductor' not in sys.modules and 'torch._dynamo' not in sys.modules\n"
+            "import torch._inductor.config as c\n"
+            "assert c.deterministic is True\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "ok", out.stderr
