@@ -154,6 +154,9 @@ _TRANSIENT = frozenset({
     KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_TOPIC_OR_PART,
     KafkaError.REQUEST_TIMED_OUT, KafkaError._TIMED_OUT, KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN,
     KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    # librdkafka answers this one from its own metadata cache for a partition it has not learned
+    # again yet (after a broker restart): it goes away with the next metadata refresh.
+    KafkaError._UNKNOWN_PARTITION,
 })
 
 

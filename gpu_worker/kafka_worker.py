@@ -76,6 +76,13 @@ SIGTERM_HOOK_ENV = "STAGETREE_TEST_SIGTERM_IN_A_PATH"
 """Fault injection for tests: when set, the worker sends itself SIGTERM (once) as it starts the
 first stage of a dispatch that has more stages after it, so the drain hands a path back."""
 
+HOLD_HOOK_ENV = "STAGETREE_TEST_HOLD_IN_PATH"
+"""Fault injection for tests: ``N:DIR``. When the worker has started the first stage of its N-th
+dispatch (counting from 1; its StageStarted is on the log), it creates ``DIR/<worker id>.held``
+and waits there, still beating, until the test deletes that file (or a SIGTERM). A test thus
+holds a study at a known point, mid-path, while it kills or stops a serve, a broker or the
+worker itself, however fast the stages train."""
+
 
 class Runner(Protocol):
     """Runs dispatched paths for one worker (a training executor, or a simulated GPU)."""
@@ -168,6 +175,8 @@ class KafkaWorker:
         self.follower: Follower
         self._hooked = False
         self._sigterm_hook: StageDispatched | None = None
+        self._dispatches = 0  # dispatches run so far (the hold hook counts them)
+        self._hold: Path | None = None
 
     def drain(self) -> None:
         """Finish the stage in flight, hand back the rest of the path, and leave (SIGTERM)."""
@@ -209,6 +218,19 @@ class KafkaWorker:
             if any(isinstance(e, StageStarted) and (e.node_id, e.from_step) == (first.node_id, first.from_step)
                    for e in events):
                 os.kill(os.getpid(), signal.SIGTERM)
+        if self._hold is not None and any(isinstance(e, StageStarted) for e in events):
+            held, self._hold = self._hold, None
+            held.touch()
+            while held.exists() and not self.stop.is_set():
+                self.stop.wait(0.05)
+
+    def _hold_hook(self) -> Path | None:
+        """The file :data:`HOLD_HOOK_ENV` holds this worker's current dispatch with, or None."""
+        spec = os.environ.get(HOLD_HOOK_ENV)
+        if not spec:
+            return None
+        count, _, folder = spec.partition(":")
+        return Path(folder) / f"{self.worker_id}.held" if int(count) == self._dispatches else None
 
     def _dead_letter(self, offset: int, raw: bytes, reason: str) -> None:
         letter = dead_letter(self.stream, offset, raw, reason, producer=self.producer)
@@ -271,6 +293,8 @@ class KafkaWorker:
                 while self.pending and not self.stop.is_set():
                     record, event = self.pending.pop(0)
                     if isinstance(event, StageDispatched):
+                        self._dispatches += 1
+                        self._hold = self._hold_hook()
                         if os.environ.get(SIGTERM_HOOK_ENV) and len(event.stages) > 1 and not self._hooked:
                             self._hooked, self._sigterm_hook = True, event
                         if not self.runner.run(event, self.emit, StreamControl(self), self.stop.is_set):

@@ -4,6 +4,7 @@ it wrote, and check what must hold after faults."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from events.codec import decode
 from events.kafka_log import KafkaLog
 from events.log import Record
 from events.models import CheckpointSaved, Event, StageDispatched, StageFinished
+from gpu_worker.kafka_worker import HOLD_HOOK_ENV
 from gpu_worker.object_store import open_checkpoint_store
 from projections.partitions import PartitionedFold
 from projections.state import State
@@ -129,8 +131,25 @@ class Deployment:
         path = self.log_path(name)
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def worker(self, worker_id: str, study: Path = STUDY) -> subprocess.Popen[bytes]:
-        return self.worker_with_env(worker_id, {}, study)
+    def worker(self, worker_id: str, study: Path = STUDY, *, hold_in_path: int | None = None
+               ) -> subprocess.Popen[bytes]:
+        """Start worker ``worker_id``; with ``hold_in_path`` N it stops in its N-th path, once that
+        path's first stage has started, until :meth:`release` (``HOLD_HOOK_ENV``)."""
+        env = {} if hold_in_path is None else {HOLD_HOOK_ENV: f"{hold_in_path}:{self.tmp}"}
+        return self.worker_with_env(worker_id, env, study)
+
+    def held(self, *workers: str, timeout: float = 300) -> None:
+        """Wait until every one of ``workers`` is held in its path (see :meth:`worker`)."""
+        for worker_id in workers:
+            proc, held = self.workers[worker_id], self.tmp / f"{worker_id}.held"
+            wait_for(lambda p=proc, h=held: h.exists() or p.poll() is not None,
+                     f"worker {worker_id} to be held in its path", timeout)
+            assert proc.poll() is None, self.output(worker_id)
+
+    def release(self, *workers: str) -> None:
+        """Let held workers go on."""
+        for worker_id in workers:
+            (self.tmp / f"{worker_id}.held").unlink()
 
     def worker_with_env(self, worker_id: str, extra_env: dict[str, str], study: Path = STUDY
                         ) -> subprocess.Popen[bytes]:
@@ -157,13 +176,22 @@ class Deployment:
     def close(self) -> None:
         """Stop studies and workers first (a worker leaving writes a WorkerLost), then the serve
         instances (the one holding the scheduler role seals what it folded as it leaves)."""
+        for held in self.tmp.glob("*.held"):
+            held.unlink()  # a held worker leaves at once on SIGTERM anyway
         serves = set(self.serves.values())
         stop_all([p for p in self.procs if p not in serves])
         stop_all([p for p in self.procs if p in serves])
 
 
-def checkpoints_saved(env: dict[str, str]) -> int:
-    return sum(isinstance(e, CheckpointSaved) for e in kafka_state(env)[1])
+def role_holder(cluster: Deployment) -> str | None:
+    """The serve instance holding the scheduler role by its own output (its last role line says
+    "taken over"), when exactly one does; None otherwise (a hand-over in progress)."""
+    holders = []
+    for instance, proc in cluster.serves.items():
+        lines = re.findall(r"scheduler role (taken over|given up) at", cluster.output(instance))
+        if proc.poll() is None and lines and lines[-1] == "taken over":
+            holders.append(instance)
+    return holders[0] if len(holders) == 1 else None
 
 
 def decisions(events: list[Event]) -> list[StageDispatched]:

@@ -19,13 +19,11 @@ from kafka_cluster import (
     Deployment,
     assert_no_duplicate_or_conflicting_decisions,
     assert_what_must_hold_after_faults,
-    checkpoints_saved,
     kafka_log,
     kafka_state,
     per_trial,
     summary_of,
     verify_deployment,
-    wait_for,
 )
 from private_kafka import PrivateBroker
 
@@ -165,14 +163,15 @@ def test_a_broker_restart_mid_study(embedded: Path, infra_env: dict[str, str], p
     cluster = Deployment(env, tmp_path)
     try:
         cluster.serve("A")
-        cluster.worker("w0")
-        cluster.worker("w1")
+        cluster.worker("w0", hold_in_path=2)
+        cluster.worker("w1", hold_in_path=2)
         cluster.joined("w0", "w1")
         run = cluster.run()
-        wait_for(lambda: checkpoints_saved(env) >= 4, "some checkpoints")
+        cluster.held("w0", "w1")  # mid-study, each in a path
         private_broker.stop()
-        time.sleep(3)
+        time.sleep(3)  # the broker stays away a while (not a synchronisation: any length will do)
         private_broker.start()
+        cluster.release("w0", "w1")
         cluster.finish(run)
     finally:
         cluster.close()
