@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test venv bench clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q tests
+
+# Debian's Chromium and chromedriver for the dashboard's browser tests (apt-get as root; the
+# tests run this themselves when the browser is missing, and skip, saying why, where it cannot).
+browser:
+	bash infra/browser.sh
 
 bench: $(STAMP)
 	$(PY) benchmarks/merge_savings.py

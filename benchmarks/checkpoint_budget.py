@@ -133,7 +133,7 @@ class ProgressiveASHA(ASHA):
             following = next(source, None)
             if following is not None:
                 inbox.submit(following, budgets[0], 0, 0)
-        return self._result(next((r for r in reversed(at_rung) if r), []), everything)
+        return self._result(study, next((r for r in reversed(at_rung) if r), []), everything)
 
 
 def splits() -> list[dict[str, Any]]:

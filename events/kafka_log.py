@@ -58,8 +58,7 @@ from events.models import Event
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PLAN_PARTITIONS = 8
-"""Partitions of ``stagetree.plan`` when a deployment creates it (``--plan-partitions``)."""
+DEFAULT_PLAN_PARTITIONS = topics.DEFAULT_PLAN_PARTITIONS
 
 TRANSACTION_TIMEOUT_MS = 10_000
 """``transaction.timeout.ms`` of every transactional producer: how long the broker lets an open
@@ -212,6 +211,9 @@ class KafkaLog:
         topic_prefix: prepended to every stream name to make its topic (``stagetree.plan`` ->
             ``<prefix>stagetree.plan``), so several deployments or tests can share a broker.
             ``partitions`` is keyed by topic.
+        read_only: a plain consumer: no producer is made (none asks the broker for a producer
+            id, so read-only credentials suffice), no topic is created, and appends raise
+            :class:`~events.log.LogError` (``replay verify``, ``stagetree dashboard``).
 
     Raises:
         ValueError: a bad argument (named).
@@ -232,6 +234,7 @@ class KafkaLog:
         replication_factor: int = 1,
         timeout_s: float = 60.0,
         topic_prefix: str = "",
+        read_only: bool = False,
     ) -> None:
         if not isinstance(bootstrap_servers, str) or not bootstrap_servers.strip():
             raise ValueError(f"`bootstrap_servers` is {bootstrap_servers!r}, but must be 'host:port[,host:port...]'")
@@ -258,7 +261,8 @@ class KafkaLog:
                 raise ValueError(f"`security` sets {setting!r}, which the Kafka transport sets itself")
         self.bootstrap_servers = bootstrap_servers
         self.client_id = client_id
-        self.create_topics = create_topics
+        self.read_only = read_only
+        self.create_topics = create_topics and not read_only
         self.replication_factor = replication_factor
         self.timeout_s = float(timeout_s)
         self.security = extra
@@ -306,7 +310,8 @@ class KafkaLog:
         self._closed = False
         # Made now: an idempotent producer spends ~0.5 s acquiring its producer id, which then
         # overlaps with whatever the caller does before its first append.
-        self._get_producer()
+        if not read_only:
+            self._get_producer()
 
     def topic(self, stream: str) -> str:
         """The Kafka topic of ``stream``: ``topic_prefix + stream`` (validated)."""
@@ -403,8 +408,11 @@ class KafkaLog:
 
         Raises:
             KafkaLogError: it could not be created, or did not appear within ``timeout_s``.
+            LogError: the log was opened read-only.
         """
         self._check_open()
+        if self.read_only:
+            raise LogError(f"{self!r} was opened read-only")
         topic = self.topic(stream)
         if self._exists(topic):
             return
@@ -486,6 +494,8 @@ class KafkaLog:
             DeliveryFailed: the broker did not acknowledge every record (``offsets``: those it did).
         """
         self._check_open()
+        if self.read_only:
+            raise LogError(f"{self!r} was opened read-only")
         topic = self.topic(stream)
         self._check_sizes(topic, check_items(topic, items))
         if not items:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import shutil
 import struct
+import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -176,6 +178,12 @@ class EmbeddedLog:
         secret: HMAC key of the hash chain (None: plain sha256).
         read_only: open for reading only: no lock is taken (a running study may hold the log),
             nothing is written, and no secret is needed (``chain`` says how it was written).
+            The reader sees the log as it was when opened.
+        follow: open as a RocksDB *secondary instance* (read-only, no lock) that sees what the
+            writer appends after it opened, each time :meth:`catch_up` is called: how a reader
+            beside a running coordinator (``stagetree dashboard``) follows the log. Its own small
+            info directory is a temporary directory, removed by :meth:`close`. Implies
+            ``read_only``.
 
     Raises:
         LogLocked: the database is open in another process.
@@ -185,14 +193,27 @@ class EmbeddedLog:
     """
 
     def __init__(self, path: str | Path, *, sync: bool = True, secret: bytes | None = None,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False, follow: bool = False) -> None:
         self.path = Path(path)
-        self.read_only = read_only
+        self.read_only = read_only or follow
+        self._secondary: str | None = None
         opts = Options(raw_mode=True)
-        if read_only:
+        if self.read_only:
             if not (self.path / "CURRENT").is_file():
                 raise LogError(f"no log at {self.path}")
-            self._db = Rdict(str(self.path), opts, access_type=AccessType.read_only())
+            if follow:
+                # A secondary keeps every table file open, so one the writer compacts away
+                # while it has not caught up yet stays readable (RocksDB's advice for secondaries).
+                opts.set_max_open_files(-1)
+                self._secondary = tempfile.mkdtemp(prefix="stagetree-follow-")
+                access = AccessType.secondary(self._secondary)
+            else:
+                access = AccessType.read_only()
+            try:
+                self._db = Rdict(str(self.path), opts, access_type=access)
+            except Exception:
+                self._remove_secondary()
+                raise
         else:
             self.path.mkdir(parents=True, exist_ok=True)
             opts.create_if_missing(True)
@@ -210,7 +231,7 @@ class EmbeddedLog:
         self.secret = secret or None
         algo = chain_algorithm(self.secret).encode()
         stored = self._db.get(_CHAIN_META)
-        if read_only:
+        if self.read_only:
             self._chain = bytes(stored).decode() if stored is not None else chain_algorithm(None)
             return
         self._chain = algo.decode()
@@ -220,6 +241,21 @@ class EmbeddedLog:
             self._db.close()
             raise LogError(f"the log at {self.path} is chained with {bytes(stored).decode()}, "
                            f"but was opened for {algo.decode()} (a wrong or missing secret)")
+
+    def catch_up(self) -> None:
+        """See what the writer appended since the log was opened or last caught up (a log opened
+        with ``follow=True``; RocksDB's ``TryCatchUpWithPrimary``: reads the writer's new
+        manifest and write-ahead-log entries, milliseconds).
+
+        Raises:
+            LogError: the log was not opened with ``follow=True``.
+        """
+        if self._secondary is None:
+            raise LogError(f"the log at {self.path} was not opened with follow=True")
+        with self._lock:
+            self._db.try_catch_up_with_primary()
+            self._ends.clear()
+            self._heads.clear()
 
     @property
     def chain(self) -> str:
@@ -333,8 +369,14 @@ class EmbeddedLog:
             yield Record(stream, offset, raw[4:body].decode(), bytes(raw[body + 32 :]), bytes(raw[body : body + 32]))
 
     def close(self) -> None:
-        """Flush and release the database (and its LOCK)."""
+        """Flush and release the database (and its LOCK); a follower's directory is removed."""
         self._db.close()
+        self._remove_secondary()
+
+    def _remove_secondary(self) -> None:
+        if self._secondary is not None:
+            shutil.rmtree(self._secondary, ignore_errors=True)
+            self._secondary = None
 
     def __enter__(self) -> EmbeddedLog:
         return self

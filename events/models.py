@@ -19,6 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
+from events.decisions import Decision, ReleasedResult
 from events.hp import HP, check_computable
 
 HEADER_FIELDS = ("event_id", "producer", "ts", "trace")
@@ -182,7 +183,7 @@ PartitionOffsets = dict[NonNegativeInt, Annotated[int, Field(ge=-1)]]
 """Partition of ``stagetree.plan`` -> offset of the last record of it folded (-1: none)."""
 
 
-class Decision(Event):
+class DecisionEvent(Event):
     """Base of the events a decider appends (a scheduling decision, a worker declared lost, a
     tuner's decision, an eviction): each records the log prefix it was decided from, so a
     replay recomputes (or re-checks) it from exactly that prefix (DESIGN.md invariant 3).
@@ -202,7 +203,7 @@ class Decision(Event):
     decided_at_partitions: PartitionOffsets | None = None
 
 
-class StageDispatched(Decision):
+class StageDispatched(DecisionEvent):
     """A scheduling decision: run ``stages`` (one critical path, in order) on ``worker_id``.
 
     ``decided_at`` is the offset of the last ``stagetree.plan`` event the scheduler had folded
@@ -322,7 +323,7 @@ class StageStopped(Event):
 # --------------------------------------------------------------------------- in-flight and storage decisions
 
 
-class PathPreempted(Decision):
+class PathPreempted(DecisionEvent):
     """A scheduling decision: no trial needs the rest of the running path ``dispatch_id`` (a
     cancellation, a stop by the tuner). Its worker trains on up to ``until_step`` of stage
     ``until_stage`` (an index into the dispatch's stages) when some trial still needs those
@@ -345,7 +346,7 @@ class PathPreempted(Decision):
     """The checkpoint budget of the scheduling pass that decided it (None: unbounded)."""
 
 
-class CheckpointRequested(Decision):
+class CheckpointRequested(DecisionEvent):
     """A scheduling decision: a request puts a boundary inside a stage of the running path
     ``dispatch_id``; its worker saves a checkpoint of ``node_id`` at ``step`` when it reaches it
     (and reports the metrics there when ``evaluate``), so the new branch resumes from it instead
@@ -367,7 +368,7 @@ class CheckpointRequested(Decision):
     checkpoint_budget: PositiveInt | None = None
 
 
-class CheckpointEvicted(Decision):
+class CheckpointEvicted(DecisionEvent):
     """A storage decision: the checkpoint ``ref`` of ``node_id`` at ``step`` leaves the plan to keep
     the checkpoint bytes within ``checkpoint_budget`` (bytes), chosen by the cost-benefit rule of
     ``scheduler.eviction`` (TreeML thesis §4.2.2, after Nectar); ``reason`` is its evidence. The
@@ -396,17 +397,45 @@ class WorkerJoined(Event):
     device: str
 
 
-class WorkerLost(Decision):
+class WorkerLost(DecisionEvent):
     """A worker is gone (process died, heartbeat timed out, coordinator restarted, the worker
     drained on SIGTERM); its unfinished stages are dispatched again from the last checkpoints.
 
     When ``stagetree serve`` declares it (a heartbeat timeout: a decision taken by a clock and
-    recorded), it records the prefix it decided from (:class:`Decision`); ``replay verify``
+    recorded), it records the prefix it decided from (:class:`DecisionEvent`); ``replay verify``
     checks that the worker was alive there. A worker's own goodbye records none."""
 
     type: ClassVar[str] = "WorkerLost"
     worker_id: Ident
     reason: str
+
+
+# --------------------------------------------------------------------------- tuner decisions
+
+
+class TunerDecided(DecisionEvent):
+    """A tuner's decision (:mod:`events.decisions`: draw, promote, continue, stop, exploit,
+    keep, retune, answer), appended by the SDK before the requests it causes.
+
+    ``decided_at`` is the offset of the last ``stagetree.plan`` event the study's runtime had
+    folded when its tuner decided (as in StageDispatched; on a partitioned stream, the last of
+    the study's own partition, and ``decided_at_partitions`` that of every partition: the
+    results of a ``--no-merge`` study's trials are in their own plans' partitions), so
+    ``replay verify --study`` re-runs the tuner and recomputes the decision from exactly that
+    prefix. ``released`` lists the results handed to an asynchronous tuner since its previous
+    decision, in the order it was given them (arrival or causal order; empty for synchronous
+    tuners). ``tuner`` is the tuner's class name. ``plan_key`` is the study's plan key, so that
+    on a partitioned stream the decision lands in the partition that holds the study; None in
+    logs written before the field existed (the event is then keyed by study id).
+    """
+
+    type: ClassVar[str] = "TunerDecided"
+    study_id: Ident
+    tuner: str
+    decided_at: int = Field(ge=-1)
+    decision: Decision
+    released: list[ReleasedResult] = Field(default_factory=list)
+    plan_key: Ident | None = None
 
 
 class LogSealed(Event):
@@ -467,5 +496,6 @@ EVENT_TYPES: dict[str, type[Event]] = {
         PathPreempted,
         CheckpointRequested,
         CheckpointEvicted,
+        TunerDecided,
     )
 }

@@ -3,6 +3,10 @@ plans, so one partition holds a plan's whole history (DESIGN.md "The event log")
 
 import re
 
+DEFAULT_PLAN_PARTITIONS = 8
+"""Partitions of ``stagetree.plan`` when a Kafka deployment creates it (``--plan-partitions``;
+fixed at creation, read from the cluster afterwards)."""
+
 PLAN = "stagetree.plan"
 """Every event that changes a search plan or study: keyed by plan key; WorkerJoined and
 WorkerLost (keyed by worker id) go to every partition (events.log.BROADCAST)."""

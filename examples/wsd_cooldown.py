@@ -280,7 +280,7 @@ class EvaluateAt(Tuner):
                 result = TrialResult(study.trial_id(config), config, steps, answer)
             if result.trial_id not in last or steps > last[result.trial_id].steps:
                 last[result.trial_id] = result
-        return self._result(list(last.values()), last)
+        return self._result(study, list(last.values()), last)
 
 
 name = f"wsd-{SIZE_NAME}"

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-import torch
-
 _REF_PATTERN = re.compile(r"[0-9a-f]{64}")
 
 
@@ -245,6 +243,8 @@ def _canonical(obj: Any) -> Any:
     are kept, so storages shared by several tensors stay shared). Dict
     attributes (the ``_metadata`` of a module state dict) are kept.
     """
+    import torch  # here, not at the top: reading logs and serving the dashboard need no torch
+
     if isinstance(obj, torch.Tensor):
         return obj if obj.device.type == "cpu" else obj.detach().cpu()
     if type(obj) is str:
@@ -267,6 +267,8 @@ def encode_state(obj: Any) -> bytes:
     device, and equal states give equal bytes however their Python objects
     happen to be shared.
     """
+    import torch
+
     buffer = io.BytesIO()
     torch.save(_canonical(obj), buffer)
     return buffer.getvalue()
@@ -278,6 +280,8 @@ def decode_state(data: bytes) -> Any:
     Raises CheckpointError when ``data`` is not a checkpoint or holds objects
     that ``weights_only`` loading refuses.
     """
+    import torch
+
     try:
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as exc:

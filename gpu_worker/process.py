@@ -17,17 +17,15 @@ from pathlib import Path
 
 import torch
 
-from events import tracing
 from events.codec import InvalidEvent, decode, encode_batch
 from events.deadletter import dead_letter
 from events.models import CheckpointRequested, Event, PathPreempted, StageDispatched, WorkerJoined
+from gpu_worker.boot import STOP
 from gpu_worker.checkpoint import LocalCheckpointStore
 from gpu_worker.executor import PathExecutor, resolve_device
 from gpu_worker.loader import load_trainer
 from gpu_worker.session import TrainingSession
 from gpu_worker.trainer import Trainer
-
-STOP = b"stop"
 
 
 def warm_up(trainer: Trainer, device: torch.device) -> None:
@@ -38,26 +36,11 @@ def warm_up(trainer: Trainer, device: torch.device) -> None:
     session.evaluate()
 
 
-def embedded_worker_main(conn: Connection, worker_id: str, index: int, study_file: str, checkpoint_dir: str,
-                         device: str = "auto", threads: int = 1, otel_exporter: str = "none") -> None:
-    """Entry point of a worker subprocess (multiprocessing, spawn start method).
-
-    Args:
-        conn: duplex pipe to the coordinator.
-        index: the worker's position, used to pick ``cuda:<index>`` with ``device="auto"``.
-        threads: torch intra-op threads (1 keeps N workers on N cores from oversubscribing, and
-            keeps float reductions identical whatever the worker count).
-        otel_exporter: the coordinator's ``--otel-exporter`` (see events.tracing).
-    """
-    tracing.configure(otel_exporter, f"stagetree-worker-{worker_id}")
-    try:
-        _serve(conn, worker_id, index, study_file, checkpoint_dir, device, threads)
-    finally:
-        tracing.shutdown()
-
-
-def _serve(conn: Connection, worker_id: str, index: int, study_file: str, checkpoint_dir: str, device: str,
-           threads: int) -> None:
+def serve(conn: Connection, worker_id: str, index: int, study_file: str, checkpoint_dir: str, device: str,
+          threads: int) -> None:
+    """Serve the coordinator on ``conn`` until it sends :data:`~gpu_worker.boot.STOP` or closes
+    the pipe (see :func:`gpu_worker.boot.embedded_worker_main` for the arguments): build the
+    trainer, warm up, send WorkerJoined, then run each dispatched path."""
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     dev = resolve_device(device, index)

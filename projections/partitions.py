@@ -11,8 +11,8 @@ was running there.
 
 Scheduling is global (Hippo: each idle worker gets the critical path over *all* plans), so it
 reads :func:`merge` of the partitions' states, a pure function of them: the plans, trials,
-studies and dispatches of every partition (disjoint: a plan key lives in one partition), and
-each worker as the partitions agree on it:
+studies, dispatches and tuner decisions of every partition (disjoint: a plan key lives in one
+partition), and each worker as the partitions agree on it:
 
 * alive only when every partition has folded its latest arrival and none its loss (a worker
   whose WorkerJoined some partition has not read yet is not offered work);
@@ -23,7 +23,7 @@ one budget for the deployment (``peak_checkpoint_bytes`` of the view is the sum 
 partitions' peaks: an upper bound of the deployment's).
 
 A decision taken from the merged view records the offset of every partition's last folded
-record (``State.offsets`` -> ``Decision.decided_at_partitions``); ``replay verify`` folds each
+record (``State.offsets`` -> ``DecisionEvent.decided_at_partitions``); ``replay verify`` folds each
 partition up to exactly those offsets, merges, and decides again.
 """
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from events.log import EventLog, Record
 from events.models import Event
@@ -41,8 +42,8 @@ from projections.store import Listener, ProjectionStore, Projector
 
 def merge(states: Mapping[int, State]) -> State:
     """The global view of a partitioned plan stream (see the module docstring): a State that
-    shares the partitions' plan, trial, study and dispatch objects (read it, never fold into
-    it). A single partition 0 is returned as it is (an unpartitioned stream: ``offsets`` None).
+    shares the partitions' plan, trial, study and dispatch objects and tuner decisions (read it,
+    never fold into it). A single partition 0 is returned as it is (an unpartitioned stream: ``offsets`` None).
 
     Raises:
         ValueError: no states.
@@ -61,6 +62,8 @@ def merge(states: Mapping[int, State]) -> State:
         for ref, obj in part.objects.items():
             mine = view.objects.get(ref)
             view.objects[ref] = obj if mine is None else StoredObject(obj.size, mine.references + obj.references)
+        for trial_id, decided in part.decided.items():  # in the study's partition (the trial's, when merged)
+            view.decided.setdefault(trial_id, []).extend(decided)
     for worker_id in sorted({w for part in parts for w in part.workers}):
         seen = [part.workers.get(worker_id) for part in parts]
         known = [w for w in seen if w is not None]
@@ -117,6 +120,15 @@ class PartitionedFold:
         """The last folded offset of every partition (-1: none)."""
         return {p: pr.state.offset for p, pr in self.projectors.items()}
 
+    def prefix(self, partition: int) -> dict[str, Any]:
+        """The prefix a decision taken now from the merged view records, as the fields of a
+        :class:`~events.models.DecisionEvent` written to ``partition``: ``decided_at``, that
+        partition's last folded offset, and (several partitions) ``decided_at_partitions``."""
+        out: dict[str, Any] = {"decided_at": self.projectors[partition].state.offset}
+        if len(self.projectors) > 1:
+            out["decided_at_partitions"] = self.offsets()
+        return out
+
     def fold(self, records: Iterable[Record]) -> list[tuple[int, int, Event]]:
         """Fold ``records`` (any partitions; in offset order within each); returns the applied
         ``(partition, offset, event)`` triples."""
@@ -132,12 +144,16 @@ class PartitionedFold:
                 self._view = None
         return applied
 
-    def catch_up(self) -> list[tuple[int, int, Event]]:
-        """Read and fold every partition up to its end now."""
+    def catch_up(self, upto: Mapping[int, int] | None = None) -> list[tuple[int, int, Event]]:
+        """Read and fold every partition up to its end now, or (``upto``) the partitions named
+        up to and including the offset given for each (a decision's recorded prefix)."""
         applied = []
         for partition, projector in self.projectors.items():
+            if upto is not None and partition not in upto:
+                continue
+            stop = None if upto is None else upto[partition] + 1
             before = projector.state.offset
-            applied += [(partition, o, e) for o, e in projector.catch_up()]
+            applied += [(partition, o, e) for o, e in projector.catch_up(stop)]
             if projector.state.offset != before:
                 self._view = None
         return applied

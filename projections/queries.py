@@ -2,7 +2,9 @@
 
 Everything here is a pure function of a :class:`~projections.state.State` (or one
 :class:`~projections.state.Plan`): the summary, the HTML report, ``replay explain``, the
-dashboard and the CLI ask these questions instead of walking the plan themselves.
+dashboard and the CLI ask these questions instead of walking the plan themselves. One
+trial's story (``replay explain``): :func:`find_trial`, :func:`divergences`, :func:`on_path`,
+:func:`checkpoints_on_path`, :func:`metrics_on_path`, :func:`decisions_about`.
 
 Terms (DESIGN.md): a *segment* ``(plan_key, node_id, start, end)`` is the step range
 ``[start, end)`` of one node that a request trains through; the *path* of a request
@@ -14,10 +16,12 @@ so step ``s`` of a node is the same prefix for every trial through it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import NamedTuple
 
-from projections.state import Node, Plan, State, Trial
+from events.hp import first_divergence
+from events.models import TrialSubmitted
+from projections.state import Checkpoint, Decided, Node, Plan, State, Trial
 
 
 class Segment(NamedTuple):
@@ -127,4 +131,155 @@ def sharing(state: State, trial: Trial) -> dict[str, list[Segment]]:
                 common.append(Segment(s.plan_key, s.node_id, max(m.start, s.start), min(m.end, s.end)))
         if common:
             out[other.trial_id] = sorted(common, key=lambda s: s.start)
+    return out
+
+
+# ----------------------------------------------------------------------------- one trial's story (replay explain)
+
+
+def find_trial(state: State, prefix: str) -> Trial:
+    """The trial whose id is ``prefix`` or starts with it.
+
+    Raises:
+        KeyError: no trial matches, or several do (the message lists up to 8 of them).
+    """
+    if prefix in state.trials:
+        return state.trials[prefix]
+    matches = sorted(t for t in state.trials if t.startswith(prefix)) if prefix else []
+    if len(matches) == 1:
+        return state.trials[matches[0]]
+    if not matches:
+        raise KeyError(f"no trial id starts with {prefix!r} ({len(state.trials)} trials in the log)")
+    shown = ", ".join(matches[:8]) + (f", ... ({len(matches)} in all)" if len(matches) > 8 else "")
+    raise KeyError(f"trial id prefix {prefix!r} is not unique: {shown}")
+
+
+def plan_family(plan_key: str) -> str:
+    """The plan key a trial's plan belongs to: ``<key>`` for ``<key>/trial/<id>`` (the plans of
+    a ``--no-merge`` run, one per trial) and for ``<key>`` itself."""
+    return plan_key.split("/trial/", 1)[0]
+
+
+def divergences(state: State, trial: Trial) -> dict[str, int]:
+    """For each other trial of the same plan key whose hyper-parameters agree with the trial's
+    at step 0, the first step at which they differ (:func:`events.hp.first_divergence`), capped
+    at the smaller of the two trials' steps (a cap means: no difference within them). These are
+    the trials it shares a prefix with (in a ``--no-merge`` run too, where nothing is shared)."""
+    out = {}
+    family = plan_family(trial.plan_key)
+    for other in state.trials.values():
+        if other.trial_id == trial.trial_id or plan_family(other.plan_key) != family \
+                or other.hp.keys() != trial.hp.keys():
+            continue
+        step = first_divergence(trial.hp, other.hp, 0, min(trial.steps, other.steps))
+        if step > 0:
+            out[other.trial_id] = step
+    return out
+
+
+def on_path(segments: Iterable[Segment], node_id: str, from_step: int, to_step: int) -> bool:
+    """Whether the stage ``[from_step, to_step)`` of ``node_id`` trains some of ``segments`` (a
+    trial's path, :func:`trial_path`), or evaluates at the end of one (``from_step == to_step``)."""
+    return any(s.node_id == node_id and (from_step < s.end and to_step > s.start
+                                         or from_step == to_step and s.start < from_step <= s.end)
+               for s in segments)
+
+
+def checkpoints_on_path(state: State, trial: Trial) -> list[tuple[str, int, Checkpoint]]:
+    """``(node_id, step, checkpoint)`` of the checkpoints on the trial's path (steps in each
+    segment's ``(start, end]``), by step."""
+    plan = state.plans.get(trial.plan_key)
+    if plan is None:
+        return []
+    out = []
+    for seg in trial_path(state, trial):
+        for step, ckpt in plan.nodes[seg.node_id].ckpt.items():
+            if seg.start < step <= seg.end:
+                out.append((seg.node_id, step, ckpt))
+    return sorted(out, key=lambda c: c[1])
+
+
+def metrics_on_path(state: State, trial: Trial) -> list[tuple[int, str, dict[str, float]]]:
+    """``(step, node_id, metrics)`` reported on the trial's path (any trial's request there: the
+    same prefix), by step."""
+    plan = state.plans.get(trial.plan_key)
+    if plan is None:
+        return []
+    out = []
+    for seg in trial_path(state, trial):
+        for step, metrics in plan.nodes[seg.node_id].metrics.items():
+            if seg.start < step <= seg.end:
+                out.append((step, seg.node_id, metrics))
+    return sorted(out, key=lambda m: m[0])
+
+
+def decisions_about(state: State, trial_id: str) -> list[Decided]:
+    """The tuner decisions naming the trial (TunerDecided events, in log order)."""
+    return list(state.decided.get(trial_id, []))
+
+
+def final_decision(state: State, trial_id: str) -> Decided | None:
+    """The last tuner decision about the trial itself (its own role, not as a donor or the main
+    line a branch left), or None when no decision names it."""
+    return next((d for d in reversed(state.decided.get(trial_id, [])) if d.role in ("trial", "new")), None)
+
+
+def decision_marks(state: State, trial_id: str) -> list[tuple[str, int]]:
+    """``(kind, step)`` of the trial's promote and stop decisions (and exploits, which stop a
+    PBT member), in log order: what the report marks on its learning curve."""
+    return [(d.decision["kind"], d.decision["step"]) for d in state.decided.get(trial_id, [])
+            if d.role == "trial" and d.decision["kind"] in ("promote", "stop", "exploit")]
+
+
+class TrialDecision(NamedTuple):
+    """A tuner's decision about a trial: ``kind`` ("promote", "stop" or "exploit"), the ``step``
+    of the result it was taken on (steps), ``to_steps`` (the steps asked next, else None), and
+    ``source``: where it was read ("tuner": a TunerDecided event; in logs without them,
+    "requests": the trial asked for more steps after it had results, see :func:`promotion`;
+    "study end": the study finished without asking the trial for more steps)."""
+
+    kind: str
+    step: int
+    to_steps: int | None
+    source: str
+
+
+def promotion(state: State, event: TrialSubmitted) -> tuple[str, int, int] | None:
+    """``(trial_id, from_step, to_steps)`` when ``event``, about to be folded into ``state``, asks
+    a trial that already has results for more steps than the largest of them (a rung's promotion
+    in successive halving, the next interval of median stopping or PBT); None for a new trial, a
+    request asked again, or requests submitted together before any result (steps)."""
+    trial = state.trials.get(event.trial_id)
+    if trial is None or not trial.results or event.steps in trial.requests or event.steps <= max(trial.results):
+        return None
+    return trial.trial_id, max(trial.results), event.steps
+
+
+def study_decisions(state: State, study_id: str, promotions: Mapping[str, Iterable[tuple[int, int]]]
+                    ) -> dict[str, list[TrialDecision]]:
+    """The decisions of the tuner about each trial of ``study_id`` (trial id -> decisions in
+    order): the one read of them (the dashboard's "final decision" column and the marks on its
+    curves).
+
+    Read from what the log holds: the tuner's typed decisions (TunerDecided events: promotions,
+    stops, PBT exploits, each with ``source`` "tuner") when the study recorded any; for a log
+    written before decisions were events, inferred: ``promotions`` maps a trial id to the
+    ``(from_step, to_steps)`` pairs :func:`promotion` found while folding, in log order; a trial
+    that is done when its study has finished, with fewer steps than the study's largest request,
+    was stopped at its last result. A failed or cancelled trial ends without a decision.
+    """
+    trials = [t for t in state.trials.values() if t.study_id == study_id]
+    if any(d.study_id == study_id for t in trials for d in state.decided.get(t.trial_id, ())):
+        return {t.trial_id: [TrialDecision(d.decision["kind"], d.decision["step"], d.decision.get("to_step"), "tuner")
+                             for d in state.decided.get(t.trial_id, ()) if d.role == "trial"
+                             and d.decision["kind"] in ("promote", "stop", "exploit")]
+                for t in trials}
+    finished = bool((state.studies.get(study_id) or {}).get("finished"))
+    largest = max((t.steps for t in trials), default=0)
+    out = {}
+    for trial in trials:
+        decisions = [TrialDecision("promote", a, b, "requests") for a, b in promotions.get(trial.trial_id, ())]
+        if finished and trial.status == "done" and trial.requests and trial.steps < largest:
+            decisions.append(TrialDecision("stop", trial.steps, None, "study end"))
+        out[trial.trial_id] = decisions
     return out

@@ -30,11 +30,12 @@ from events.models import (
     StudyStarted,
     TrialCancelled,
     TrialSubmitted,
+    TunerDecided,
     WorkerJoined,
     WorkerLost,
 )
 from projections import search_plan
-from projections.state import Checkpoint, Dispatch, Node, Plan, State, StoredObject, Trial, Worker
+from projections.state import Checkpoint, Decided, Dispatch, Node, Plan, State, StoredObject, Trial, Worker
 
 Key = tuple[str, ...]
 
@@ -64,7 +65,10 @@ def apply(state: State, event: Event, offset: int) -> set[Key]:
     if handler is None:
         raise Rejected(f"{event.type} events do not belong on the plan stream")
     try:
-        handler(state, event, touched)
+        if isinstance(event, TunerDecided):
+            _tuner_decided(state, event, offset, touched)
+        else:
+            handler(state, event, touched)
     finally:
         _bump_revisions(state, touched)
     # Only now is the event consumed: a Rejected one is recorded (and its offset consumed) by the
@@ -433,6 +437,25 @@ def _worker_lost(state: State, ev: WorkerLost, touched: set[Key]) -> None:
     touched.add(("worker", worker.worker_id))
 
 
+# ----------------------------------------------------------------------------- tuner decisions
+
+
+def _tuner_decided(state: State, ev: TunerDecided, offset: int, touched: set[Key]) -> None:
+    """Record the decision under every trial it names (``events.decisions``), with its offset.
+
+    The trial need not exist yet: a decision is appended before the requests it causes (a
+    configuration is drawn before it is submitted). Whether it is what the tuner computes from
+    the prefix ``decided_at`` is ``replay verify --study``'s business, not the fold's.
+    """
+    if ev.decided_at >= offset:
+        raise Rejected(f"decided at offset {ev.decided_at}, which is not before the decision's own offset {offset}")
+    payload = ev.decision.model_dump(mode="json")
+    for trial_id, role in ev.decision.trials().items():
+        state.decided.setdefault(trial_id, []).append(
+            Decided(offset, ev.study_id, ev.tuner, ev.decided_at, role, payload))
+        touched.add(("decided", trial_id))
+
+
 def _log_sealed(state: State, ev: LogSealed, touched: set[Key]) -> None:
     """Seals are checked by ``replay verify``; they change no projected state."""
 
@@ -460,4 +483,5 @@ _HANDLERS = {
     PathPreempted: _path_preempted,
     CheckpointRequested: _checkpoint_requested,
     CheckpointEvicted: _checkpoint_evicted,
+    TunerDecided: _tuner_decided,  # takes the offset too: see apply()
 }

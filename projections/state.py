@@ -161,6 +161,29 @@ class Trial:
 
 
 @dataclass
+class Decided:
+    """A tuner decision naming a trial, as the reducer recorded it under that trial: the
+    ``offset`` of its TunerDecided event, the study and tuner, the prefix it was decided from
+    (``decided_at``), the trial's ``role`` in it (``events.decisions``: "trial", "donor", "new",
+    "branch_of") and the decision's JSON form."""
+
+    offset: int
+    study_id: str
+    tuner: str
+    decided_at: int
+    role: str
+    decision: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"offset": self.offset, "study_id": self.study_id, "tuner": self.tuner,
+                "decided_at": self.decided_at, "role": self.role, "decision": self.decision}
+
+    @classmethod
+    def from_json(cls, o: dict[str, Any]) -> Decided:
+        return cls(o["offset"], o["study_id"], o["tuner"], o["decided_at"], o["role"], dict(o["decision"]))
+
+
+@dataclass
 class Worker:
     worker_id: str
     device: str
@@ -297,6 +320,8 @@ class State:
     rejected: dict[int, Rejection] = field(default_factory=dict)
     objects: dict[str, StoredObject] = field(default_factory=dict)
     """Every checkpoint object ever saved, by ref (see :class:`StoredObject`)."""
+    decided: dict[str, list[Decided]] = field(default_factory=dict)
+    """trial id -> the tuner decisions naming it, in log order (TunerDecided events)."""
     offset: int = -1
     chain: str = "0" * 64  # hash chain of the plan stream after ``offset`` (events.log.chain_next)
     offsets: dict[int, int] | None = None

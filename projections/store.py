@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 from opentelemetry.trace import SpanKind
-from rocksdict import Options, Rdict, WriteBatch, WriteOptions
+from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
 from events import topics, tracing
 from events.codec import InvalidEvent, decode, encode
@@ -24,7 +24,7 @@ from events.log import EventLog, Record, chain_next
 from events.models import DeadLettered, Event
 from projections.queries import node_number
 from projections.reducer import Key, Rejected, apply
-from projections.state import Dispatch, Node, Plan, Rejection, State, Stats, StoredObject, Trial, Worker
+from projections.state import Decided, Dispatch, Node, Plan, Rejection, State, Stats, StoredObject, Trial, Worker
 
 
 def _dumps(obj: Any) -> bytes:
@@ -70,6 +70,9 @@ def record_of(state: State, key: Key) -> bytes | None:
     if kind == "study":
         study = state.studies.get(key[1])
         return None if study is None else _dumps(study)
+    if kind == "decided":  # the tuner decisions naming a trial (TunerDecided)
+        decided = state.decided.get(key[1])
+        return None if not decided else _dumps([d.to_json() for d in decided])
     raise KeyError(key)
 
 
@@ -92,6 +95,8 @@ def all_keys(state: State) -> Iterator[Key]:
     for kind, table in tables:
         for ident in table:
             yield (kind, ident)
+    for trial_id in state.decided:
+        yield ("decided", trial_id)
 
 
 def snapshot(state: State) -> dict[bytes, bytes]:
@@ -128,22 +133,35 @@ class ProjectionStore:
     """The projection's RocksDB database (rocksdict, raw bytes).
 
     Args:
-        path: database directory (created if absent).
+        path: database directory (created if absent, unless ``read_only``).
+        read_only: open for reading only, without the lock (beside a running projector: the
+            records as they were when opened); :meth:`commit` then raises.
+
+    Raises:
+        FileNotFoundError: ``read_only`` and there is no database at ``path``.
 
     Only one process opens it for writing (the projector).
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.read_only = read_only
         opts = Options(raw_mode=True)
-        opts.create_if_missing(True)
-        self._db = Rdict(str(self.path), opts)
+        if read_only:
+            if not (self.path / "CURRENT").is_file():
+                raise FileNotFoundError(f"no projection store at {self.path}")
+            self._db = Rdict(str(self.path), opts, access_type=AccessType.read_only())
+        else:
+            self.path.mkdir(parents=True, exist_ok=True)
+            opts.create_if_missing(True)
+            self._db = Rdict(str(self.path), opts)
         self._wopts = WriteOptions()
         self._wopts.sync = False  # the log is the source of truth; a lost tail is refolded
 
     def commit(self, state: State, touched: set[Key]) -> None:
         """Write the touched records and the offset of ``state`` atomically."""
+        if self.read_only:
+            raise PermissionError(f"the projection store at {self.path} was opened read-only")
         batch = WriteBatch(raw_mode=True)
         for key in touched | {("meta",), ("stats",)}:
             data = record_of(state, key)
@@ -189,6 +207,8 @@ class ProjectionStore:
                 state.dispatches[parts[1]] = Dispatch.from_json(value)
             elif kind == "study":
                 state.studies[parts[1]] = value
+            elif kind == "decided":
+                state.decided[parts[1]] = [Decided.from_json(d) for d in value]
         for node in sorted(nodes, key=lambda n: node_number(n.node_id)):
             state.plans[node.plan_key].nodes[node.node_id] = node
         return state

@@ -232,7 +232,31 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
         "peak_checkpoint_bytes": state.stats.peak_checkpoint_bytes,
         "checkpoints_evicted": state.stats.evictions,
         "studies_sharing_plan": sharing,
-        "k_wise_merge_rate": k_wise_merge_rate(state, sharing),
+        # One study alone: its trials are the K = 1 union, merged as for ``merge_rate`` (merging
+        # the same trials again costs as much as the whole summary).
+        "k_wise_merge_rate": (total / unique if unique else None) if sharing == [study_id]
+        else k_wise_merge_rate(state, sharing),
         "steps_from_earlier_studies": earlier,
         "executed_steps_since_start": since,
     }
+
+
+def trial_based_estimate(state: State, study_id: str, summary: dict[str, Any]) -> dict[str, Any]:
+    """What the study's results so far would have cost trial-based (``--no-merge``), estimated
+    from the merged run, and the worker-seconds merging saved.
+
+    ``delivered_steps``: the steps a trial-based run trains to give the same results, each
+    trial trained alone up to the largest step it has metrics for (steps); at the end of a
+    study it equals ``total_steps`` for the trials that finished.
+    ``trial_based_worker_seconds`` = delivered_steps x worker_seconds / executed_steps: the
+    run's own held seconds per trained step (training, checkpoints, evaluation), applied to
+    every delivered step; ``saved_worker_seconds`` = that - worker_seconds. Both are None before
+    any stage finished. An estimate: ``benchmarks/merge_savings.py`` measures both runs.
+    """
+    delivered = sum(max(t.results, default=0) for t in state.trials.values() if t.study_id == study_id)
+    executed, held = summary.get("executed_steps") or 0, summary.get("worker_seconds") or 0.0
+    if not executed:
+        return {"delivered_steps": delivered, "trial_based_worker_seconds": None, "saved_worker_seconds": None}
+    estimate = delivered * held / executed
+    return {"delivered_steps": delivered, "trial_based_worker_seconds": estimate,
+            "saved_worker_seconds": estimate - held}

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,8 +48,6 @@ from events.log import (  # noqa: F401 (KEY_ENV, secret_from: re-exported from t
     secret_from,
 )
 from events.models import CheckpointSaved, LogSealed
-from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing
-from gpu_worker.object_store import open_checkpoint_store
 from projections.partitions import merge
 from projections.state import State
 from projections.store import ProjectionStore, all_keys, fold_records, snapshot
@@ -86,27 +85,45 @@ class Source:
     stored_projection: dict[bytes, bytes] | None = None
     projection_sha256: str | None = None
     header: dict[str, Any] = field(default_factory=dict)
+    left_out: int = 0  # plan records after the stored projection's offset, left out (open_run)
 
 
-def open_run(path: Path, secret: bytes | None) -> Source:
-    """Read a run directory (its log is opened, read and closed)."""
+def open_run(path: Path, secret: bytes | None, *, as_of_projection: bool = False) -> Source:
+    """Read a run directory. Its log and projection are opened read-only (no lock: a running
+    coordinator may hold them), read and closed.
+
+    ``as_of_projection``: read the stored projection first and keep the plan stream only up to
+    the offset it was folded to, so that a run still being written gives a consistent pair
+    (the projection check then compares like with like); ``Source.left_out`` counts the plan
+    records appended after it. Without it, a running run's projection lags its log and the
+    projection check says so.
+    """
     if not (path / "log").is_dir():
         raise AuditError(f"{str(path)!r} is not a run directory (no log/)")
+    stored = None
+    if (path / "state" / "CURRENT").is_file():
+        store = ProjectionStore(path / "state", read_only=True)
+        try:
+            stored = store.records()
+        finally:
+            store.close()
+    elif (path / "state").is_dir():
+        stored = {}  # a projection directory without a database: nothing was stored
     log = EmbeddedLog(path / "log", read_only=True)
     try:
         streams = {name: list(log.read(name)) for name in log.streams()}
         chain = log.chain
     finally:
         log.close()
-    stored = None
-    if (path / "state").is_dir():
-        store = ProjectionStore(path / "state")
-        try:
-            stored = store.records()
-        finally:
-            store.close()
+    left_out = 0
+    meta = stored.get(b"meta") if stored is not None else None
+    if as_of_projection and meta is not None and topics.PLAN in streams:
+        upto = orjson.loads(meta)["offset"]
+        plan = streams[topics.PLAN]
+        streams[topics.PLAN] = [r for r in plan if r.offset <= upto]
+        left_out = len(plan) - len(streams[topics.PLAN])
     ckpts = path / "checkpoints"
-    return Source(path, "run", streams, chain, str(ckpts) if ckpts.is_dir() else None, stored)
+    return Source(path, "run", streams, chain, str(ckpts) if ckpts.is_dir() else None, stored, left_out=left_out)
 
 
 def open_export(path: Path, checkpoints: str | None = None) -> Source:
@@ -137,33 +154,52 @@ def open_export(path: Path, checkpoints: str | None = None) -> Source:
                   projection_sha256=header.get("projection_sha256"), header=header)
 
 
+def kafka_location(url: str) -> tuple[str, str]:
+    """``(bootstrap servers, topic prefix)`` of ``kafka://HOST:PORT[,HOST:PORT...][/WHERE]``, where
+    WHERE is the deployment's topic prefix or its plan topic ``<prefix>stagetree.plan`` (empty:
+    no prefix). Credentials never go in the address: they come from ``STAGETREE_KAFKA_*``.
+
+    Raises:
+        AuditError: not such an address (named), or it holds ``user@`` credentials.
+    """
+    if not isinstance(url, str) or not url.startswith("kafka://"):
+        raise AuditError(f"source {url!r} must be kafka://HOST:PORT[/PREFIX]")
+    servers, _, where = url[len("kafka://"):].partition("/")
+    if "@" in servers:
+        raise AuditError("a kafka:// source must not hold credentials (user@host): set STAGETREE_KAFKA_SASL_* "
+                         "and the other STAGETREE_KAFKA_* variables instead")
+    if not servers or not all(re.fullmatch(r"[A-Za-z0-9.\-\[\]:]+:[0-9]+", s) for s in servers.split(",")):
+        raise AuditError(f"source {url!r} must be kafka://HOST:PORT[,HOST:PORT...][/PREFIX]")
+    prefix = where[: -len(topics.PLAN)] if where.endswith(topics.PLAN) else where
+    if prefix and not re.fullmatch(r"[A-Za-z0-9._-]{1,200}", prefix):
+        raise AuditError(f"source {url!r}: the topic prefix {prefix!r} is not a valid Kafka topic name part")
+    return servers, prefix
+
+
 def open_kafka(url: str, checkpoints: str | Path | None = None) -> Source:
-    """Read ``kafka://HOST:PORT[/TOPIC]``: the plan stream (every partition) and the dead
-    letters of a Kafka deployment, ``read_committed``. TOPIC is its plan topic
-    (``<prefix>stagetree.plan``; default ``stagetree.plan``), which gives the topic prefix.
-    On Kafka each partition's chain is carried by LogSealed events (``chain`` = "sealed")."""
+    """Read ``kafka://HOST:PORT[/WHERE]`` (:func:`kafka_location`): the plan stream (every
+    partition) and the dead letters of a Kafka deployment, as a plain ``read_committed``
+    consumer (workers' dispatch streams hold copies of plan decisions: not read). On Kafka each
+    partition's chain is carried by LogSealed events (``chain`` = "sealed")."""
     from events.kafka_log import KafkaLog, security_from_env
 
-    rest = url[len("kafka://"):]
-    servers, _, topic = rest.partition("/")
-    topic = topic or topics.PLAN
-    if not servers or not topic.endswith(topics.PLAN):
-        raise AuditError(f"source {url!r} must be kafka://HOST:PORT[/<prefix>{topics.PLAN}]")
-    with KafkaLog(servers, topic_prefix=topic[: -len(topics.PLAN)], security=security_from_env(),
-                  create_topics=False) as log:
+    servers, prefix = kafka_location(url)
+    with KafkaLog(servers, topic_prefix=prefix, security=security_from_env(), read_only=True) as log:
         streams = {name: [r for p in range(log.partition_count(name)) for r in log.read(name, partition=p)]
                    for name in (topics.PLAN, topics.DEADLETTER)}
     return Source(Path(url), "kafka", {k: v for k, v in streams.items() if v}, "sealed",
                   str(checkpoints) if checkpoints else None)
 
 
-def open_source(path: str | Path, secret: bytes | None = None, checkpoints: str | Path | None = None) -> Source:
-    """A run directory, a JSONL export or a Kafka deployment (``kafka://HOST:PORT[/TOPIC]``)."""
+def open_source(path: str | Path, secret: bytes | None = None, checkpoints: str | Path | None = None, *,
+                as_of_projection: bool = False) -> Source:
+    """A run directory, a JSONL export or a Kafka deployment (``kafka://HOST:PORT[/TOPIC]``);
+    ``as_of_projection`` as for :func:`open_run`."""
     p = Path(path)
     if str(path).startswith("kafka://"):
         return open_kafka(str(path), checkpoints)
     if p.is_dir():
-        source = open_run(p, secret)
+        source = open_run(p, secret, as_of_projection=as_of_projection)
         if checkpoints is not None:
             source.checkpoints = str(checkpoints)
         return source
@@ -450,6 +486,9 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
     if source.checkpoints is None:
         result.add("checkpoint", None, "not checked: no checkpoint directory given")
     else:
+        from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing  # torch: only for this check
+        from gpu_worker.object_store import open_checkpoint_store
+
         failure = None
         store = open_checkpoint_store(source.checkpoints)
         seen: set[str] = set()

@@ -1,5 +1,5 @@
-"""The audit commands of the ``stagetree`` CLI: ``log export|import``, ``replay verify|reexecute``,
-``report``.
+"""The audit commands of the ``stagetree`` CLI: ``log export|import``, ``replay
+verify|explain|reexecute``, ``report``.
 
 Each handler takes the parsed arguments and a console and returns an exit code: 0 when
 everything matched, 1 when a check failed or a stage diverged (the message names the first
@@ -17,10 +17,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from events import topics
-from projections.queries import trials_through
-from replay import report
-from replay.audit import AuditError, export_log, fold, import_log, open_source, secret_from, verify
-from replay.reexecute import reexecute
+from events.log import secret_from
 
 
 def _progress(console: Console, quiet: bool) -> Progress:
@@ -28,7 +25,13 @@ def _progress(console: Console, quiet: bool) -> Progress:
                     console=console, disable=quiet, transient=True)
 
 
+# Handlers import what they use when they run: building the parser (every command, and every
+# spawned worker process re-importing the CLI) must not import torch, matplotlib or the audit.
+
+
 def cmd_export(args: argparse.Namespace, console: Console) -> int:
+    from replay.audit import export_log, open_source
+
     source = open_source(args.source, secret_from(args.log_key))
     n = export_log(source, Path(args.out), secret_from(args.log_key))
     console.print(f"exported {n} records ({source.chain} chain) to {escape(args.out)}")
@@ -36,6 +39,8 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_import(args: argparse.Namespace, console: Console) -> int:
+    from replay.audit import import_log, open_source
+
     source = open_source(args.file)
     import_log(source, Path(args.out), secret_from(args.log_key))
     console.print(f"imported {sum(len(v) for v in source.streams.values())} records into {escape(args.out)}")
@@ -43,12 +48,15 @@ def cmd_import(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, console: Console) -> int:
+    from replay.audit import open_source
+    from replay.tuner import verify_all
+
     secret = secret_from(args.log_key)
     source = open_source(args.source, secret, args.checkpoints)
     total = len(source.streams.get(topics.PLAN, []))
     with _progress(console, args.quiet) as progress:
         task = progress.add_task("verify", total=total)
-        result = verify(source, secret, progress=lambda n: progress.advance(task, n))
+        result = verify_all(source, secret, progress=lambda n: progress.advance(task, n), study_file=args.study)
     for check in result.checks:
         mark = "[green]ok[/green]" if check["ok"] else "[red]FAILED[/red]"
         console.print(f"{mark} {check['name']}: {escape(check['detail'])}")
@@ -61,7 +69,23 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     return 1
 
 
+def cmd_explain(args: argparse.Namespace, console: Console) -> int:
+    from replay.explain import explain
+
+    story = explain(args.source, args.trial, secret=secret_from(args.log_key))
+    if args.json:
+        console.print_json(orjson.dumps(story.as_dict()).decode())
+    else:
+        for line in story.lines():
+            console.print(escape(line), highlight=False)
+    return 0
+
+
 def cmd_reexecute(args: argparse.Namespace, console: Console) -> int:
+    from projections.queries import trials_through
+    from replay.audit import fold, open_source
+    from replay.reexecute import reexecute
+
     source = open_source(args.source, secret_from(args.log_key), args.checkpoints)
     state = fold(source.streams.get(topics.PLAN, []))
     with _progress(console, args.quiet) as progress:
@@ -96,13 +120,21 @@ def register(sub: argparse._SubParsersAction, positive: type | object) -> None: 
 
     replay = sub.add_parser("replay", help="audit a finished study").add_subparsers(dest="replay_command",
                                                                                      required=True)
-    ver = replay.add_parser("verify", help="check hash chain, decisions, projections and checkpoints")
+    ver = replay.add_parser("verify", help="check hash chain, decisions, projections, checkpoints and tuner decisions")
     ver.add_argument("source", help="run directory, JSONL export, or kafka://HOST:PORT[/TOPIC]")
+    ver.add_argument("--study", help="study file whose tuners recompute the tuner decisions (default: the one each "
+                                     "study's StudyStarted records; without one they are not recomputed)")
     ver.add_argument("--checkpoints", help="checkpoint directory (default: the run directory's)")
     ver.add_argument("--log-key", help=key_help)
     ver.add_argument("--json", help="also write the audit result as JSON to this file")
     ver.add_argument("--quiet", action="store_true", help="no progress bar")
     ver.set_defaults(func=cmd_verify)
+    exp_ = replay.add_parser("explain", help="a trial's whole story from the log, with every decision about it")
+    exp_.add_argument("source", help="run directory, JSONL export, or kafka://HOST:PORT[/TOPIC]")
+    exp_.add_argument("trial", help="trial id, or a unique prefix of one")
+    exp_.add_argument("--json", action="store_true", help="print the story as JSON")
+    exp_.add_argument("--log-key", help=key_help)
+    exp_.set_defaults(func=cmd_explain)
     rex = replay.add_parser("reexecute", help="re-run recorded stages and compare bit for bit")
     rex.add_argument("source", help="run directory or JSONL export")
     rex.add_argument("--workers", type=positive, default=1, help="fresh worker processes (default 1)")
@@ -113,7 +145,6 @@ def register(sub: argparse._SubParsersAction, positive: type | object) -> None: 
     rex.add_argument("--log-key", help=key_help)
     rex.add_argument("--quiet", action="store_true", help="no progress bar")
     rex.set_defaults(func=cmd_reexecute)
-    report.register(sub)
+    from replay.report.cli import register as register_report
 
-
-HANDLED_ERRORS = (AuditError,)
+    register_report(sub)

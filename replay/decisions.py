@@ -14,6 +14,9 @@ event, in order. Deciders (one entry each in :data:`DECIDERS`):
 
 A group recomputed at a prefix must match the recorded group completely: a decision edited,
 dropped, added or moved is named by its offset.
+
+Tuner decisions (``TunerDecided``) are recomputed by :mod:`replay.tuner` instead: their decider
+is the study file's tuner, run again over the log (``replay verify --study``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from events.log import Record
 from events.models import (
     CheckpointEvicted,
     CheckpointRequested,
-    Decision,
+    DecisionEvent,
     Event,
     PathPreempted,
     StageDispatched,
@@ -188,7 +191,7 @@ LIVENESS = Decider("liveness", (WorkerLost,), lambda e: (e.worker_id, e.reason),
 worker's own goodbye and the embedded coordinator's record none."""
 
 
-def prefix_of(event: Decision) -> dict[int, int] | None:
+def prefix_of(event: DecisionEvent) -> dict[int, int] | None:
     """The prefix a decision recorded on a partitioned stream, ``{partition: last folded
     offset}``; None when it records none."""
     return None if event.decided_at_partitions is None else dict(event.decided_at_partitions)
@@ -221,7 +224,7 @@ def replay_partitioned(parts: dict[int, list[Record]], fold: Callable[[State, li
             except InvalidEvent:
                 continue
             decider = LIVENESS if isinstance(event, WorkerLost) else _BY_TYPE.get(type(event))
-            if decider is None or not isinstance(event, Decision):
+            if decider is None or not isinstance(event, DecisionEvent):
                 continue
             prefix = prefix_of(event)
             if prefix is None:

@@ -16,7 +16,7 @@ decision its predecessor committed, and the prefixes decisions record never go b
 Every decision of the role goes through :class:`DecisionAppender`: one transaction per call, the
 decision(s) on the plan stream (broadcast types to every partition) with their copies (a
 dispatch to the worker's own stream), then folded before the next decision. A decision records
-its prefix (:class:`events.models.Decision`): the offset of every partition's last folded
+its prefix (:class:`events.models.DecisionEvent`): the offset of every partition's last folded
 record. The role decides:
 
 * StageDispatched: :func:`scheduler.decide.decide` on the merged view, one at a time;
@@ -47,7 +47,7 @@ from events import topics
 from events.codec import encode
 from events.kafka_log import Fenced, Follower, KafkaLog, KafkaLogError, TransactionalAppender, Write, event_writes
 from events.log import chain_algorithm
-from events.models import DeadLettered, Decision, Event, LogSealed, StageDispatched, WorkerLost
+from events.models import DeadLettered, DecisionEvent, Event, LogSealed, StageDispatched, WorkerLost
 from projections.partitions import PartitionedFold
 from projections.state import State
 from scheduler.service import SchedulerService
@@ -350,7 +350,7 @@ class SchedulerRole:
         decided from, in one transaction with (``to_workers``) each one's copy on its worker's
         stream; whether the reducer accepted each."""
         prefix = self.decisions.prefix()
-        stamped = [d.model_copy(update=prefix) if isinstance(d, Decision) else d for d in decisions]
+        stamped = [d.model_copy(update=prefix) if isinstance(d, DecisionEvent) else d for d in decisions]
         copies = [Write(topics.dispatch_stream(d.worker_id), d.worker_id, encode(d))  # type: ignore[attr-defined]
                   for d in stamped] if to_workers else []
         positions = self.decisions.append(stamped, copies)
@@ -390,7 +390,7 @@ class SchedulerRole:
         if not lost:
             return
         prefix = self.decisions.prefix()
-        events: list[Decision] = [
+        events: list[DecisionEvent] = [
             WorkerLost(producer=self.producer, ts=time.time(), worker_id=w,
                        reason=f"no heartbeat for {self.monitor.timeout_s:g} s", **prefix)  # type: ignore[arg-type]
             for w in lost]

@@ -22,44 +22,37 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from rich.console import Console
 from rich.markup import escape
 
 from events import topics, tracing
-from events.kafka_log import DEFAULT_PLAN_PARTITIONS, KafkaLog, security_from_env
-from events.log import EmbeddedLog, LogError
-from events.models import StudyFinished, StudyStarted
-from gpu_worker.executor import resolve_device
-from gpu_worker.kafka_worker import KafkaWorker, TrainingRunner
-from gpu_worker.loader import StudyFileError, load_module, trainer_of
-from gpu_worker.object_store import open_checkpoint_store
-from projections.summary import build_summary, elapsed_before, plan_events, summary_path
-from replay.audit import AuditError, secret_from
+from events.log import LogError, secret_from
+
+if TYPE_CHECKING:
+    from events.kafka_log import KafkaLog
+    from stagetree.embedded import PrestartedWorkers
+    from stagetree.tuners import Tuner, TunerResult
 from replay.commands import register
-from stagetree.embedded import EmbeddedCoordinator
+from stagetree.dashboard.cli import Beside, DashboardError, port_number, reserve
+from stagetree.dashboard.cli import register as register_dashboard
+from stagetree.errors import RuntimeError_, TrialFailed, TrialsFailed, UsageError
 from stagetree.export.commands import register as register_export
-from stagetree.kafka_runtime import KafkaRuntime
-from stagetree.progress import Progress
-from stagetree.runtime import RuntimeError_
-from stagetree.serve import default_instance, serve
 from stagetree.simulate_cli import register as register_simulate
 from stagetree.sizes import parse_size
-from stagetree.study import Study, TrialFailed, validate_config
-from stagetree.tuners import Tuner, TunerResult
 
-
-class UsageError(ValueError):
-    """Bad command-line input; reported with exit code 2."""
-
-
-class TrialsFailed(RuntimeError):
-    """The study finished and wrote its summary, but some trials failed; exit code 1."""
+# Everything else is imported by the command that uses it: building the parser must stay cheap,
+# for every command and for every worker process (multiprocessing's spawn imports this module
+# again in each of them).
 
 
 def _study_file(path: str) -> tuple[Any, Any, Tuner, int, str]:
+    from gpu_worker.loader import StudyFileError, load_module, trainer_of
+    from stagetree.study import validate_config
+    from stagetree.tuners import Tuner
+
     module = load_module(path)
     trainer = trainer_of(module, path)
     tuner = getattr(module, "tuner", None)
@@ -79,13 +72,18 @@ def _study_file(path: str) -> tuple[Any, Any, Tuner, int, str]:
     return module, trainer, tuner, seed, name
 
 
-async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tuple[Any, Any, Tuner, int, str],
+async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tuple[Any, Any, Any, int, str],
                    mode: str) -> dict[str, Any]:
     """Run the tuner of a loaded study file on a ready runtime; returns the summary.
 
     End-to-end time runs from the ready cluster to the answer, plus earlier incarnations' of the
     same study (other studies on the same log do not count, see :func:`projections.summary.elapsed`).
     """
+    from events.models import StudyFinished, StudyStarted
+    from projections.summary import build_summary, elapsed_before, plan_events
+    from stagetree.progress import Progress
+    from stagetree.study import Study
+
     _, trainer, tuner, seed, name = loaded
     started = time.monotonic()
     prior = runtime.state.studies.get(name)
@@ -101,6 +99,7 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
     runtime.on_fold.append(progress.on_fold)
     with progress:
         result: TunerResult = await tuner.run(study)
+        study.flush()  # its last decision (the answer) before StudyFinished
         await runtime.drain()
     e2e = before + (time.monotonic() - started)
     best = result.best
@@ -116,6 +115,8 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
 def _write_summary(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
     """Write the study's ``summary-<study>.json``, and ``summary.json`` when the directory has
     none or it is this study's: a study never overwrites another study's summary."""
+    from projections.summary import summary_path
+
     out.mkdir(parents=True, exist_ok=True)
     data = orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
     path = summary_path(out, summary["name"])
@@ -141,6 +142,8 @@ def _check_out(out: Path) -> None:
 
 def _check_device(spec: str, flag: str = "--device") -> None:
     """Refuse a device this machine cannot train on, before anything is created (exit 2)."""
+    from gpu_worker.executor import resolve_device  # torch
+
     try:
         resolve_device(spec)
     except ValueError as exc:
@@ -150,6 +153,10 @@ def _check_device(spec: str, flag: str = "--device") -> None:
 def _studies_in(log_dir: Path) -> set[str]:
     """Ids of the studies started in the embedded log at ``log_dir``, read without writing or
     locking anything (undecodable records are skipped; they hold no study)."""
+    from events.log import EmbeddedLog
+    from events.models import StudyStarted
+    from projections.summary import plan_events
+
     log = EmbeddedLog(log_dir, read_only=True)
     try:
         return {e.study_id for e in plan_events(log) if isinstance(e, StudyStarted)}
@@ -166,6 +173,19 @@ async def _run_embedded(args: argparse.Namespace, console: Console) -> dict[str,
     no run yet (a run killed before its log had a study) it starts the run; in a directory
     whose runs are all of other studies it is refused (adding a study is done without it).
     """
+    from stagetree.embedded import PrestartedWorkers
+
+    prestarted = PrestartedWorkers(args.workers)  # their start-up overlaps checking and loading
+    try:
+        return await _run_embedded_started(args, console, prestarted)
+    finally:
+        prestarted.close()
+
+
+async def _run_embedded_started(args: argparse.Namespace, console: Console, prestarted: PrestartedWorkers
+                                ) -> dict[str, Any]:
+    from stagetree.embedded import EmbeddedCoordinator
+
     loaded = _study_file(args.file)
     name = loaded[4]
     out = Path(args.out) if args.out else Path("runs") / name
@@ -186,11 +206,34 @@ async def _run_embedded(args: argparse.Namespace, console: Console) -> dict[str,
                              "to start it there, or choose another --out")
     mode = "trial" if args.no_merge else "merged"
     budget = args.checkpoint_budget if args.checkpoint_budget is not None else _budget_default()
-    async with EmbeddedCoordinator(out, args.file, args.workers, device=args.device,
-                                   secret=secret_from(args.log_key), checkpoint_budget=budget) as coord:
-        await coord.ready()
-        summary = await _conduct(coord, coord.log, args, loaded, mode)
+    port = reserve(args.dashboard) if args.dashboard is not None else None
+    dashboard = None
+    try:
+        async with EmbeddedCoordinator(out, args.file, args.workers, device=args.device,
+                                       secret=secret_from(args.log_key), checkpoint_budget=budget,
+                                       prestarted=prestarted) as coord:
+            if port is not None:  # the log exists now: the dashboard follows it while workers start
+                dashboard = await asyncio.get_running_loop().run_in_executor(
+                    None, _start_dashboard, str(out), port, secret_from(args.log_key), console)
+            await coord.ready()
+            summary = await _conduct(coord, coord.log, args, loaded, mode)
+    finally:
+        if dashboard is not None:
+            dashboard.stop()
     return _write_summary(out, summary)
+
+
+def _start_dashboard(where: str, port: int, secret: bytes | None, console: Console) -> Beside | None:
+    """Start ``stagetree dashboard`` beside the run and print its address; a dashboard that
+    fails to start is reported and the run goes on without it."""
+    dashboard = Beside(where, port, secret)
+    try:
+        url = dashboard.start()
+    except DashboardError as exc:
+        console.print(f"[yellow]warning:[/yellow] {escape(str(exc))}; the run goes on without it")
+        return None
+    console.print(f"dashboard: {url} (stops with the run; `stagetree dashboard {escape(where)}` shows it later)")
+    return dashboard
 
 
 def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
@@ -200,6 +243,8 @@ def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
 async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     """Kafka mode: submit through the SDK; with --workers N > 0 also run `stagetree serve` and N
     workers for the duration (a one-machine deployment on real Kafka)."""
+    from stagetree.kafka_runtime import KafkaRuntime
+
     loaded = _study_file(args.file)
     out = Path(args.out) if args.out else Path("runs") / loaded[4]
     _check_out(out)
@@ -208,11 +253,17 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
     if args.workers:
         _check_device(args.device)
     mode = "trial" if args.no_merge else "merged"
+    port = reserve(args.dashboard) if args.dashboard is not None else None
     log = _kafka_log(args)
     procs: list[subprocess.Popen[bytes]] = []
     runtime = KafkaRuntime(log)
     poller = asyncio.create_task(runtime.run())
+    dashboard = None
     try:
+        if port is not None:
+            dashboard = await asyncio.get_running_loop().run_in_executor(
+                None, _start_dashboard, f"kafka://{args.bootstrap_servers}/{args.topic_prefix}", port,
+                secret_from(args.log_key), console)
         common = ["--bootstrap-servers", args.bootstrap_servers, "--topic-prefix", args.topic_prefix,
                   "--plan-partitions", str(args.plan_partitions), "--otel-exporter", tracing.spec()]
         workers = [f"w{i}" for i in range(args.workers)]
@@ -225,6 +276,8 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
             await runtime.ready(workers)
         summary = await _conduct(runtime, log, args, loaded, mode)
     finally:
+        if dashboard is not None:
+            dashboard.stop()
         poller.cancel()
         runtime.close()
         for proc in procs:
@@ -323,6 +376,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="auto", help="auto (cuda:i when present, else cpu), cpu, or cuda:N")
     run.add_argument("--quiet", action="store_true", help="no live progress display")
     run.add_argument("--log-key", help="HMAC secret of the log's hash chain (default: $STAGETREE_LOG_KEY)")
+    run.add_argument("--dashboard", nargs="?", type=port_number, const=8080, default=None, metavar="PORT",
+                     help="also serve the live dashboard on 127.0.0.1:PORT (default 8080; 0: any free port) "
+                          "while the study runs, and print its address")
     _budget_flag(run)
     _kafka_flags(run)
     run.add_argument("--checkpoint-store", default=os.environ.get("STAGETREE_CHECKPOINT_STORE"),
@@ -362,6 +418,7 @@ def parser() -> argparse.ArgumentParser:
     register(sub, _positive)
     register_simulate(sub, _positive)
     register_export(sub)
+    register_dashboard(sub)
     return p
 
 
@@ -372,17 +429,23 @@ def _kafka_flags(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--topic-prefix", default=os.environ.get("STAGETREE_TOPIC_PREFIX", ""),
                    help="prefix of every topic name (default: $STAGETREE_TOPIC_PREFIX)")
     p.add_argument("--plan-partitions", type=_positive,
-                   default=int(os.environ.get("STAGETREE_PLAN_PARTITIONS", DEFAULT_PLAN_PARTITIONS)),
+                   default=int(os.environ.get("STAGETREE_PLAN_PARTITIONS", topics.DEFAULT_PLAN_PARTITIONS)),
                    help="partitions of stagetree.plan when this command creates it (default "
-                        f"{DEFAULT_PLAN_PARTITIONS}, or $STAGETREE_PLAN_PARTITIONS); an existing topic keeps its count")
+                        f"{topics.DEFAULT_PLAN_PARTITIONS}, or $STAGETREE_PLAN_PARTITIONS); an existing topic "
+                        "keeps its count")
 
 
 def _kafka_log(args: argparse.Namespace, client_id: str = "stagetree") -> KafkaLog:
+    from events.kafka_log import KafkaLog, security_from_env
+
     return KafkaLog(args.bootstrap_servers, client_id=client_id, topic_prefix=args.topic_prefix,
                     plan_partitions=args.plan_partitions, security=security_from_env())
 
 
 def cmd_serve(args: argparse.Namespace, console: Console) -> int:
+    from gpu_worker.object_store import open_checkpoint_store
+    from stagetree.serve import default_instance, serve
+
     budget = args.checkpoint_budget if args.checkpoint_budget is not None else _budget_default()
     if budget is not None and not args.checkpoint_store:
         raise UsageError("--checkpoint-budget needs --checkpoint-store (or $STAGETREE_CHECKPOINT_STORE): evicted "
@@ -402,6 +465,9 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_worker(args: argparse.Namespace, console: Console) -> int:
+    from gpu_worker.kafka_worker import KafkaWorker, TrainingRunner
+    from gpu_worker.object_store import open_checkpoint_store
+
     if not args.checkpoint_store:
         raise UsageError("--checkpoint-store (or $STAGETREE_CHECKPOINT_STORE) is required")
     worker_id = args.worker_id or f"{socket.gethostname()}-{args.device.replace(':', '')}"
@@ -444,14 +510,39 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tracing.configure(args.otel_exporter, "stagetree")
         return int(args.func(args, console))
-    except (UsageError, StudyFileError, AuditError, LogError, ValueError) as exc:
+    except (LogError, ValueError) as exc:  # UsageError, StudyFileError, AuditError, ... (exit 2)
         err.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
-    except (TrialFailed, TrialsFailed, RuntimeError_) as exc:
+    except (TrialFailed, TrialsFailed, RuntimeError_) as exc:  # the study ran; something failed (exit 1)
         err.print(f"[red]error:[/red] {escape(str(exc))}")
         return 1
     finally:
         tracing.shutdown()
+
+
+def console_main() -> None:
+    """The ``stagetree`` executable: :func:`main`, then leave without tearing the interpreter
+    down. Once ``main`` has returned, everything it recorded is durable (the log closed, spans
+    exported); what is left (atexit handlers, non-daemon threads, output buffers) is run here,
+    and ``os._exit`` skips freeing every module of a process that has imported torch (1 to 2 s
+    on this machine, more than the rest of a short study's exit)."""
+    import atexit
+    import threading
+
+    try:
+        code: int | str | None = main()
+    except SystemExit as exc:  # argparse: --help, bad arguments (any other error: the interpreter's path)
+        code = exc.code
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ from events.codec import InvalidEvent, decode_batch, encode
 from events.deadletter import dead_letter
 from events.log import EmbeddedLog, append_events, event_key
 from events.models import DeadLettered, Event, StageDispatched, WorkerJoined, WorkerLost
+from gpu_worker.boot import STOP, embedded_worker_main, prestarted_worker_main
 from gpu_worker.checkpoint import LocalCheckpointStore
-from gpu_worker.process import STOP, embedded_worker_main
 from projections.store import ProjectionStore, Projector
 from scheduler.service import SchedulerService
 from stagetree.runtime import RuntimeBase, RuntimeError_
@@ -54,6 +54,45 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+class PrestartedWorkers:
+    """``n`` worker processes started before their run's arguments are checked: each imports
+    torch and the worker at once (seconds) while the coordinator loads the study file and opens
+    the log, and waits for its arguments (see :func:`gpu_worker.boot.prestarted_worker_main`).
+    The coordinator takes them in :meth:`take`; :meth:`close` ends those not taken (the run was
+    refused or failed), without their having touched the run directory.
+
+    Args:
+        n: processes to start (>= 0).
+    """
+
+    def __init__(self, n: int) -> None:
+        ctx = mp.get_context("spawn")
+        self._free: list[tuple[mp.process.BaseProcess, Connection]] = []
+        for _ in range(n):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=prestarted_worker_main, args=(child,), daemon=True)
+            proc.start()
+            child.close()
+            self._free.append((proc, parent))
+
+    def take(self) -> tuple[mp.process.BaseProcess, Connection] | None:
+        """A started process and its pipe that still runs, or None when none is left."""
+        while self._free:
+            proc, conn = self._free.pop(0)
+            if proc.is_alive():
+                return proc, conn
+            conn.close()
+        return None
+
+    def close(self) -> None:
+        """Kill the processes not taken: they have only imported modules, touched nothing."""
+        for proc, conn in self._free:
+            proc.kill()
+            proc.join()
+            conn.close()
+        self._free.clear()
 
 
 @dataclass
@@ -85,6 +124,8 @@ class EmbeddedCoordinator(RuntimeBase):
         say: where notices go (a worker exited, is started again); default: standard error.
         checkpoint_budget: bytes of checkpoints the run may keep (None: unbounded); see
             ``scheduler.eviction``.
+        prestarted: processes started earlier (:class:`PrestartedWorkers`), used for the
+            workers' first start instead of starting new ones.
 
     Use as an async context manager inside a running loop.
     """
@@ -93,7 +134,8 @@ class EmbeddedCoordinator(RuntimeBase):
 
     def __init__(self, run_dir: str | Path, study_file: str | Path, workers: int, *, device: str = "auto",
                  threads: int = 1, secret: bytes | None = None, max_restarts: int = MAX_RESTARTS,
-                 say: Callable[[str], None] | None = None, checkpoint_budget: int | None = None) -> None:
+                 say: Callable[[str], None] | None = None, checkpoint_budget: int | None = None,
+                 prestarted: PrestartedWorkers | None = None) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"`workers` is {workers!r}, but must be an int >= 1 in embedded mode")
         self.run_dir = Path(run_dir)
@@ -102,6 +144,7 @@ class EmbeddedCoordinator(RuntimeBase):
         self.device = device
         self.threads = threads
         self.max_restarts = max_restarts
+        self.prestarted = prestarted
         self.say = say if say is not None else (lambda text: print(text, file=sys.stderr, flush=True))
         self.log = EmbeddedLog(self.run_dir / "log", secret=secret)
         self.store = ProjectionStore(self.run_dir / "state")
@@ -142,17 +185,19 @@ class EmbeddedCoordinator(RuntimeBase):
     def _spawn(self, slot: _Slot) -> None:
         """Start a worker process for ``slot`` and a thread reading its pipe."""
         assert self._loop is not None
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(
-            target=embedded_worker_main,
-            args=(child, slot.worker_id, slot.index, str(self.study_file), str(self.checkpoint_dir), self.device,
-                  self.threads, tracing.spec()),
-            name=f"stagetree-worker-{slot.worker_id}",
-            daemon=True,
-        )
-        proc.start()
-        child.close()
+        args = (slot.worker_id, slot.index, str(self.study_file), str(self.checkpoint_dir), self.device,
+                self.threads, tracing.spec())
+        taken = self.prestarted.take() if self.prestarted is not None and slot.generation == 0 else None
+        if taken is not None:
+            proc, parent = taken
+            parent.send(args)
+        else:
+            ctx = mp.get_context("spawn")
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=embedded_worker_main, args=(child, *args),
+                               name=f"stagetree-worker-{slot.worker_id}", daemon=True)
+            proc.start()
+            child.close()
         slot.generation += 1
         slot.process, slot.conn, slot.joined = proc, parent, False
         threading.Thread(target=self._read_pipe, args=(self._loop, slot.worker_id, slot.generation, parent),

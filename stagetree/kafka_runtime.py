@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from events import topics
 from events.kafka_log import Follower, KafkaLog, KafkaLogError, partition_for
@@ -58,6 +59,12 @@ class KafkaRuntime(RuntimeBase):
     def fold(self) -> None:
         self.fold_all.fold(self.follower.poll(0))
         self._notify()
+
+    def prefix(self, plan_key: str) -> dict[str, Any]:
+        """``decided_at``: the last folded offset of ``plan_key``'s partition; with several
+        partitions also ``decided_at_partitions``, every partition's (the merged view decided
+        from)."""
+        return self.fold_all.prefix(partition_for(plan_key, self.partitions))
 
     async def run(self) -> None:
         """Fold new records every ``poll_s`` seconds until cancelled."""

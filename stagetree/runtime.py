@@ -10,15 +10,24 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 from events.models import Event
 from projections.state import State
 from projections.store import Projector
-from stagetree.study import TrialFailed
+from stagetree.errors import RuntimeError_, TrialFailed
 
 
-class RuntimeError_(RuntimeError):
-    """The runtime cannot continue; every waiting trial gets this error."""
+async def settle() -> None:
+    """Let every runnable coroutine of the running loop run until all of them wait (on results
+    or on nothing): what the simulator does before advancing its clock and a replay of the log
+    before folding the next records."""
+    loop = asyncio.get_running_loop()
+    ready = getattr(loop, "_ready", None)  # CPython's queue of runnable callbacks
+    for _ in range(100 if ready is None else 1_000_000):
+        await asyncio.sleep(0)
+        if ready is not None and not ready:
+            return
 
 
 class RuntimeBase:
@@ -36,6 +45,12 @@ class RuntimeBase:
     @property
     def state(self) -> State:
         return self.projector.state
+
+    def prefix(self, plan_key: str) -> dict[str, Any]:
+        """The prefix of the plan stream a decision about plan ``plan_key`` is taken from now,
+        as the fields of a :class:`~events.models.DecisionEvent`: ``decided_at``, the offset
+        of the last event folded (a partitioned runtime adds ``decided_at_partitions``)."""
+        return {"decided_at": self.state.offset}
 
     @staticmethod
     def stamp(events: list[Event]) -> list[Event]:

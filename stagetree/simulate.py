@@ -44,7 +44,7 @@ from projections.search_plan import merged_unique_steps
 from projections.store import ProjectionStore, Projector, all_keys
 from projections.summary import build_summary
 from scheduler.service import SchedulerService
-from stagetree.runtime import RuntimeBase, RuntimeError_
+from stagetree.runtime import RuntimeBase, RuntimeError_, settle
 from stagetree.study import Study
 from stagetree.tuners import Tuner, TunerResult
 
@@ -140,15 +140,6 @@ class SimulatedCluster(RuntimeBase):
 
     # ------------------------------------------------------------------ the virtual clock
 
-    async def _settle(self) -> None:
-        """Let every runnable coroutine run until all of them wait (on results or on nothing)."""
-        loop = asyncio.get_running_loop()
-        ready = getattr(loop, "_ready", None)  # CPython's queue of runnable callbacks
-        for _ in range(100 if ready is None else 1_000_000):
-            await asyncio.sleep(0)
-            if ready is not None and not ready:
-                return
-
     def _advance(self) -> None:
         """Deliver every queued event of the earliest time (in the order they were emitted), as
         one batch; events a re-executed path replaced are dropped."""
@@ -182,7 +173,7 @@ class SimulatedCluster(RuntimeBase):
         tasks = [asyncio.ensure_future(c) for c in coroutines]
         finished: set[int] = set()
         while True:
-            await self._settle()
+            await settle()
             for i, task in enumerate(tasks):
                 if task.done() and i not in finished:
                     finished.add(i)
@@ -331,6 +322,8 @@ async def _simulate(trainer: Trainer, studies: list[SimStudy], workers: int, mer
         results: list[TunerResult] = await cluster.run(
             [s.tuner.run(study) for s, study in zip(studies, sdk)],
             on_done=lambda i, now: done_at.__setitem__(i, now))
+        for study in sdk:
+            study.flush()  # the last decisions (the answers) before StudyFinished
         makespan = cluster.now
         finished: list[Event] = []
         summaries = []

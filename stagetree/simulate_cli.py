@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from rich.console import Console
 from rich.table import Table
 
-from gpu_worker.loader import StudyFileError, load_module, trainer_of
-from projections.summary import summary_path
 from scheduler.decide import POLICIES
-from stagetree.simulate import SimStudy, SimulationResult, simulate
 from stagetree.sizes import parse_size
-from stagetree.tuners import Tuner
+
+if TYPE_CHECKING:
+    from stagetree.simulate import SimStudy, SimulationResult
 
 
 def load_simulation(path: str) -> tuple[Any, list[SimStudy], int | None]:
@@ -35,6 +34,10 @@ def load_simulation(path: str) -> tuple[Any, list[SimStudy], int | None]:
         StudyFileError: the file lacks a trainer or a tuner, or ``studies``/``workers`` are
             malformed (the message names the field and value).
     """
+    from gpu_worker.loader import StudyFileError, load_module, trainer_of
+    from stagetree.simulate import SimStudy
+    from stagetree.tuners import Tuner
+
     module = load_module(path)
     trainer = trainer_of(module, path)
     studies = getattr(module, "studies", None)
@@ -76,6 +79,9 @@ def run_simulation(path: str, *, workers: int | None, policy: str, modes: list[s
                    out: str | None = None, checkpoint_budget: int | None = None) -> dict[str, Any]:
     """Simulate the study file at ``path`` in each of ``modes`` ("merged", "trial"); returns
     the report printed by the command (and written by ``--json``)."""
+    from projections.summary import summary_path
+    from stagetree.simulate import simulate
+
     trainer, studies, default_workers = load_simulation(path)
     n = workers or default_workers or 4
     rows = {}

@@ -51,6 +51,8 @@ __all__ = [
     "Sampled",
     "Sampler",
     "Uniform",
+    "ask_config",
+    "space_specs",
 ]
 
 
@@ -98,10 +100,28 @@ class Sampler(ABC):
         self.validate()
         return self._draw(rng)
 
+    def ask(self, trial: Any, name: str) -> Any:
+        """One value asked of an Optuna trial (``optuna.trial.Trial``: its ``suggest_*`` methods)
+        under the parameter name ``name``; nested samplers ask under ``name.<part>``. The same
+        distribution as :meth:`sample` (ask-and-tell: stagetree.integration.optuna).
+
+        Raises:
+            TypeError: the sampler has no Optuna form (a user's own Sampler subclass).
+        """
+        raise TypeError(f"{type(self).__name__} cannot be asked of an Optuna trial (it defines no `ask`)")
+
 
 def _draw(spec: Any, rng: np.random.Generator) -> Any:
     """``spec`` drawn if it is a sampler, else ``spec`` itself."""
     return spec._draw(rng) if isinstance(spec, Sampler) else spec
+
+
+def _ask(spec: Any, trial: Any, name: str) -> Any:
+    """``spec`` asked of an Optuna trial if it is a sampler, else ``spec`` itself."""
+    return spec.ask(trial, name) if isinstance(spec, Sampler) else spec
+
+
+_CATEGORICAL = (type(None), bool, int, float, str)
 
 
 @dataclass(frozen=True)
@@ -131,6 +151,14 @@ class Choice(Sampler):
     def _draw(self, rng: np.random.Generator) -> Any:
         return _draw(self.values[_randint(rng, 0, len(self.values) - 1)], rng)
 
+    def ask(self, trial: Any, name: str) -> Any:
+        """A categorical parameter: the values themselves when they are plain numbers or strings
+        (as Optuna shows them), else their positions; a chosen sampler asks under ``name.<i>``."""
+        if all(type(v) in _CATEGORICAL for v in self.values):
+            return trial.suggest_categorical(name, list(self.values))
+        i = trial.suggest_categorical(name, list(range(len(self.values))))
+        return _ask(self.values[i], trial, f"{name}.{i}")
+
 
 @dataclass(frozen=True)
 class Uniform(Sampler):
@@ -150,6 +178,9 @@ class Uniform(Sampler):
     def _draw(self, rng: np.random.Generator) -> float:
         low, high, u = float(self.low), float(self.high), _uniform01(rng)
         return min(max(low * (1.0 - u) + high * u, low), high)
+
+    def ask(self, trial: Any, name: str) -> float:
+        return float(trial.suggest_float(name, float(self.low), float(self.high)))
 
 
 @dataclass(frozen=True)
@@ -177,6 +208,9 @@ class LogUniform(Sampler):
         value = math.exp(log_low + (log_high - log_low) * _uniform01(rng))
         return min(max(value, low), high)
 
+    def ask(self, trial: Any, name: str) -> float:
+        return float(trial.suggest_float(name, float(self.low), float(self.high), log=True))
+
 
 @dataclass(frozen=True)
 class IntUniform(Sampler):
@@ -197,6 +231,9 @@ class IntUniform(Sampler):
 
     def _draw(self, rng: np.random.Generator) -> int:
         return _randint(rng, int(self.low), int(self.high))
+
+    def ask(self, trial: Any, name: str) -> int:
+        return int(trial.suggest_int(name, int(self.low), int(self.high)))
 
 
 @dataclass(frozen=True)
@@ -235,6 +272,16 @@ class Milestones(Sampler):
             r = _randint(rng, 0, j)
             chosen.add(j if r in chosen else r)
         return tuple(int(self.low) + c for c in sorted(chosen))
+
+    def ask(self, trial: Any, name: str) -> tuple[int, ...]:
+        """``count`` int parameters ``name.0``, ``name.1``, ... over the same fixed range (so
+        samplers that need a fixed space, CMA-ES and QMC, handle them), sorted and then made
+        distinct: each is raised above the one before and kept below room for those after."""
+        low, high, count = int(self.low), int(self.high), int(self.count)
+        values = sorted(int(trial.suggest_int(f"{name}.{j}", low, high)) for j in range(count))
+        for j in range(count):
+            values[j] = min(max(values[j], values[j - 1] + 1 if j else low), high - (count - 1 - j))
+        return tuple(values)
 
 
 def _fn_name(fn: Any) -> str:
@@ -309,6 +356,11 @@ class Sampled(Sampler):
     def _draw(self, rng: np.random.Generator) -> Any:
         return self.fn(**{key: _draw(value, rng) for key, value in self.params})
 
+    def ask(self, trial: Any, name: str) -> Any:
+        """``fn`` with each sampled parameter asked under ``name.<parameter>`` (``lr.init``,
+        ``lr.milestones.0``, ``lr.gamma``, ``lr.period``, ...)."""
+        return self.fn(**{key: _ask(value, trial, f"{name}.{key}") for key, value in self.params})
+
 
 class RandomSearchSpace:
     """``n`` random configurations (name -> sequence), a pure function of the arguments.
@@ -343,18 +395,13 @@ class RandomSearchSpace:
         seed: int,
         filter: Callable[[HPConfig], bool] | None = None,
     ) -> None:
-        if not isinstance(hp_dict, Mapping) or not hp_dict:
-            raise ValueError(f"`hp_dict` is {hp_dict!r}, but must name at least one hyper-parameter")
         if isinstance(n, bool) or not isinstance(n, Integral) or n <= 0:
             raise ValueError(f"`n` is {n!r}, but must be a positive int")
         if isinstance(seed, bool) or not isinstance(seed, Integral) or not 0 <= seed < 2**63:
             raise ValueError(f"`seed` is {seed!r}, but must be an int in [0, 2**63)")
         if filter is not None and not callable(filter):
             raise ValueError(f"`filter` is {filter!r}, but must be callable or None")
-        for name in hp_dict:
-            if not isinstance(name, str):
-                raise ValueError(f"`hp_dict` has the name {name!r}, but names must be str")
-        self.hp_dict: dict[str, Any] = {name: _spec(name, hp_dict[name]) for name in sorted(hp_dict)}
+        self.hp_dict: dict[str, Any] = space_specs(hp_dict)
         self.n: int = int(n)
         self.seed: int = int(seed)
         self.filter: Callable[[HPConfig], bool] | None = filter
@@ -390,6 +437,42 @@ class RandomSearchSpace:
 
     def __repr__(self) -> str:
         return f"RandomSearchSpace({self.hp_dict!r}, n={self.n}, seed={self.seed})"
+
+
+def space_specs(hp_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``hp_dict`` checked and normalised, by sorted name: each value a sampler or a fixed
+    HPFunction (a list of candidates becomes :class:`Choice`). The language of
+    :class:`RandomSearchSpace` and of the Optuna searcher.
+
+    Raises:
+        ValueError: an empty ``hp_dict``, a non-str name, or an invalid value or sampler field,
+            naming the hyper-parameter, the field and the value.
+    """
+    if not isinstance(hp_dict, Mapping) or not hp_dict:
+        raise ValueError(f"`hp_dict` is {hp_dict!r}, but must name at least one hyper-parameter")
+    for name in hp_dict:
+        if not isinstance(name, str):
+            raise ValueError(f"`hp_dict` has the name {name!r}, but names must be str")
+    return {name: _spec(name, hp_dict[name]) for name in sorted(hp_dict)}
+
+
+def ask_config(specs: Mapping[str, Any], trial: Any) -> HPConfig:
+    """A configuration asked of an Optuna trial (``optuna.trial.Trial``): each spec of
+    :func:`space_specs` by name, sampled parameters named ``<hp>.<parameter>`` (nested ones
+    ``lr.then.value``, milestones ``lr.milestones.0``, ...).
+
+    Raises:
+        ValueError: a draw that is not a valid sequence, naming the hyper-parameter and the
+            Optuna trial number.
+    """
+    config: HPConfig = {}
+    for name, spec in specs.items():
+        try:
+            config[name] = as_hp(_ask(spec, trial, name))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"`hp_dict[{name!r}]`: Optuna trial {getattr(trial, 'number', '?')} is not a valid "
+                             f"hyper-parameter sequence: {_message(exc)}") from exc
+    return config
 
 
 def _spec(name: str, value: Any) -> Any:

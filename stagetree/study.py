@@ -11,26 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections import deque
 from collections.abc import Mapping
 from typing import Any, Protocol, cast
 
 from opentelemetry.trace import SpanKind
 
 from events import topics, tracing
+from events.decisions import Decision, ReleasedResult
 from events.hp import HPConfig, as_hp, canonical_json
-from events.models import Event, TrialCancelled, TrialSubmitted
+from events.models import Event, TrialCancelled, TrialSubmitted, TunerDecided
 from gpu_worker.trainer import Trainer
 from projections import search_plan
 from projections.state import State
-
-
-class TrialFailed(RuntimeError):
-    """The trial's training raised; ``error`` is the worker's report."""
-
-    def __init__(self, trial_id: str, error: str | None) -> None:
-        super().__init__(f"trial {trial_id} failed: {error}")
-        self.trial_id = trial_id
-        self.error = error
+from stagetree.errors import TrialFailed  # noqa: F401 (its old home)
 
 
 class Runtime(Protocol):
@@ -42,6 +36,8 @@ class Runtime(Protocol):
     def append(self, events: list[Event]) -> None: ...
 
     def watch(self, trial_id: str, steps: int) -> asyncio.Future[dict[str, float]]: ...
+
+    def prefix(self, plan_key: str) -> dict[str, Any]: ...
 
 
 def plan_key_of(trainer: Trainer, seed: int) -> str:
@@ -107,6 +103,16 @@ class Study:
         self._pending: list[Event] = []
         self._flush_scheduled = False
         self._trial_traces: dict[str, dict[str, str]] = {}  # trial id -> context of its trace root
+        self.decisions: list[Decision] = []
+        """The tuner decisions taken through :meth:`decide`, in order."""
+        self._released: list[ReleasedResult] = []
+        self.replaying = False
+        """True in a replay of the log (``replay verify``): the tuner writes nothing outside it
+        (an Optuna searcher keeps its Optuna study in memory)."""
+        self.release_script: deque[tuple[str, int]] | None = None
+        """Set by a replay of the log (``replay verify``): the order results were released in to
+        the live tuner, which an arrival-order :class:`~stagetree.tuners.ResultInbox` follows
+        instead of the answer order (an input of the decisions, recorded in the log)."""
 
     # ------------------------------------------------------------------ validation
 
@@ -178,6 +184,30 @@ class Study:
                 return dict(plan.nodes[placement.node_id].metrics[step])
         return await self.submit(hp, step)
 
+    # ------------------------------------------------------------------ decisions
+
+    def decide(self, decision: Decision, tuner: str) -> Decision:
+        """Record a tuner decision (:mod:`events.decisions`): a TunerDecided event queued before
+        the requests it causes (submit after deciding), with the offset of the last event the
+        runtime had folded (``decided_at``) and the results released since the previous decision
+        (:meth:`release`). ``tuner`` is the tuner's name. Returns ``decision``.
+
+        A tuner decides only from results it was handed (no clocks, no unrecorded randomness),
+        so ``replay verify --study`` recomputes each decision from the log prefix it records.
+        """
+        event = TunerDecided(producer=f"sdk:{self.name}", study_id=self.name, tuner=tuner, plan_key=self.plan_key,
+                             decision=decision, released=self._released,
+                             **self.runtime.prefix(self.plan_key))
+        self._released = []
+        self.decisions.append(decision)
+        self._enqueue(event)
+        return decision
+
+    def release(self, trial_id: str, steps: int) -> None:
+        """Note that the result of ``trial_id`` at ``steps`` was handed to the tuner (by a
+        :class:`~stagetree.tuners.ResultInbox`); the next decision records it in ``released``."""
+        self._released.append(ReleasedResult(trial_id=trial_id, steps=steps))
+
     def _enqueue(self, event: Event) -> None:
         self._pending.append(event)
         if not self._flush_scheduled:
@@ -186,6 +216,11 @@ class Study:
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        self.flush()
+
+    def flush(self) -> None:
+        """Append what is queued now (submissions are otherwise batched per loop turn); call it
+        after the tuner returns, so its last decision precedes StudyFinished."""
         batch, self._pending = self._pending, []
         if batch:
             self.runtime.append(batch)

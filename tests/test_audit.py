@@ -239,3 +239,138 @@ def test_a_run_holding_a_record_that_is_not_utf8_exports_verifies_and_imports(ru
     finally:
         imported.close()
     capsys.readouterr()
+
+
+# ----------------------------------------------------------------------------- tuner decisions and explain
+
+
+def explain_json(run_dir: Path, trial: str, capsys) -> dict:
+    capsys.readouterr()
+    assert main(["replay", "explain", str(run_dir), trial, "--json"]) == 0
+    return orjson.loads(capsys.readouterr().out)
+
+
+def explain_text(run_dir: Path, trial: str, capsys) -> str:
+    capsys.readouterr()
+    assert main(["replay", "explain", str(run_dir), trial]) == 0
+    return capsys.readouterr().out
+
+
+def test_verify_recomputes_the_real_studys_tuner_decisions(run_dir: Path, capsys) -> None:
+    from replay.tuner import plan_events
+
+    decided = [e for _, e in plan_events(open_source(run_dir)) if e.type == "TunerDecided"]
+    capsys.readouterr()
+    assert main(["replay", "verify", str(run_dir), "--quiet"]) == 0
+    assert f"ok tuner: {len(decided)} tuner decisions of 1 study recomputed" in capsys.readouterr().out
+    # SHA over 16 trials, rungs 10, 20, 40, 80, 160 (reduction 2): 16 draws, 8 + 4 + 2 + 1 promotions,
+    # 8 + 4 + 2 + 1 stops, one answer
+    kinds = [e.decision.kind for e in decided]
+    assert (kinds.count("draw"), kinds.count("promote"), kinds.count("stop"), kinds.count("answer")) == (16, 15, 15, 1)
+
+
+def test_explain_tells_why_a_trial_was_stopped_at_the_first_rung(run_dir: Path, capsys) -> None:
+    from replay.audit import fold
+
+    state = fold(open_source(run_dir).streams["stagetree.plan"])
+    at_10 = {t.trial_id: t.results[10]["val_acc"] for t in state.trials.values()}
+    ranked = sorted(at_10, key=lambda t: (-at_10[t], t))  # SHA's rank: best first, ties by trial id
+    threshold = at_10[ranked[7]]  # the worst of the 8 kept
+    stopped = ranked[12]
+    doc = explain_json(run_dir, stopped[:10], capsys)  # a unique prefix
+    assert doc["trial_id"] == stopped and doc["study_id"] == "tiny" and doc["tuner"] == "SuccessiveHalving"
+    assert [d["kind"] for d in doc["decisions"]] == ["draw", "stop"]
+    stop = doc["decisions"][-1]["decision"]
+    assert stop["step"] == 10 and stop["rung"] == 0 and stop["reason"] == "rank"
+    assert stop["evidence"] == {"rule": "rank", "metric": "val_acc", "mode": "max", "value": at_10[stopped],
+                                "rank": 13, "of": 16, "kept": 8, "threshold": threshold}
+    assert [r["steps"] for r in doc["requests"]] == [10] and doc["steps"] == 10
+    text = explain_text(run_dir, stopped, capsys)
+    assert (f"step 10: stopped by SuccessiveHalving, rung 0: rank 13 of 16 by val_acc {at_10[stopped]:.4f}, top 8 "
+            f"kept (threshold {threshold:.4f})") in text
+    assert "configuration:" in text and "lr  " in text and "stages that trained it" in text
+
+
+def test_explain_tells_a_promoted_trials_and_the_best_trials_decisions(run_dir: Path, capsys) -> None:
+    summary = orjson.loads((run_dir / "summary.json").read_bytes())
+    steps = {t["trial_id"]: t["steps"] for t in summary["trials"]}
+    promoted = next(t for t in sorted(steps) if steps[t] == 20)  # promoted at rung 0, stopped at rung 1
+    doc = explain_json(run_dir, promoted, capsys)
+    assert [(d["kind"], d["decision"]["step"]) for d in doc["decisions"]] == [("draw", 0), ("promote", 10),
+                                                                               ("stop", 20)]
+    promote = doc["decisions"][1]["decision"]
+    assert promote["to_step"] == 20 and promote["evidence"]["rank"] <= 8 and promote["evidence"]["of"] == 16
+    text = explain_text(run_dir, promoted, capsys)
+    assert "step 10: promoted by SuccessiveHalving, rung 0: rank" in text and "; to step 20" in text
+    assert "step 20: stopped by SuccessiveHalving, rung 1: rank" in text and "of 8 by val_acc" in text
+
+    best = summary["best_trial"]
+    doc = explain_json(run_dir, best, capsys)
+    assert [d["kind"] for d in doc["decisions"]] == ["draw"] + ["promote"] * 4 + ["answer"]
+    answer = doc["decisions"][-1]["decision"]
+    assert answer["step"] == 160 and answer["evidence"]["value"] == summary["best_metric"]
+    assert answer["evidence"]["rank"] == 1 and answer["evidence"]["of"] == 1  # 16 -> 8 -> 4 -> 2 -> 1
+    assert [m["step"] for m in doc["metrics"]] == [10, 20, 40, 80, 160]
+    assert doc["checkpoints"][-1]["step"] == 160
+    covered = sorted((s["from_step"], s["to_step"]) for s in doc["stages"] if s["status"] == "finished")
+    assert covered[0][0] == 0 and covered[-1][1] == 160
+    assert all(a[1] >= b[0] for a, b in zip(covered, covered[1:]))  # its stages train [0, 160) without gaps
+    assert any(s["shared"] and best in s["trials"] and len(s["trials"]) > 1 for s in doc["stages"])
+    assert all(0 < s["diverges_at"] <= 160 for s in doc["shares_prefix_with"])
+    text = explain_text(run_dir, best, capsys)
+    assert (f"step 160: chosen as the answer by SuccessiveHalving: rank 1 of 1 by val_acc "
+            f"{summary['best_metric']:.4f}") in text
+
+
+def test_explain_refuses_an_unknown_or_ambiguous_trial_id(run_dir: Path, capsys) -> None:
+    summary = orjson.loads((run_dir / "summary.json").read_bytes())
+    ids = sorted(t["trial_id"] for t in summary["trials"])
+    shared = next(a[:1] for a, b in zip(ids, ids[1:]) if a[:1] == b[:1])
+    assert main(["replay", "explain", str(run_dir), "zz"]) == 2
+    assert main(["replay", "explain", str(run_dir), shared]) == 2
+    err = capsys.readouterr().err
+    assert "no trial id starts with 'zz'" in err and f"trial id prefix '{shared}' is not unique" in err
+
+
+def test_a_projection_behind_its_log_fails_verify_unless_read_as_of_the_projection(run_dir: Path,
+                                                                                   tmp_path: Path) -> None:
+    # A running coordinator appends, then folds: between the two the stored projection lags the
+    # log by a record. `as_of_projection` (the dashboard's verify) reads the pair consistently.
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    from events import topics
+    from events.log import EmbeddedLog, append_events
+    from events.models import WorkerJoined
+
+    with EmbeddedLog(copy / "log") as log:
+        append_events(log, topics.PLAN, [("w9", WorkerJoined(producer="test", worker_id="w9", device="cpu"))])
+    behind = verify(open_source(copy))
+    assert not behind.ok and behind.first_failure.check == "projection"
+    consistent = open_source(copy, as_of_projection=True)
+    assert consistent.left_out == 1
+    assert verify(consistent).ok
+
+
+@pytest.mark.parametrize(("url", "expected"), [
+    ("kafka://127.0.0.1:9092", ("127.0.0.1:9092", "")),
+    ("kafka://127.0.0.1:9092/", ("127.0.0.1:9092", "")),
+    ("kafka://h1:9092,h2:9093/test-1.", ("h1:9092,h2:9093", "test-1.")),
+    ("kafka://127.0.0.1:9092/test-1.stagetree.plan", ("127.0.0.1:9092", "test-1.")),
+    ("kafka://127.0.0.1:9092/stagetree.plan", ("127.0.0.1:9092", "")),
+])
+def test_kafka_location_takes_a_prefix_or_the_plan_topic(url: str, expected: tuple[str, str]) -> None:
+    from replay.audit import kafka_location
+
+    assert kafka_location(url) == expected
+
+
+@pytest.mark.parametrize(("url", "why"), [
+    ("kafka://", "HOST:PORT"), ("kafka://host", "HOST:PORT"), ("kafka://u:p@host:9092", "credentials"),
+    ("kafka://host:9092/a b", "prefix"), ("http://host:9092", "kafka://"),
+])
+def test_kafka_location_refuses_bad_addresses_by_name(url: str, why: str) -> None:
+    from replay.audit import AuditError, kafka_location
+
+    with pytest.raises(AuditError, match=why) as info:
+        kafka_location(url)
+    assert "u:p" not in str(info.value)

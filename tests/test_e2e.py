@@ -140,6 +140,12 @@ def test_kill_and_resume_finishes_with_the_same_results(merged: dict, tmp_path: 
             for step in node.metrics:
                 assert step in node.ckpt or (parent is not None and step == node.start_step and step in parent.ckpt), \
                     f"{node.node_id} has metrics at step {step} but no checkpoint there"
+    # both runs' tuner decisions recompute from the log: the killed run up to where it ended,
+    # the resumed one (a fresh tuner, answered from stored metrics) to the end
+    verified = subprocess.run([*STAGETREE, "replay", "verify", str(out), "--quiet"], capture_output=True, text=True,
+                              timeout=600)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert "tuner decisions of 1 study recomputed" in verified.stdout and "ended (killed)" in verified.stdout
     after = _events(out)[len(before):]
     for e in after:
         if isinstance(e, StageDispatched):
@@ -176,6 +182,12 @@ def test_a_failing_trainer_fails_its_trial_with_the_error(tmp_path: Path) -> Non
     assert statuses[0.05] == ("done", None)
     best = next(t for t in summary["trials"] if t["trial_id"] == summary["best_trial"])
     assert best["hp"]["lr"]["value"] == 0.05
+    # the tuner's decision about the failed trial is in the log and recomputes
+    stops = [e.decision for e in _events(out) if e.type == "TunerDecided" and e.decision.kind == "stop"]
+    assert [(d.reason, d.step) for d in stops if d.reason == "failed"] == [("failed", 20)]
+    verified = subprocess.run([*STAGETREE, "replay", "verify", str(out), "--quiet"], capture_output=True, text=True,
+                              timeout=600)
+    assert verified.returncode == 0 and "tuner decisions of 1 study recomputed" in verified.stdout, verified.stdout
 
 
 DIES = Path(__file__).parent / "studies" / "dies_at_startup.py"
@@ -202,3 +214,46 @@ def test_a_worker_that_cannot_start_ends_the_run_saying_why(tmp_path: Path) -> N
     assert "cannot build its trainer" in err  # the worker's own output
     assert "exited with code 1 during start-up, after 3 restarts" in err, err
     assert "did not start within" not in err
+
+
+TRIVIAL = Path(__file__).parent.parent / "benchmarks" / "studies" / "trivial.py"
+EXECUTABLE = Path(sys.executable).with_name("stagetree")
+
+
+def test_the_stagetree_executable_leaves_a_durable_run_and_its_exit_code(tmp_path: Path) -> None:
+    """The console script leaves with ``os._exit`` after ``main`` (issue 15): the run it leaves
+    behind is complete and verifies, and the exit code is main's (0 run, 2 bad input)."""
+    out = tmp_path / "run"
+    env = {**os.environ, "STAGETREE_TRIVIAL_TRIALS": "6"}
+    proc = subprocess.run([str(EXECUTABLE), "run", str(TRIVIAL), "--workers", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"summary: {out / 'summary.json'}" in proc.stdout  # printed output is flushed before leaving
+    summary = orjson.loads((out / "summary.json").read_bytes())
+    assert len(summary["trials"]) == 6 and {t["status"] for t in summary["trials"]} == {"done"}
+    verified = subprocess.run([str(EXECUTABLE), "replay", "verify", str(out), "--quiet"], capture_output=True,
+                              text=True, timeout=600, env=env)  # the study file reads the variable too
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert "verified" in verified.stdout
+
+    refused = subprocess.run([str(EXECUTABLE), "run", str(tmp_path / "missing.py"), "--out", str(tmp_path / "r2")],
+                             capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "missing.py" in refused.stderr, refused.stderr
+    assert not (tmp_path / "r2").exists()
+    usage = subprocess.run([str(EXECUTABLE), "run", "--workers", "x"], capture_output=True, text=True, timeout=600)
+    assert usage.returncode == 2 and "--workers" in usage.stderr, usage.stderr
+
+
+def test_a_refused_run_kills_the_workers_it_started_and_creates_nothing(tmp_path: Path) -> None:
+    """Workers start before the arguments are checked (their start-up overlaps the
+    coordinator's); a refused run leaves no worker process and no directory behind."""
+    import multiprocessing
+
+    from stagetree.cli import main
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    bad = tmp_path / "bad.py"
+    bad.write_text("tuner = 1\n")
+    assert main(["run", str(bad), "--workers", "2", "--out", str(tmp_path / "run")]) == 2
+    assert {p.pid for p in multiprocessing.active_children()} == before
+    assert not (tmp_path / "run").exists()

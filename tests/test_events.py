@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -23,6 +24,22 @@ from hypothesis import strategies as st
 
 from events import topics
 from events.codec import InvalidEvent, decode, encode, from_dict, to_dict
+from events.decisions import (
+    Answer,
+    Continue,
+    Draw,
+    Exploit,
+    Keep,
+    MedianRule,
+    Patience,
+    Progress,
+    Promote,
+    Quantiles,
+    Ranking,
+    ReleasedResult,
+    Retune,
+    Stop,
+)
 from events.hp import Constant, Cosine, CyclicLR, Exponential, Linear, MultiStep, Piecewise, Warmup, hp_to_json
 from events.log import EmbeddedLog, append_events, event_key
 from events.models import (
@@ -46,6 +63,7 @@ from events.models import (
     StudyStarted,
     TrialCancelled,
     TrialSubmitted,
+    TunerDecided,
     WorkerJoined,
     WorkerLost,
 )
@@ -108,6 +126,34 @@ def sample_events() -> list[Event]:
                             evaluate=True, decided_at=46, checkpoint_budget=10**9),
         CheckpointEvicted(**header, plan_key="pk", node_id="n0", step=100, ref=SHA, size=123456, decided_at=47,
                           checkpoint_budget=500_000, reason="recompute 100 steps x 0.01 s, reuse 0.5"),
+        *[TunerDecided(**header, study_id="s", tuner="T", decided_at=40, decision=d,
+                       released=[ReleasedResult(trial_id="t1", steps=30)]) for d in sample_decisions()],
+    ]
+
+
+def sample_decisions() -> list[Any]:
+    """One decision of every kind and every evidence (events.decisions)."""
+    rank = Ranking(metric="val_acc", mode="max", value=0.961, rank=9, of=16, kept=4, threshold=0.9777)
+    progress = Progress(metric="loss", round=1, length=20, label="converging", speed=0.0125)
+    patience = Patience(metric="val_acc", mode="max", value=0.9, best=None, stale=2, patience=3)
+    quantiles = Quantiles(metric="val_acc", mode="min", value=None, rank=8, of=8, cut=2, quantile=0.25)
+    return [
+        Draw(trial_id="t1", step=0, to_step=30, sampler="RandomSearchSpace", index=3, seed=2**62),
+        Draw(trial_id="t2", step=40, to_step=60, sampler="MLtunerTuner", index=0, seed=5, branch_of="t1", round=1),
+        Promote(trial_id="t1", step=30, to_step=120, rung=0, bracket=2, evidence=rank),
+        Promote(trial_id="t2", step=60, to_step=60, evidence=progress),
+        Continue(trial_id="t1", step=2, to_step=4, evidence=MedianRule(
+            metric="val_acc", mode="max", best=0.5, median=0.25, others=3, min_trials=3, grace_steps=0)),
+        Continue(trial_id="t1", step=2, to_step=4, evidence=quantiles),
+        Continue(trial_id="t1", step=20, to_step=40),
+        Stop(trial_id="t1", step=120, reason="rank", rung=2, evidence=rank),
+        Stop(trial_id="t1", step=120, reason="failed"),
+        Stop(trial_id="t1", step=120, reason="patience", evidence=patience),
+        Exploit(trial_id="t1", step=2, donor="t3", new_trial_id="t4", to_step=4, seed=7, evidence=quantiles,
+                donor_value=1.5, explored={"lr": 0.1, "batch_size": 64}),
+        Keep(trial_id="t1", step=40, round=0, reason="no converging branch"),
+        Retune(trial_id="t1", step=40, round=1, evidence=patience),
+        Answer(trial_id="t1", step=120, evidence=rank),
     ]
 
 

@@ -66,6 +66,9 @@ def test_kafka_study_equals_embedded_bit_for_bit(embedded: Path, deployment: dic
     ok = subprocess.run(audit, capture_output=True, text=True, timeout=300, env=deployment)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "ok chain" in ok.stdout and "ok decision" in ok.stdout and "ok checkpoint" in ok.stdout
+    # the SDK's tuner decisions (decided_at: offsets of the plan topic it had folded) recompute from the topic
+    decided = sum(1 for e in kafka_state(deployment)[1] if e.type == "TunerDecided")
+    assert f"ok tuner: {decided} tuner decisions of 1 study recomputed" in ok.stdout and decided > 16, ok.stdout
     # ...and an edited export of it fails at the first seal after the edit
     export = tmp_path / "kafka.jsonl"
     subprocess.run([*CLI, "log", "export", source, "--out", str(export)], check=True, timeout=300, env=deployment)

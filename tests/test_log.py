@@ -33,7 +33,7 @@ import pytest
 from events import topics
 from events.codec import encode
 from events.hp import Constant
-from events.log import EmbeddedLog, EventLog, LogLocked, Record, event_key
+from events.log import EmbeddedLog, EventLog, LogError, LogLocked, Record, event_key
 from events.models import StudyStarted
 from projections.store import ProjectionStore, Projector, snapshot
 from scheduler.simulation import Simulation
@@ -530,6 +530,80 @@ class TestDurability:
             log.close()
 
 
+class TestFollower:
+    """A follower (``EmbeddedLog(path, follow=True)``, a RocksDB secondary instance) beside the
+    one writer process: it takes no lock, sees nothing until it catches up, then every
+    acknowledged record in order, and keeps following across the writer's exit and restart."""
+
+    def test_follower_sees_a_running_writers_appends_after_each_catch_up(self, tmp_path: Path) -> None:
+        path = tmp_path / "log"
+        first = EmbeddedLog(path)
+        first.append("s", "k0", b"value-0")
+        first.close()
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, "embedded", str(path), "s"], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        follower = EmbeddedLog(path, follow=True)
+        snapshot_reader = EmbeddedLog(path, read_only=True)
+        seen: list[Record] = []
+        ends = []
+        try:
+            assert proc.stdout is not None
+            deadline = time.monotonic() + 60
+            while len(seen) < 300:
+                assert time.monotonic() < deadline, f"followed only {len(seen)} records; writer rc={proc.poll()}"
+                follower.catch_up()
+                ends.append(follower.end_offset("s"))
+                seen += follower.read("s", len(seen))
+                time.sleep(0.01)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            acked = [int(x) for x in proc.stdout.read().split()]
+            follower.catch_up()
+            seen += follower.read("s", len(seen))
+            assert snapshot_reader.end_offset("s") == 1  # a read-only open sees the log as it was
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            snapshot_reader.close()
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe:
+                    pipe.close()
+        assert len({e for e in ends}) > 2, ends  # it saw the log grow, several times
+        assert [r.offset for r in seen] == list(range(len(seen)))
+        assert acked and max(acked) < len(seen)  # every acknowledged record was followed
+        assert seen[0].value == b"value-0"
+        assert all(r.value == b"value-%d" % (r.offset - 1) for r in seen[1:])  # the writer numbers from 0 again
+
+        # The writer restarts (a resumed run): the follower, still open, goes on after its records.
+        writer = EmbeddedLog(path)
+        try:
+            writer.append("s", "k", b"after-restart")
+            follower.catch_up()
+            assert [r.value for r in follower.read("s", len(seen))] == [b"after-restart"]
+        finally:
+            writer.close()
+            secondary = follower._secondary
+            follower.close()
+        assert secondary is not None and not Path(secondary).exists()
+
+    def test_follower_never_writes(self, tmp_path: Path) -> None:
+        path = tmp_path / "log"
+        EmbeddedLog(path).close()
+        follower = EmbeddedLog(path, follow=True)
+        try:
+            with pytest.raises(LogError, match="read-only"):
+                follower.append("s", "k", b"v")
+            writer = EmbeddedLog(path)  # the follower holds no lock
+            writer.close()
+        finally:
+            follower.close()
+        with pytest.raises(LogError, match="no log"):
+            EmbeddedLog(tmp_path / "missing", follow=True)
+        with EmbeddedLog(path, read_only=True) as reader, pytest.raises(LogError, match="follow=True"):
+            reader.catch_up()
+
+
 # ---------------------------------------------------------------- what only the Kafka transport has
 
 
@@ -597,6 +671,24 @@ class TestKafkaTransport:
             assert info.value.topic == s
         with KafkaLog(kafka.bootstrap_servers) as log:  # reading did not create it either
             assert not log._exists(s)
+
+    def test_read_only_log_is_a_plain_consumer(self, kafka: KafkaBackend) -> None:
+        from events.kafka_log import KafkaLog
+
+        s = kafka.stream("s")
+        with KafkaLog(kafka.bootstrap_servers) as writer:
+            writer.append_many(s, [("k", b"a"), ("k", b"b")])
+        with KafkaLog(kafka.bootstrap_servers, read_only=True) as reader:
+            assert reader._producer is None  # never asked the broker for a producer id
+            assert [r.value for r in reader.read(s)] == [b"a", b"b"]
+            with pytest.raises(LogError, match="read-only"):
+                reader.append(s, "k", b"c")
+            with pytest.raises(LogError, match="read-only"):
+                reader.ensure_topic(kafka.stream("other"))
+            assert reader._producer is None
+            assert reader.end_offset(kafka.stream("other")) == 0  # reading a missing topic creates nothing
+        with KafkaLog(kafka.bootstrap_servers) as log:
+            assert log.end_offset(s) == 2 and not log._exists(kafka.stream("other"))
 
     def test_oversized_record_appends_nothing(self, kafka: KafkaBackend) -> None:
         from events.kafka_log import KafkaLog, KafkaLogError

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from events.decisions import Patience, Progress
 from events.hp import Constant, HPConfig, Piecewise
 from gpu_worker.simulated import CurveModel, SimulatedTrainer
 from projections.state import State
@@ -58,8 +59,30 @@ def lr_at(config: HPConfig, step: int) -> float:
     return config["lr"].value(step)
 
 
-def of(decisions: list[tuple[Any, ...]], kind: str) -> list[tuple[Any, ...]]:
-    return [d for d in decisions if d[0] == kind]
+def of(decisions: list[Any], kind: str) -> list[Any]:
+    return [d for d in decisions if d.kind == kind]
+
+
+def progress(decisions: list[Any], rnd: int) -> dict[str, Any]:
+    """Each branch of round ``rnd``: the Progress evidence of the last decision about it."""
+    return {d.trial_id: d.evidence for d in decisions
+            if isinstance(getattr(d, "evidence", None), Progress) and d.evidence.round == rnd}
+
+
+def round_decisions(decisions: list[Any], rnd: int) -> list[Any]:
+    """The decisions about round ``rnd``'s branches that carry their Progress, in order."""
+    return [d for d in decisions if isinstance(getattr(d, "evidence", None), Progress) and d.evidence.round == rnd]
+
+
+def doubled_to(decisions: list[Any], rnd: int) -> list[int]:
+    """The trial lengths phase 1 of round ``rnd`` doubled to (its branches' continue decisions)."""
+    return sorted({d.to_step - d.step + d.evidence.length for d in round_decisions(decisions, rnd)
+                   if d.kind == "continue"})
+
+
+def selected(decisions: list[Any], rnd: int) -> Any:
+    (select,) = [d for d in of(decisions, "promote") if d.evidence.round == rnd]
+    return select
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +100,9 @@ def merged(tmp_path_factory: pytest.TempPathFactory) -> tuple[SimulationResult, 
 def test_first_round_selects_the_fastest_converging_setting(merged: Any) -> None:
     _, result, state = merged
     tuner = make()
-    (select,) = [d for d in result.decisions if d[0] == "select" and d[1] == 0]
-    summaries = {d[2]: d for d in of(result.decisions, "summary") if d[1] == 0}
-    length = summaries[select[2]][3]
+    select = selected(result.decisions, 0)
+    summaries = progress(result.decisions, 0)
+    length = select.evidence.length
     assert length in (10, 20)  # 20 only when the rising lr = 1.0 was proposed first
     expected = {}
     for lr in LRS:
@@ -91,16 +114,22 @@ def test_first_round_selects_the_fastest_converging_setting(merged: Any) -> None
     assert max(converging, key=lambda lr: converging[lr].speed) == 0.1  # hand-expected
     assert expected[1.0].label == "unstable"  # rises, finite: not yet diverged
     # Every branch of round 0 reported what the curve model gives, and the selected one is lr 0.1.
-    for trial_id, d in summaries.items():
-        if d[3] != length:
+    assert len(summaries) == len(LRS)
+    for trial_id, evidence in summaries.items():
+        if evidence.length != length:
             continue
         lr = lr_at(state.trials[trial_id].hp, 0)
-        assert d[4] == expected[lr].label
-        assert d[5] == pytest.approx(expected[lr].speed, rel=1e-12)
-    assert lr_at(state.trials[select[2]].hp, 0) == 0.1
-    assert select[3] == pytest.approx(expected[0.1].speed, rel=1e-12)
+        assert evidence.label == expected[lr].label
+        assert evidence.speed == pytest.approx(expected[lr].speed, rel=1e-12)
+    assert lr_at(state.trials[select.trial_id].hp, 0) == 0.1
+    assert select.evidence.speed == pytest.approx(expected[0.1].speed, rel=1e-12)
     # All six candidates were tried (no five speeds within 10%), one setting per branch.
-    assert len([d for d in of(result.decisions, "branch") if d[1] == 0]) == len(LRS) <= tuner.max_branches
+    assert len([d for d in of(result.decisions, "draw") if d.round == 0]) == len(LRS) <= tuner.max_branches
+    # Every branch but the selected one was stopped, with its reason.
+    stops = {d.trial_id: d.reason for d in of(result.decisions, "stop") if isinstance(d.evidence, Progress)
+             and d.evidence.round == 0}
+    assert set(stops) == set(summaries) - {select.trial_id}
+    assert set(stops.values()) <= {"slower", "diverged"}
 
 
 def test_retune_happens_when_validation_stalls(merged: Any) -> None:
@@ -117,35 +146,38 @@ def test_retune_happens_when_validation_stalls(merged: Any) -> None:
             break
         step += 20
     assert retune_at is not None
-    assert of(result.decisions, "retune")[0] == ("retune", retune_at)
+    assert of(result.decisions, "retune")[0].step == retune_at
     # The re-tune chose a smaller learning rate (lower floor) from that step on, and the answer
     # is an evaluation of the main line: the configuration the last round selected.
-    (select,) = [d for d in of(result.decisions, "select") if d[1] == 1]
+    select = selected(result.decisions, 1)
     lrs = [Constant(lr) for lr in LRS]
-    assert merged[2].trials[select[2]].hp["lr"] in (
+    assert merged[2].trials[select.trial_id].hp["lr"] in (
         Piecewise([Constant(0.1), lr], [retune_at]) for lr in lrs if lr.value(0) < 0.1)
     final = result.best
-    assert final is not None and final.trial_id in {d[2] for d in of(result.decisions, "select") if d[1] >= 1}
+    assert final is not None and final.trial_id in {d.trial_id for d in of(result.decisions, "promote")
+                                                    if d.evidence.round >= 1}
     assert lr_at(final.hp, retune_at - 1) == 0.1 and lr_at(final.hp, retune_at) < 0.1
-    assert result.decisions[-1][0] == "stop"
+    assert [d.kind for d in result.decisions[-2:]] == ["stop", "answer"]
+    assert result.decisions[-1].trial_id == final.trial_id
 
 
 def test_branches_are_children_of_the_main_line_at_the_snapshot(merged: Any) -> None:
     _, result, state = merged
     (plan,) = state.plans.values()
-    rounds: dict[int, list[tuple[Any, ...]]] = {}
-    for d in of(result.decisions, "branch"):
-        rounds.setdefault(d[1], []).append(d)
-    selects = {d[1]: d[2] for d in of(result.decisions, "select")}
-    retune_step = of(result.decisions, "retune")[0][1]
+    rounds: dict[int, list[Any]] = {}
+    for d in of(result.decisions, "draw"):
+        rounds.setdefault(d.round, []).append(d)
+    selects = {d.evidence.round: d.trial_id for d in of(result.decisions, "promote")}
+    retune_step = of(result.decisions, "retune")[0].step
     main_before = state.trials[selects[0]]  # the main line when round 1 started
     parent_id = main_before.requests[retune_step]  # its node at the snapshot step
     assert retune_step in plan.nodes[parent_id].ckpt  # branches start from its checkpoint there
     children = 0
-    for _, _, trial_id, step, length in rounds[1]:
-        assert step == retune_step
+    for draw in rounds[1]:
+        trial_id, step = draw.trial_id, draw.step
+        assert step == retune_step and draw.branch_of == main_before.trial_id
         trial = state.trials[trial_id]
-        node = plan.nodes[trial.requests[step + length]]
+        node = plan.nodes[trial.requests[draw.to_step]]
         if trial_id == main_before.trial_id:  # the current setting: the main line itself
             assert node.start_step < step
             continue
@@ -153,8 +185,8 @@ def test_branches_are_children_of_the_main_line_at_the_snapshot(merged: Any) -> 
         assert first_lr_change(trial.hp, main_before.hp) == retune_step
         children += 1
     assert children == len(rounds[1]) - 1
-    for _, _, trial_id, step, _ in rounds[0]:  # the first round branches from step 0: roots
-        assert step == 0 and plan.nodes[state.trials[trial_id].requests[10]].parent_id is None
+    for draw in rounds[0]:  # the first round branches from step 0: roots
+        assert draw.step == 0 and plan.nodes[state.trials[draw.trial_id].requests[10]].parent_id is None
 
 
 def first_lr_change(a: HPConfig, b: HPConfig) -> int:
@@ -165,7 +197,7 @@ def test_main_line_reuses_the_branch_steps(merged: Any) -> None:
     sim, result, state = merged
     assert sim.executed_steps == sim.unique_steps  # nothing trained twice
     # The selected branch is the main line: its trial holds the branch points and the epochs.
-    chosen = state.trials[of(result.decisions, "select")[0][2]]
+    chosen = state.trials[selected(result.decisions, 0).trial_id]
     assert {10, 30, 50}.issubset(chosen.results)
     trial_sim, trial_result = run(make(), merge=False)
     assert trial_result.decisions == result.decisions
@@ -189,15 +221,16 @@ def test_phase_one_doubles_until_a_branch_converges_and_drops_diverged_ones() ->
                 if np.random.default_rng(stable_seed(f"phase1-{i}", "mltuner", "0")).permutation(3)[-1] == 2)
     sim, result = run(make(tunables={"lr": lrs}, max_steps=200), name=name)
     d = result.decisions
-    assert of(d, "double")[:2] == [("double", 0, 20), ("double", 0, 40)]
-    labels = {(x[2], x[3]): x[4] for x in of(d, "summary") if x[1] == 0}
-    branches = [x[2] for x in of(d, "branch") if x[1] == 0]
-    assert [x[4] for x in of(d, "branch") if x[1] == 0] == [10, 20, 40]
+    assert doubled_to(d, 0)[:2] == [20, 40]
+    labels = {(x.trial_id, x.evidence.length): x.evidence.label for x in round_decisions(d, 0)}
+    branches = [x.trial_id for x in of(d, "draw") if x.round == 0]
+    assert [x.to_step for x in of(d, "draw") if x.round == 0] == [10, 20, 40]
     rising, rising2, good = branches
     assert labels[(rising, 10)] == labels[(rising, 20)] == labels[(rising2, 20)] == "unstable"
     assert labels[(rising, 40)] == labels[(rising2, 40)] == "diverged"  # NaN after ~33 steps
     assert labels[(good, 40)] == "converging"
-    assert [x for x in d if x[0] == "select" and x[1] == 0][0][2] == good
+    assert selected(d, 0).trial_id == good
+    assert {x.trial_id: x.reason for x in of(d, "stop") if x.step == 40} == {rising: "diverged", rising2: "diverged"}
     assert result.best is not None and result.best.trial_id == good and lr_at(result.best.hp, 0) == 0.1
     assert sim.executed_steps == sim.unique_steps  # top-ups resumed the shorter branches
 
@@ -205,9 +238,9 @@ def test_phase_one_doubles_until_a_branch_converges_and_drops_diverged_ones() ->
 def test_a_round_with_nothing_converging_keeps_the_main_line() -> None:
     sim, result = run(make(tunables={"lr": [1.0, 2.0]}, max_steps=100, patience=2))
     d = result.decisions
-    assert [x for x in of(d, "double") if x[1] == 0] == [("double", 0, 20), ("double", 0, 40)]
-    assert {x[4] for x in of(d, "summary") if x[1] == 0 and x[3] == 40} == {"diverged"}
-    assert ("keep", 0, "no converging branch") in d and not of(d, "select")
+    assert doubled_to(d, 0) == [20, 40]
+    assert {x.evidence.label for x in round_decisions(d, 0) if x.evidence.length == 40} == {"diverged"}
+    assert [(x.round, x.reason) for x in of(d, "keep")][0] == (0, "no converging branch") and not of(d, "promote")
     assert result.best is not None and result.best.hp == {"lr": Constant(0.001), "batch_size": Constant(128)}
     assert result.best.steps % 20 == 0  # an epoch evaluation of the untouched main line
     assert sim.executed_steps == sim.unique_steps
@@ -216,23 +249,23 @@ def test_a_round_with_nothing_converging_keeps_the_main_line() -> None:
 def test_phase_two_stops_when_five_speeds_are_within_ten_percent() -> None:
     near = [0.1, 0.1002, 0.1004, 0.1006, 0.1008, 0.101, 0.1012, 0.1014]
     _, result = run(make(tunables={"lr": near}, max_steps=60, max_branches=8))
-    round0 = [x for x in of(result.decisions, "branch") if x[1] == 0]
+    round0 = [x for x in of(result.decisions, "draw") if x.round == 0]
     assert len(round0) == 5  # top_within held after five non-zero speeds
 
 
 def test_stops_on_patience_and_retunes_within_bounds() -> None:
     _, result = run(make(max_steps=3000, max_branches=6))
     d = result.decisions
-    stop = of(d, "stop")
-    assert len(stop) == 1 and stop[0][2] == "patience" and stop[0][1] < 3000
+    stop = [x for x in of(d, "stop") if isinstance(x.evidence, Patience)]  # the main line's
+    assert len(stop) == 1 and stop[0].reason == "patience" and stop[0].step < 3000
     counts: dict[int, int] = {}
-    for x in of(d, "branch"):
-        counts[x[1]] = counts.get(x[1], 0) + 1
-        if x[1] > 0:
-            assert x[4] <= 20  # re-tune trial lengths at most one epoch
+    for x in of(d, "draw"):
+        counts[x.round] = counts.get(x.round, 0) + 1
+        if x.round > 0:
+            assert x.to_step - x.step <= 20  # re-tune trial lengths at most one epoch
     assert len(counts) >= 3 and len(of(d, "retune")) == len(counts) - 1
     assert all(counts[r] <= counts[r - 1] for r in range(1, len(counts)))
-    lengths = {x[3] for x in of(d, "summary")} | {x[2] for x in of(d, "double")}
+    lengths = {x.evidence.length for r in counts for x in round_decisions(d, r)}
     assert lengths <= {10, 20}  # trial_steps * 2**j, capped at an epoch
 
 
@@ -277,11 +310,11 @@ def test_branch_and_trace_helpers() -> None:
     assert tuner.trace_steps(0, 4) == [1, 2, 3, 4]
 
 
-def test_replaying_the_log_reproduces_mltuners_decisions(tmp_path: Path) -> None:
-    from replay.tuner import replay_tuner
+def test_replaying_the_log_recomputes_mltuners_decisions(tmp_path: Path) -> None:
+    from replay.tuner import check_study
 
     sim, result = run(make(), workers=3, run_dir=tmp_path)
-    replay = replay_tuner(tmp_path, "mlt", make(), TRAINER)
-    assert replay.missing == [] and replay.same_requests and replay.same_order
-    assert replay.result is not None and replay.result.decisions == result.decisions
-    assert replay.replayed_best == replay.recorded_best == sim.summaries[0]["best_trial"]
+    check = check_study(tmp_path, "mlt", make, TRAINER)
+    assert check.ok, check.failure
+    assert check.checked == len(result.decisions)
+    assert result.decisions[-1].kind == "answer" and result.decisions[-1].trial_id == sim.summaries[0]["best_trial"]

@@ -23,7 +23,15 @@ import orjson
 import pytest
 
 from events.hp import Constant
-from events.models import StageDispatched, StageFailed, StageFinished, StageSpec, StageStarted, WorkerLost
+from events.models import (
+    StageDispatched,
+    StageFailed,
+    StageFinished,
+    StageSpec,
+    StageStarted,
+    StageStopped,
+    WorkerLost,
+)
 from projections.state import Node, Plan, State, Trial
 from projections.summary import summary_path
 from replay import audit  # our own module: an import regression must fail, never skip
@@ -254,11 +262,18 @@ def test_stage_runs_pair_start_and_end_events() -> None:
         StageStarted(ts=105.0, dispatch_id="d1", worker_id="w2", node_id="n0", from_step=0, to_step=10),
         StageFailed(ts=106.0, dispatch_id="d1", worker_id="w2", plan_key="p", node_id="n0", from_step=0,
                     to_step=10, kind="error", error="boom"),
+        StageDispatched(ts=107.0, dispatch_id="d2", worker_id="w0", plan_key="p", seed=0, decided_at=8, source=None,
+                        stages=[spec]),
+        StageStarted(ts=108.0, dispatch_id="d2", worker_id="w0", node_id="n0", from_step=0, to_step=10),
+        StageStopped(ts=109.5, dispatch_id="d2", worker_id="w0", plan_key="p", node_id="n0", from_step=0,
+                     to_step=10, step=4, seconds=1.5, train_seconds=1.0),
     ]
     runs = stage_runs(list(enumerate(events)))
     assert [(r.worker_id, r.status, r.start_ts, r.end_ts) for r in runs] == [
-        ("w0", "finished", 101.0, 103.0), ("w1", "unfinished", 102.0, 104.0), ("w2", "failed", 105.0, 106.0)]
+        ("w0", "finished", 101.0, 103.0), ("w1", "unfinished", 102.0, 104.0), ("w2", "failed", 105.0, 106.0),
+        ("w0", "stopped", 108.0, 109.5)]
     assert all(r.plan_key == "p" for r in runs)
+    assert [r.stopped_at for r in runs] == [None, None, None, 4]
 
 
 @pytest.mark.e2e
@@ -305,3 +320,34 @@ def test_report_of_a_simulated_run_shows_idle_worker_time(tmp_path: Path) -> Non
     doc = build_report(run, tmp_path / "out2").read_text(encoding="utf-8")
     assert "from summary-sim.json" in doc
     assert table(doc)["idle_worker_seconds"] == expected["idle_worker_seconds"]
+
+
+def test_the_trial_table_gives_each_final_decision_and_the_curves_mark_them(tmp_path: Path) -> None:
+    """Issue 12: the table names each trial's last decision with its reason; the learning curves
+    mark every promotion and stop where it was decided."""
+    from events.decisions import decision_from_json
+    from projections.queries import decision_marks
+    from replay.audit import fold, open_source
+    from replay.report.pictures import plot_curves
+    from stagetree.simulate import simulate
+    from stagetree.simulate_cli import load_simulation
+
+    trainer, studies, _ = load_simulation(str(ROOT / "tests" / "studies" / "decisions.py"))
+    run = tmp_path / "run"
+    simulate(trainer, [s for s in studies if s.name == "sha"], workers=2, run_dir=run)
+    doc = build_report(run, tmp_path / "out").read_text(encoding="utf-8")
+    state = fold(open_source(run).streams["stagetree.plan"])
+    rows = dict(re.findall(r"<tr(?: class=\"best\")?><td>([0-9a-f]{16})</td>(.*?)</tr>", doc))
+    assert len(rows) == len(state.trials) == 10
+    stops = promotions = 0
+    for trial_id, decided in state.decided.items():
+        last = decided[-1]
+        assert html.escape(decision_from_json(last.decision).describe(last.tuner), quote=True) in rows[trial_id]
+        stops += sum(1 for d in decided if d.decision["kind"] == "stop")
+        promotions += sum(1 for d in decided if d.decision["kind"] == "promote")
+    assert "stopped by SuccessiveHalving, rung 0: rank" in doc and "chosen as the answer by SuccessiveHalving" in doc
+    assert "a green triangle where a trial was promoted" in doc
+    trials = list(state.trials.values())
+    marks = {t.trial_id: decision_marks(state, t.trial_id) for t in trials}
+    assert plot_curves(trials, "val_acc", None, tmp_path / "c.png", marks) == {"promote": promotions, "stop": stops}
+    assert (stops, promotions) == (9, 8)  # rungs 2, 4, 8, 16 keep 10 -> 5 -> 2 -> 1: 5 + 3 + 1 stop, 5 + 2 + 1 go on

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from events.hp import Constant, MultiStep, Piecewise
-from events.models import Event, TrialSubmitted
+from events.models import Event, TrialSubmitted, TunerDecided
 from gpu_worker.trainer import Trainer
 from projections.state import State
 from stagetree.study import Study, TrialFailed
@@ -59,7 +59,7 @@ class FormulaRuntime:
     """Runtime protocol double: metrics = ``formula(hp values at the last step, steps)``.
 
     Attributes:
-        batches: every appended batch as ``[(x, y, steps), ...]`` in submission order.
+        batches: every appended batch of requests as ``[(x, y, steps), ...]`` in submission order.
         trial_ids: the trial ids of every appended batch.
     """
 
@@ -68,9 +68,14 @@ class FormulaRuntime:
         self.state = State()  # never has results, so the study submits every request
         self.batches: list[list[tuple[float, float, int]]] = []
         self.trial_ids: list[list[str]] = []
+        self.decided: list[TunerDecided] = []  # the tuner's decisions, in order
         self._waiters: dict[tuple[str, int], list[asyncio.Future[dict[str, float]]]] = {}
 
     def append(self, events: list[Event]) -> None:
+        self.decided += [e for e in events if isinstance(e, TunerDecided)]
+        events = [e for e in events if not isinstance(e, TunerDecided)]
+        if not events:
+            return
         batch = []
         for event in events:
             assert isinstance(event, TrialSubmitted)

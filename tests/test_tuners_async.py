@@ -18,7 +18,7 @@ import pytest
 from events.hp import Constant, Piecewise
 from gpu_worker.simulated import CostModel, FormulaCurve, SimulatedTrainer
 from projections.store import ProjectionStore
-from replay.tuner import replay_tuner
+from replay.tuner import check_study
 from stagetree.simulate import SimStudy, SimulationResult, simulate
 from stagetree.tuners import (
     ASHA,
@@ -56,7 +56,8 @@ def x_of(result: SimulationResult, trial_id: str) -> Any:
 
 
 def promotions(result: SimulationResult, from_steps: int) -> list[float]:
-    return [x_of(result, d[1]) for d in result.results[0].decisions if d[0] == "promote" and d[2] == from_steps]
+    decisions = result.results[0].decisions
+    return [x_of(result, d.trial_id) for d in decisions if d.kind == "promote" and d.step == from_steps]
 
 
 # ----------------------------------------------------------------------------- ASHA
@@ -142,7 +143,7 @@ def test_median_stopping_by_hand(workers: int) -> None:
     # Step 2 in order 5, 1, 4, 3: 3 stops (median of 5, 1, 4 is 4). Step 3: 5, 1, 4 finish.
     tuner = MedianStopping(space(5, 1, 4, 2, 3), "val_acc", max_steps=3, interval=1, min_trials=2, causal=True)
     result = run(tuner, workers)
-    stops = [(x_of(result, d[1]), d[2]) for d in result.results[0].decisions if d[0] == "stop"]
+    stops = [(x_of(result, d.trial_id), d.step) for d in result.results[0].decisions if d.kind == "stop"]
     assert stops == [(2, 1), (3, 2)]
     assert {x_of(result, t["trial_id"]): t["steps"] for t in result.summaries[0]["trials"]} == \
         {5: 3, 1: 3, 4: 3, 2: 1, 3: 2}
@@ -153,7 +154,7 @@ def test_median_stopping_grace_steps_stop_nobody_early() -> None:
     tuner = MedianStopping(space(5, 1, 4, 2, 3), "val_acc", max_steps=3, interval=1, min_trials=2, grace_steps=3,
                            causal=True)
     result = run(tuner, 2)
-    assert not [d for d in result.results[0].decisions if d[0] == "stop"]
+    assert not [d for d in result.results[0].decisions if d.kind == "stop"]
     assert all(t["steps"] == 3 for t in result.summaries[0]["trials"])
 
 
@@ -168,8 +169,8 @@ def test_pbt_exploits_by_branching_the_search_plan_at_the_donors_step(tmp_path: 
     tuner = PBT(space(4, 3, 2, 1), "val_acc", population=4, interval=2, max_steps=6, quantile=0.25,
                 mutations={"x": [7]}, causal=True)
     result = run(tuner, 2, run_dir=tmp_path)
-    (exploit,) = [d for d in result.results[0].decisions if d[0] == "exploit"]
-    _, loser, donor, step, new = exploit
+    (exploit,) = [d for d in result.results[0].decisions if d.kind == "exploit"]
+    loser, donor, step, new = exploit.trial_id, exploit.donor, exploit.step, exploit.new_trial_id
     assert (x_of(result, loser), x_of(result, donor), step) == (1, 4, 2)
     member = next(t for t in result.summaries[0]["trials"] if t["trial_id"] == new)
     assert Piecewise.model_validate(member["hp"]["x"]).value(1) == 4
@@ -219,23 +220,23 @@ TUNERS = {
 
 
 @pytest.mark.parametrize("name", sorted(TUNERS))
-def test_replaying_the_log_reproduces_the_tuners_decisions(name: str, tmp_path: Path) -> None:
+def test_replaying_the_log_recomputes_every_decision_in_order(name: str, tmp_path: Path) -> None:
     result = run(TUNERS[name](), 3, run_dir=tmp_path)
-    replay = replay_tuner(tmp_path, "s", TUNERS[name](), TRAINER)
-    assert replay.missing == []
-    assert replay.same_requests, (replay.recorded, replay.replayed)
-    assert replay.replayed_best == replay.recorded_best == result.summaries[0]["best_trial"]
-    assert replay.result is not None
-    assert sorted(replay.result.decisions, key=repr) == sorted(result.results[0].decisions, key=repr)
-    if name in ("asha", "median", "pbt", "grid", "sha"):  # one coroutine in arrival order
-        assert replay.same_order
+    check = check_study(tmp_path, "s", TUNERS[name], TRAINER)
+    assert check.ok, check.failure
+    assert check.checked == len(result.results[0].decisions) > 0
+    answer = result.results[0].decisions[-1]
+    assert answer.kind == "answer" and answer.trial_id == result.summaries[0]["best_trial"]
 
 
 def test_replay_notices_a_tuner_that_decides_differently(tmp_path: Path) -> None:
     run(TUNERS["asha"](), 3, run_dir=tmp_path)
-    other = ASHA(space(3, 1, 4, 1.5, 5, 9, 2, 6), "val_acc", mode="min", min_steps=1, max_steps=4, reduction=2)
-    replay = replay_tuner(tmp_path, "s", other, TRAINER)
-    assert replay.missing and not replay.ok
+    other = lambda: ASHA(space(3, 1, 4, 1.5, 5, 9, 2, 6), "val_acc", mode="min", min_steps=1, max_steps=4,  # noqa: E731
+                         reduction=2)
+    check = check_study(tmp_path, "s", other, TRAINER)
+    assert not check.ok and check.failure is not None
+    assert check.failure.check == "tuner" and check.failure.offset is not None
+    assert "recorded step 1: promoted by ASHA" in check.failure.detail
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -24,12 +24,29 @@ tree), :mod:`.pictures` (matplotlib figures), :mod:`.html` (the page) and :mod:`
 the report, the command).
 """
 
-from replay.report.cli import add_arguments, build_report, cmd_report, main, parser, register
-from replay.report.html import SAVINGS_ROWS, audit_html, savings_html, trials_html
-from replay.report.load import ReportError, RunData, StageRun, computed_summary, load_run, stage_runs, study_trials
-from replay.report.pictures import plot_curves, plot_gantt, plot_stage_tree
-from replay.report.style import PICTURES
-from replay.report.tree import TreeStage, stage_tree, trial_path
+import importlib
+from typing import Any
+
+_WHERE = {
+    **dict.fromkeys(("add_arguments", "build_report", "cmd_report", "main", "parser", "register"), "cli"),
+    **dict.fromkeys(("SAVINGS_ROWS", "audit_html", "savings_html", "trials_html"), "html"),
+    **dict.fromkeys(("ReportError", "RunData", "StageRun", "computed_summary", "load_run", "stage_runs",
+                     "study_trials"), "load"),
+    **dict.fromkeys(("plot_curves", "plot_gantt", "plot_stage_tree"), "pictures"),
+    "PICTURES": "style",
+    **dict.fromkeys(("TreeStage", "stage_tree", "trial_path"), "tree"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Names resolve on first use (matplotlib loads only when a picture is drawn)."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'replay.report' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"replay.report.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "PICTURES",

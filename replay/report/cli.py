@@ -11,12 +11,9 @@ from typing import Any
 
 import orjson
 
-from replay.audit import AuditError, open_source, secret_from, verify
-from replay.report.html import CSS, _e, _figure, _swatch, audit_html, savings_html, trials_html
-from replay.report.load import ReportError, load_run, study_trials
-from replay.report.pictures import best_trial_id, curve_metric, plot_curves, plot_gantt, plot_stage_tree
+from events.log import secret_from
+from replay.report.load import ReportError
 from replay.report.style import SHARED_COLOR, UNIQUE_COLOR
-from replay.report.tree import stage_tree
 
 # ----------------------------------------------------------------------------- entry points
 
@@ -37,6 +34,13 @@ def build_report(source: Path, out: Path, audit: dict[str, Any] | None = None) -
     Raises:
         ReportError: the source cannot be read (see :func:`load_run`).
     """
+    from events.decisions import decision_from_json
+    from projections import queries
+    from replay.report.html import CSS, _e, _figure, _swatch, audit_html, savings_html, trials_html
+    from replay.report.load import load_run, study_trials
+    from replay.report.pictures import best_trial_id, curve_metric, plot_curves, plot_gantt, plot_stage_tree
+    from replay.report.tree import stage_tree
+
     data = load_run(source)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -52,7 +56,10 @@ def build_report(source: Path, out: Path, audit: dict[str, Any] | None = None) -
     plot_gantt(data.runs, shared_keys, data.t0, out / "gantt.png", marks,
                "virtual seconds since the first event (simulated)" if data.simulated else
                "seconds since the first event")
-    plot_curves(trials, metric, best, out / "curves.png")
+    curve_marks = {t.trial_id: queries.decision_marks(data.state, t.trial_id) for t in trials}
+    plot_curves(trials, metric, best, out / "curves.png", curve_marks)
+    finals = {t.trial_id: d for t in trials if (d := queries.final_decision(data.state, t.trial_id)) is not None}
+    decisions = {t: decision_from_json(d.decision).describe(d.tuner) for t, d in finals.items()}
 
     name = (data.summary or {}).get("name") or data.study_id or data.source.name
     meta = (f"source <code>{_e(data.source)}</code> · {len(data.events):,} events"
@@ -74,7 +81,9 @@ def build_report(source: Path, out: Path, audit: dict[str, Any] | None = None) -
     curves_caption = (
         f"{_e(metric or 'the metric')} ({_e(mode)} is better) at every step a trial reported, one thin line per "
         f"trial; the best trial{(' <code>' + _e(best) + '</code>') if best else ''} is drawn thick in red. "
-        f"Merged trials share their curve up to the step where their hyper-parameters diverge.")
+        f"Merged trials share their curve up to the step where their hyper-parameters diverge. The tuner's "
+        f"decisions are marked where they were taken: a green triangle where a trial was promoted, a red cross "
+        f"where it was stopped (or, in PBT, replaced by an exploit).")
     body = [
         f"<h1>stagetree report: {_e(name)}</h1><p class=\"meta\">{meta}</p>",
         audit_html(audit),
@@ -82,7 +91,7 @@ def build_report(source: Path, out: Path, audit: dict[str, Any] | None = None) -
         _figure("stage-tree", "Stage tree", "stage_tree.png", "stage tree of the study", tree_caption),
         _figure("gantt", "Workers over time", "gantt.png", "Gantt chart of workers over time", gantt_caption),
         _figure("curves", "Learning curves", "curves.png", f"learning curves of {metric}", curves_caption),
-        trials_html(trials, metric, best),
+        trials_html(trials, metric, best, decisions),
     ]
     doc = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
@@ -122,8 +131,11 @@ def _load_audit(path: str) -> dict[str, Any]:
 
 
 def _verify(source: str, secret: bytes | None) -> dict[str, Any]:
+    from replay.audit import AuditError, open_source
+    from replay.tuner import verify_all
+
     try:
-        return verify(open_source(source, secret), secret).as_dict()
+        return verify_all(open_source(source, secret), secret).as_dict()
     except AuditError as exc:
         raise ReportError(str(exc)) from None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from projections.state import Trial
@@ -158,10 +158,15 @@ def idle_figures(summary: dict[str, Any]) -> tuple[float | None, float | None]:
     return idle, ratio
 
 
-def trials_html(trials: Sequence[Trial], metric: str | None, best: str | None) -> str:
-    """A table of the trials: id, status, steps, final metric, hyper-parameters (best first)."""
+def trials_html(trials: Sequence[Trial], metric: str | None, best: str | None,
+                decisions: Mapping[str, str] | None = None) -> str:
+    """A table of the trials: id, status, steps, final metric, the tuner's final decision about
+    it and why (``decisions``: trial id -> its text, e.g. "step 10: stopped by
+    SuccessiveHalving, rung 0: rank 13 of 16 by val_acc 0.5312, top 8 kept (threshold
+    0.6094)"), hyper-parameters (best first)."""
     if not trials:
         return ""
+    decisions = decisions or {}
 
     def final(t: Trial) -> Any:
         return t.results[max(t.results)].get(metric) if t.results and metric else None
@@ -173,11 +178,13 @@ def trials_html(trials: Sequence[Trial], metric: str | None, best: str | None) -
         hp = "; ".join(f"{k}={fn}" for k, fn in sorted(t.hp.items()))
         cls = ' class="best"' if t.trial_id == best else ""
         status = t.status + (f": {t.error}" if t.error else "")
+        decided = decisions.get(t.trial_id, "—")
         rows.append(f"<tr{cls}><td>{_e(t.trial_id)}</td><td>{_e(status)}</td><td class=\"num\">{t.steps:,}</td>"
-                    f"<td class=\"num\">{_e(_num(v, '{:.4f}'))}</td><td class=\"hp\">{_e(hp)}</td></tr>")
+                    f"<td class=\"num\">{_e(_num(v, '{:.4f}'))}</td><td class=\"note\">{_e(decided)}</td>"
+                    f"<td class=\"hp\">{_e(hp)}</td></tr>")
     return (f'<section id="trials"><h2>Trials</h2><div class="trials"><table><tr><th>trial</th><th>status</th>'
-            f"<th>steps</th><th>{_e(metric or 'metric')}</th><th>hyper-parameters</th></tr>{''.join(rows)}"
-            "</table></div></section>")
+            f"<th>steps</th><th>{_e(metric or 'metric')}</th><th>final decision and reason</th>"
+            f"<th>hyper-parameters</th></tr>{''.join(rows)}</table></div></section>")
 
 
 def _figure(section: str, title: str, src: str, alt: str, caption: str) -> str:

@@ -18,6 +18,7 @@ from events.models import (
     StageFailed,
     StageFinished,
     StageStarted,
+    StageStopped,
     StudyFinished,
     StudyStarted,
     WorkerLost,
@@ -38,8 +39,9 @@ class ReportError(ValueError):
 class StageRun:
     """One execution of a stage by a worker, from its StageStarted to its end event.
 
-    ``status``: "finished" (StageFinished), "failed" (StageFailed) or "unfinished" (no end event:
-    the worker was lost or the run was killed; ``end_ts`` is then the WorkerLost or last event).
+    ``status``: "finished" (StageFinished), "failed" (StageFailed), "stopped" (StageStopped: its
+    path was preempted; it trained up to ``stopped_at``) or "unfinished" (no end event: the worker
+    was lost or the run was killed; ``end_ts`` is then the WorkerLost or last event).
     Times are epoch seconds from the events' ``ts`` (informational, as in the log).
     """
 
@@ -53,6 +55,7 @@ class StageRun:
     end_ts: float | None
     status: str
     seconds: float = 0.0
+    stopped_at: int | None = None  # a stopped run: the step its weights reached
 
     @property
     def key(self) -> tuple[str, str, int, int]:
@@ -119,20 +122,32 @@ def load_run(source: str | Path) -> RunData:
         study_id = starts[-1].study_id
     if study_id is None and len(state.studies) == 1:
         study_id = next(iter(state.studies))
-    started = next((e for e in reversed(starts) if e.study_id == study_id), None)
-    finished = next((e for _, e in reversed(events) if isinstance(e, StudyFinished) and e.study_id == study_id), None)
     source_note = "from summary.json"
     if study_id is not None and (summary is None or summary.get("name") != study_id):
         per_study = summary_path(path, study_id)  # one per study: `stagetree run` and `simulate --out`
         if per_study.is_file():
             summary, source_note = _read_summary(per_study), f"from {per_study.name}"
-    data = RunData(path, events, state, summary, study_id, started, finished, stage_runs(events), bad,
-                   summary_source=source_note)
+    return run_data(path, events, state, study_id, summary=summary, summary_source=source_note, invalid_events=bad)
+
+
+def run_data(source: Path, events: list[tuple[int, Event]], state: State, study_id: str | None, *,
+             summary: dict[str, Any] | None = None, summary_source: str = "from summary.json",
+             invalid_events: int = 0, plan_events: bool = False) -> RunData:
+    """:class:`RunData` of ``study_id`` from the decoded plan-stream ``events`` (``(offset, event)``
+    in log order) and ``state``, their fold (:func:`load_run` reads them from a source; the
+    dashboard folds them as they arrive). Without a ``summary`` it is computed from the log
+    (:func:`computed_summary`; ``plan_events``: with the sharing figures that need the events).
+    """
+    started = next((e for _, e in reversed(events) if isinstance(e, StudyStarted) and e.study_id == study_id), None)
+    finished = next((e for _, e in reversed(events) if isinstance(e, StudyFinished) and e.study_id == study_id), None)
+    data = RunData(source, events, state, summary, study_id, started, finished, stage_runs(events), invalid_events,
+                   summary_source=summary_source)
     data.simulated = bool((summary or {}).get("simulated")) or (started is not None and started.producer == "simulator")
     if study_id is not None:
         data.elapsed_seconds = elapsed([e for _, e in events], study_id)
     if summary is None:
-        data.summary, data.summary_source = computed_summary(data), "computed from the log (no summary.json)"
+        data.summary = computed_summary(data, [e for _, e in events] if plan_events else None)
+        data.summary_source = "computed from the log (no summary.json)"
     return data
 
 
@@ -171,7 +186,7 @@ def stage_runs(events: Sequence[tuple[int, Event]]) -> list[StageRun]:
                            ev.worker_id, ev.ts or None, None, "unfinished")
             open_runs[(ev.dispatch_id, ev.node_id, ev.from_step, ev.to_step)] = run
             runs.append(run)
-        elif isinstance(ev, (StageFinished, StageFailed)):
+        elif isinstance(ev, (StageFinished, StageFailed, StageStopped)):
             run = open_runs.pop((ev.dispatch_id, ev.node_id, ev.from_step, ev.to_step), None)
             if run is None:
                 run = StageRun(ev.plan_key, ev.node_id, ev.from_step, ev.to_step, ev.dispatch_id, ev.worker_id,
@@ -179,8 +194,10 @@ def stage_runs(events: Sequence[tuple[int, Event]]) -> list[StageRun]:
                 runs.append(run)
             run.plan_key = ev.plan_key
             run.end_ts = ev.ts or None
-            if isinstance(ev, StageFinished):
+            if isinstance(ev, (StageFinished, StageStopped)):
                 run.status, run.seconds = "finished", ev.seconds
+                if isinstance(ev, StageStopped):
+                    run.status, run.stopped_at = "stopped", ev.step
                 if run.start_ts is None and run.end_ts is not None:
                     run.start_ts = run.end_ts - ev.seconds
             else:
@@ -201,9 +218,10 @@ def study_trials(data: RunData) -> list[Trial]:
     return sorted(trials, key=lambda t: t.trial_id)
 
 
-def computed_summary(data: RunData) -> dict[str, Any] | None:
+def computed_summary(data: RunData, events: list[Event] | None = None) -> dict[str, Any] | None:
     """The summary.json document rebuilt with :func:`projections.summary.build_summary` when the
-    run directory has none (a killed run); None when the study is unknown."""
+    run directory has none (a killed run, a study still running); None when the study is unknown.
+    ``events``: the plan stream's events in log order, for the sharing figures (else None)."""
     from projections.summary import build_summary
 
     if data.study_id is None:
@@ -218,4 +236,4 @@ def computed_summary(data: RunData) -> dict[str, Any] | None:
     if e2e is None:
         e2e = data.elapsed_seconds or 0.0
     return build_summary(data.state, data.study_id, mode=mode, workers=workers, best_trial=best_trial,
-                         best_metric=best_metric, end_to_end_seconds=e2e)
+                         best_metric=best_metric, end_to_end_seconds=e2e, events=events)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from matplotlib.patches import Patch
 from projections.state import Trial
 from replay.report.load import RunData, StageRun
 from replay.report.style import BEST_COLOR, DPI, FAILED_COLOR, SHARED_COLOR, UNFINISHED_COLOR, UNIQUE_COLOR
-from replay.report.tree import TreeStage, _stage_label
+from replay.report.tree import TreeStage, stage_label
 
 # ----------------------------------------------------------------------------- pictures
 
@@ -69,7 +69,7 @@ def plot_stage_tree(stages: Sequence[TreeStage], path: Path) -> None:
                     hatch="///" if s.executions > 1 else None)
         else:  # evaluate-only stage
             ax.plot([s.from_step], [s.row], marker="D", ms=4, color=color, zorder=3)
-        label = f"{_stage_label(s, multi_plan)}  [{s.from_step}, {s.to_step})"
+        label = f"{stage_label(s, multi_plan)}  [{s.from_step}, {s.to_step})"
         extra = []
         if s.trials:
             extra.append(f"{len(s.trials)} trial" + ("s" if len(s.trials) != 1 else ""))
@@ -143,7 +143,7 @@ def plot_gantt(runs: Sequence[StageRun], shared: set[tuple[str, str, int, int]],
         ax.barh(row[r.worker_id], width, left=start, height=0.6, color=color, edgecolor="white", linewidth=0.6,
                 hatch=hatch, zorder=2)
         if width > span * 0.045:
-            ax.text(start + width / 2, row[r.worker_id], _stage_label(r, multi_plan), ha="center", va="center",
+            ax.text(start + width / 2, row[r.worker_id], stage_label(r, multi_plan), ha="center", va="center",
                     fontsize=6.5, color="white", zorder=3, clip_on=True)
     for ts, label in marks:
         x = ts - t0
@@ -206,9 +206,13 @@ def best_trial_id(data: RunData, trials: Sequence[Trial], metric: str | None, mo
     return max(scored)[1] if scored else None
 
 
-def plot_curves(trials: Sequence[Trial], metric: str | None, best: str | None, path: Path) -> None:
+def plot_curves(trials: Sequence[Trial], metric: str | None, best: str | None, path: Path,
+                marks: Mapping[str, Sequence[tuple[str, int]]] | None = None) -> dict[str, int]:
     """Draw ``metric`` against steps for every trial to ``path`` (PNG): thin lines, the best
-    trial thick and in the legend. Missing (diverged, null) values are left out."""
+    trial thick and in the legend. Missing (diverged, null) values are left out. ``marks``:
+    trial id -> ``(kind, step)`` of the tuner's decisions to mark on its curve (promote: a
+    triangle, stop and exploit: a cross; :func:`projections.queries.decision_marks`). Returns
+    how many promotions and stops it marked (a decision at a step without a value is not)."""
     lines = []
     for t in trials:
         pts = [(s, m.get(metric)) for s, m in sorted(t.results.items())] if metric else []
@@ -217,7 +221,7 @@ def plot_curves(trials: Sequence[Trial], metric: str | None, best: str | None, p
             lines.append((t, pts))
     if not lines:
         _placeholder(path, "Learning curves", "no metrics reported" if metric else "no metric named by the study")
-        return
+        return {"promote": 0, "stop": 0}
     fig = Figure(figsize=(9, 4.8))
     ax = fig.add_subplot()
     cmap = _tab_colors()
@@ -228,6 +232,14 @@ def plot_curves(trials: Sequence[Trial], metric: str | None, best: str | None, p
             best_line = (t, xs, ys)
             continue
         ax.plot(xs, ys, color=cmap[i % len(cmap)], lw=0.9, alpha=0.55, marker="o", ms=2.5, zorder=2)
+    marked = {"promote": 0, "stop": 0}
+    for t, pts in lines:
+        at = dict(pts)
+        for kind, step in (marks or {}).get(t.trial_id, []):
+            if step in at:
+                kind = "promote" if kind == "promote" else "stop"
+                ax.plot([step], [at[step]], linestyle="none", zorder=5, **MARKS[kind])
+                marked[kind] += 1
     handles = []
     if best_line is not None:
         t, xs, ys = best_line
@@ -236,6 +248,9 @@ def plot_curves(trials: Sequence[Trial], metric: str | None, best: str | None, p
                               label=f"best {t.trial_id}: {metric} = {ys[-1]:.4g} at step {xs[-1]}"))
     handles.append(Line2D([], [], color="#888888", lw=0.9, alpha=0.7, marker="o", ms=2.5,
                           label=f"other trials ({len(lines) - (best_line is not None)})"))
+    for kind, label in (("promote", "promoted"), ("stop", "stopped")):
+        if marked[kind]:
+            handles.append(Line2D([], [], linestyle="none", label=f"{label} ({marked[kind]})", **MARKS[kind]))
     ax.legend(handles=handles, fontsize=8, loc="best", frameon=True, framealpha=0.9)
     steps = sorted({s for _, pts in lines for s, _ in pts})
     if len(steps) >= 3 and steps[0] > 0 and steps[-1] / steps[0] >= 16:
@@ -251,6 +266,14 @@ def plot_curves(trials: Sequence[Trial], metric: str | None, best: str | None, p
     _style(ax)
     ax.set_title(f"Learning curves: {metric} of {len(lines)} trials", fontsize=11, loc="left")
     fig.savefig(path, dpi=DPI, bbox_inches="tight", facecolor="white")
+    return marked
+
+
+MARKS: dict[str, dict[str, Any]] = {
+    "promote": {"marker": "^", "ms": 6.5, "color": "#1a7f37", "markeredgecolor": "white", "markeredgewidth": 0.6},
+    "stop": {"marker": "X", "ms": 6.5, "color": "#cf222e", "markeredgecolor": "white", "markeredgewidth": 0.6},
+}
+"""How the learning curves mark the tuner's decisions."""
 
 
 def _tab_colors() -> list[str]:

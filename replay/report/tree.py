@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from projections.queries import node_number, trial_path
@@ -37,9 +37,10 @@ class TreeStage:
         return len(self.trials) >= 2
 
 
-def stage_tree(state: State, runs: Sequence[StageRun]) -> list[TreeStage]:
-    """The executed stages (finished runs, one entry per distinct stage) as a tree, in drawing
-    order (depth-first, children by start step); see :class:`TreeStage`.
+def stage_tree(state: State, runs: Sequence[StageRun], statuses: Collection[str] = ("finished",)) -> list[TreeStage]:
+    """The executed stages (runs whose status is in ``statuses``: finished ones by default; the
+    dashboard adds the running ones; one entry per distinct stage) as a tree, in drawing order
+    (depth-first, children by start step); see :class:`TreeStage`.
 
     A stage's parent is the stage whose end state it starts from: on the same node, the stage
     ending at its ``from_step``; at a node's start, the stage of the parent node ending at
@@ -48,7 +49,7 @@ def stage_tree(state: State, runs: Sequence[StageRun]) -> list[TreeStage]:
     """
     by_key: dict[tuple[str, str, int, int], TreeStage] = {}
     for run in runs:
-        if run.status != "finished":
+        if run.status not in statuses:
             continue
         st = by_key.get(run.key)
         if st is None:
@@ -126,5 +127,7 @@ def _short_plan(plan_key: str) -> str:
     return plan_key.rsplit("/", 1)[-1][:8]
 
 
-def _stage_label(s: TreeStage | StageRun, multi_plan: bool) -> str:
+def stage_label(s: TreeStage | StageRun, multi_plan: bool) -> str:
+    """A stage's short name in pictures: its node id, after 8 characters of its plan key when the
+    drawing holds several plans."""
     return f"{_short_plan(s.plan_key)}:{s.node_id}" if multi_plan else s.node_id

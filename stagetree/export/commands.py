@@ -13,7 +13,6 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from stagetree.export.run import read_run
 from stagetree.integration import MissingExtra
 
 
@@ -22,6 +21,8 @@ def cmd_tensorboard(args: argparse.Namespace, console: Console) -> int:
         from stagetree.export.tensorboard import export_tensorboard
     except MissingExtra as exc:
         return _missing(exc)
+    from stagetree.export.run import read_run
+
     view = read_run(args.source, args.study)
     result = export_tensorboard(view, args.out)
     console.print(f"wrote {result['runs']} TensorBoard runs ({result['scalars']} scalars) of study "
@@ -34,6 +35,8 @@ def cmd_mlflow(args: argparse.Namespace, console: Console) -> int:
         from stagetree.export.mlflow import export_mlflow
     except MissingExtra as exc:
         return _missing(exc)
+    from stagetree.export.run import read_run
+
     view = read_run(args.source, args.study)
     result = export_mlflow(view, args.tracking_uri, args.experiment)
     replaced = f", replacing {result['replaced']} earlier runs" if result["replaced"] else ""

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from events.decisions import Answer, Decision, Draw, Promote, Ranking, Stop
 from events.hp import HPConfig
 from stagetree.study import Study, TrialFailed
 
@@ -42,14 +44,14 @@ class TrialResult:
 @dataclass
 class TunerResult:
     """What a tuner found: the best trial, every trial's last result, and the tuner's decisions
-    in the order it took them (tuples such as ``("promote", trial_id, from_steps, to_steps)``,
-    ``("stop", trial_id, steps)``, ``("exploit", trial_id, donor_id, steps, new_trial_id)``)."""
+    in the order it took them (typed, :mod:`events.decisions`; each is also a TunerDecided event
+    in the log)."""
 
     best: TrialResult | None
     metric: str
     mode: Mode
     trials: list[TrialResult] = field(default_factory=list)
-    decisions: list[tuple[Any, ...]] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
 
 
 class Tuner(ABC):
@@ -78,6 +80,84 @@ class Tuner(ABC):
     @abstractmethod
     async def run(self, study: Study) -> TunerResult:
         """Tune ``study`` and return the result."""
+
+    # ------------------------------------------------------------------ decisions
+
+    @property
+    def name(self) -> str:
+        """The tuner's name in its decisions: the class name."""
+        return type(self).__name__
+
+    def decide(self, study: Study, decision: Decision) -> Decision:
+        """Record ``decision`` in the study's log (:meth:`Study.decide`) before the requests it
+        causes, and tell the space (an adaptive space such as an Optuna one learns from the
+        tuner's decisions: ``space.decided(study, decision)``); returns it."""
+        study.decide(decision, self.name)
+        decided = getattr(self.space, "decided", None)
+        if decided is not None:
+            decided(study, decision)
+        return decision
+
+    def configurations(self, study: Study, count: int | None = None) -> list[HPConfig]:
+        """The first ``count`` (default: all) configurations of the space for ``study``. A space
+        with ``configurations(study, tuner, count)`` makes them for the study (an Optuna space
+        asks its sampler); any other iterable is read in order."""
+        make = getattr(self.space, "configurations", None)
+        if make is not None:
+            return list(make(study, self, count))
+        return list(itertools.islice(iter(self.space), count))
+
+    def value(self, result: TrialResult) -> float | None:
+        """The metric's value in ``result`` as reported (None: failed, or a null metric)."""
+        if result.failed:
+            return None
+        value = result.metrics.get(self.metric)
+        return None if value is None else float(value)
+
+    def rankings(self, results: list[TrialResult], kept: int) -> dict[str, Ranking]:
+        """The evidence of a cut of ``results`` keeping the best ``kept``, per trial id: its rank
+        (:meth:`rank` order) and the worst kept value."""
+        ranked = self.rank(results)
+        winners = [r for r in ranked[:kept] if not r.failed]
+        threshold = self.value(winners[-1]) if winners else None
+        return {r.trial_id: Ranking(metric=self.metric, mode=self.mode, value=self.value(r), rank=i + 1,
+                                    of=len(ranked), kept=len(winners), threshold=threshold)
+                for i, r in enumerate(ranked)}
+
+    def ranking(self, results: list[TrialResult], trial_id: str, kept: int) -> Ranking:
+        """:meth:`rankings` of one trial."""
+        return self.rankings(results, kept)[trial_id]
+
+    def draw(self, study: Study, configs: Iterable[HPConfig], to_step: int, *, indexes: list[int] | None = None,
+             bracket: int | None = None) -> list[HPConfig]:
+        """Record a ``draw`` decision for each configuration, in order: the ``indexes``-th of the
+        tuner's space (default: its position in ``configs``), with the space's name (its
+        ``sampler_name``, else its class) and ``seed``; returns the configurations as a list."""
+        configs = list(configs)
+        sampler = getattr(self.space, "sampler_name", type(self.space).__name__)
+        seed = getattr(self.space, "seed", None)
+        for i, config in enumerate(configs):
+            self.decide(study, Draw(trial_id=study.trial_id(study.config(config)), step=0, to_step=to_step,
+                                    sampler=sampler, index=i if indexes is None else indexes[i],
+                                    seed=seed if isinstance(seed, int) else None, bracket=bracket))
+        return configs
+
+    def cut(self, study: Study, results: list[TrialResult], count: int, rung: int, to_step: int, *,
+            bracket: int | None = None) -> list[TrialResult]:
+        """A synchronous rung: promote the best ``count`` results that did not fail to ``to_step``
+        and stop the others, each decision with its :class:`Ranking` (in rank order); returns
+        the promoted results."""
+        ranked = self.rank(results)
+        kept = [r for r in ranked[:count] if not r.failed]
+        evidence = self.rankings(ranked, count)
+        for r in ranked:
+            if r in kept:
+                self.decide(study, Promote(trial_id=r.trial_id, step=r.steps, to_step=to_step, rung=rung,
+                                           bracket=bracket, evidence=evidence[r.trial_id]))
+            else:
+                self.decide(study, Stop(trial_id=r.trial_id, step=r.steps, reason="failed" if r.failed else "rank",
+                                        rung=rung, bracket=bracket, evidence=evidence[r.trial_id]))
+        return kept
 
     def score(self, metrics: Mapping[str, float | None]) -> float:
         """The metric as a quantity to maximise; a null (non-finite) value ranks last.
@@ -119,9 +199,18 @@ class Tuner(ABC):
                 results.append(TrialResult(trial_id, config, steps, outcome))
         return results
 
-    def _result(self, final: list[TrialResult], everything: dict[str, TrialResult]) -> TunerResult:
+    def _result(self, study: Study, final: list[TrialResult], everything: dict[str, TrialResult]) -> TunerResult:
+        """The result: the best of ``final`` (recorded as the ``answer`` decision), every trial's
+        last result, and the study's decisions."""
         best = next((r for r in self.rank(final) if not r.failed), None)
-        return TunerResult(best, self.metric, self.mode, sorted(everything.values(), key=lambda r: r.trial_id))
+        if best is not None:
+            self.decide(study, Answer(trial_id=best.trial_id, step=best.steps,
+                                      evidence=self.ranking(final, best.trial_id, 1)))
+        finished = getattr(self.space, "finished", None)
+        if finished is not None:
+            finished(study, final)
+        return TunerResult(best, self.metric, self.mode, sorted(everything.values(), key=lambda r: r.trial_id),
+                           list(study.decisions))
 
 
 def positive_int(name: str, value: Any, minimum: int = 1) -> int:

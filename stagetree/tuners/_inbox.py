@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -13,6 +14,10 @@ from stagetree.study import Study, TrialFailed
 from stagetree.tuners._base import TrialResult
 
 P = TypeVar("P")
+
+
+class CausalOrderBroken(RuntimeError):
+    """A replayed log hands a causal-order tuner a result before an earlier one of its group."""
 
 
 @dataclass
@@ -42,6 +47,14 @@ class ResultInbox(Generic[P]):
       group is itself decided in causal order, so every decision, and the study's answer, is
       the same whatever the number of workers and their timing. The price is idle workers while
       a finished result waits for an earlier one (see ``idle_worker_seconds`` in the summary).
+
+    Every result handed over is noted with :meth:`Study.release`, so the tuner's next decision
+    records the order it was given its results in. A replay of the log (``replay verify
+    --study``) sets :attr:`Study.release_script` to that recorded order and the inbox follows it:
+    a result is handed over when it is the next one the live tuner was given and the log prefix
+    holds it. The order is an input of the decisions, decided by timing: in arrival order all
+    of it, in causal order the interleaving of the groups (within a group the rule fixes it, and
+    a replay refuses a record that breaks it, :class:`CausalOrderBroken`).
     """
 
     def __init__(self, study: Study, causal: bool = False) -> None:
@@ -70,7 +83,31 @@ class ResultInbox(Generic[P]):
             return math.inf
         return trial.answered[entry.steps]
 
+    def _scripted(self, script: deque[tuple[str, int]]) -> _Entry[P] | None:
+        """A replay: the next result the live tuner was handed, once the log prefix holds it.
+
+        Raises:
+            CausalOrderBroken: in causal order, the log hands over a result before one
+                submitted earlier in its group.
+        """
+        if not script:
+            return None  # the live tuner was handed nothing more
+        entry = next((e for e in self._entries if (e.trial_id, e.steps) == script[0]), None)
+        if entry is None or not entry.future.done():
+            return None
+        if self.causal:
+            first = next(e for e in self._entries if e.group == entry.group)
+            if first is not entry:
+                raise CausalOrderBroken(f"the log hands over the result of trial {entry.trial_id} at {entry.steps} "
+                                        f"steps before that of trial {first.trial_id} at {first.steps} steps, "
+                                        f"submitted earlier in causal group {entry.group}")
+        script.popleft()
+        return entry
+
     def _pick(self) -> _Entry[P] | None:
+        script = self.study.release_script
+        if script is not None:
+            return self._scripted(script)
         if self.causal:
             heads: dict[int, _Entry[P]] = {}
             for e in self._entries:  # in submission order: the first of each group is its head
@@ -93,13 +130,17 @@ class ResultInbox(Generic[P]):
                 f = entry.future
                 if f.cancelled():
                     return entry.payload, None
+                self.study.release(entry.trial_id, entry.steps)
                 error = f.exception()
                 if isinstance(error, TrialFailed):
                     return entry.payload, TrialResult(entry.trial_id, entry.config, entry.steps, {},
                                                       error=error.error or "failed")
                 return entry.payload, TrialResult(entry.trial_id, entry.config, entry.steps, f.result())
             running = [e.future for e in self._entries if not e.future.done()]
-            if not running:  # unreachable: a done head or a done result would have been picked
+            if not running:
+                if self.study.release_script is not None:
+                    await asyncio.Event().wait()  # a replay: the live tuner was handed nothing more here
+                # unreachable live: a done head or a done result would have been picked
                 raise RuntimeError("the inbox has results but none can be handed over")
             await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
 

@@ -45,12 +45,14 @@ class EarlyStopTuner(Tuner):
         self.schedule = schedule
 
     async def run(self, study: Study) -> TunerResult:
-        alive = list(self.space)[: self.schedule.milestones[0][1]]
+        milestones = self.schedule.milestones
+        alive = self.draw(study, self.configurations(study, milestones[0][1]), milestones[0][0])
         everything: dict[str, TrialResult] = {}
         results: list[TrialResult] = []
-        for i, (steps, _) in enumerate(self.schedule.milestones):
+        for i, (steps, _) in enumerate(milestones):
             results = await self._train(study, alive, steps)
             everything.update({r.trial_id: r for r in results})
-            if i + 1 < len(self.schedule.milestones):
-                alive = [r.hp for r in self.keep(results, self.schedule.milestones[i + 1][1])]
-        return self._result(results, everything)
+            if i + 1 < len(milestones):
+                next_steps, keep = milestones[i + 1]
+                alive = [r.hp for r in self.cut(study, results, keep, i, next_steps)]
+        return self._result(study, results, everything)

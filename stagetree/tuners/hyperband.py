@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Iterable
-from typing import Any
 
 from events.hp import HPConfig
 from stagetree.study import Study
@@ -32,7 +31,9 @@ class Hyperband(Tuner):
     once. Configurations are dealt to brackets in the order of a stable hash of
     ``(study, trial id)``, cycling through the space when it is smaller than the brackets need
     (a configuration in two brackets is one trial, trained once). The answer is the best final
-    result over all brackets. Units: steps.
+    result over all brackets. Units: steps. Decisions: the ``draw`` of each bracket's
+    configurations (bracket by bracket, before any trains), the ``promote``/``stop`` of each
+    rung (naming the bracket), and the ``answer``.
 
     Raises:
         ValueError: non-positive steps, ``min_steps > max_steps`` or ``reduction < 2``.
@@ -57,34 +58,32 @@ class Hyperband(Tuner):
         return out
 
     async def run(self, study: Study) -> TunerResult:
-        configs = sorted(self.space, key=lambda c: stable_seed(study.name, study.trial_id(study.config(c))))
+        space = self.configurations(study)
+        order = sorted(range(len(space)), key=lambda i: stable_seed(study.name, study.trial_id(study.config(space[i]))))
         jobs = []
         position = 0
-        for n, budgets in self.brackets():
-            chosen: dict[str, HPConfig] = {}
+        for b, (n, budgets) in enumerate(self.brackets()):
+            chosen: dict[str, int] = {}  # trial id -> index in the space
             for j in range(n):
-                if not configs:
+                if not order:
                     break
-                c = configs[(position + j) % len(configs)]
-                chosen.setdefault(study.trial_id(study.config(c)), c)
+                i = order[(position + j) % len(order)]
+                chosen.setdefault(study.trial_id(study.config(space[i])), i)
             position += n
-            jobs.append(self._bracket(study, list(chosen.values()), budgets))
+            indexes = list(chosen.values())
+            configs = self.draw(study, [space[i] for i in indexes], budgets[0], indexes=indexes, bracket=b)
+            jobs.append(self._bracket(study, b, configs, budgets))
         outcomes = await asyncio.gather(*jobs)
         everything: dict[str, TrialResult] = {}
         final: dict[str, TrialResult] = {}
-        decisions: list[tuple[Any, ...]] = []
-        for b, (last, seen, promoted) in enumerate(outcomes):
+        for last, seen in outcomes:
             everything.update(seen)
             final.update({r.trial_id: r for r in last})
-            decisions += [("promote", b, *p) for p in promoted]
-        result = self._result(list(final.values()), everything)
-        result.decisions = decisions
-        return result
+        return self._result(study, list(final.values()), everything)
 
-    async def _bracket(self, study: Study, alive: list[HPConfig], budgets: list[int]
-                       ) -> tuple[list[TrialResult], dict[str, TrialResult], list[tuple[str, int, int]]]:
+    async def _bracket(self, study: Study, bracket: int, alive: list[HPConfig], budgets: list[int]
+                       ) -> tuple[list[TrialResult], dict[str, TrialResult]]:
         seen: dict[str, TrialResult] = {}
-        promoted: list[tuple[str, int, int]] = []
         results: list[TrialResult] = []
         for k, steps in enumerate(budgets):
             if not alive:
@@ -92,7 +91,7 @@ class Hyperband(Tuner):
             results = await self._train(study, alive, steps)
             seen.update({r.trial_id: r for r in results})
             if k + 1 < len(budgets):
-                keep = self.keep(results, max(1, len(alive) // self.reduction))
-                promoted += [(r.trial_id, steps, budgets[k + 1]) for r in keep]
-                alive = [r.hp for r in keep]
-        return results, seen, promoted
+                kept = self.cut(study, results, max(1, len(alive) // self.reduction), k, budgets[k + 1],
+                                bracket=bracket)
+                alive = [r.hp for r in kept]
+        return results, seen

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable
-from typing import Any
 
+from events.decisions import Continue, MedianRule, Stop
 from events.hp import HPConfig
 from stagetree.study import Study
 from stagetree.tuners._base import Mode, TrialResult, Tuner, TunerResult, check_causal, positive_int
@@ -24,7 +24,10 @@ class MedianStopping(Tuner):
     requested at the next step. The answer is the best result at ``max_steps``.
 
     Units: steps. Assumes the metric improves with training, so results at equal steps compare.
-    With ``causal=True`` each evaluation step is a causal group.
+    With ``causal=True`` each evaluation step is a causal group. Decisions: a ``draw`` per
+    configuration, then per result below ``max_steps`` a ``continue`` or a ``stop`` with its
+    :class:`~events.decisions.MedianRule` (a failed trial: ``stop``, reason "failed"), and the
+    ``answer``.
 
     Raises:
         ValueError: non-positive ``interval``/``max_steps``/``min_trials``, negative ``grace_steps``.
@@ -48,17 +51,17 @@ class MedianStopping(Tuner):
     async def run(self, study: Study) -> TunerResult:
         points = self.points()
         inbox: ResultInbox[int] = ResultInbox(study, self.causal)  # payload: the evaluation point
-        for config in self.space:
+        for config in self.draw(study, self.configurations(study), points[0]):
             inbox.submit(config, points[0], 0, 0)
         reported: list[list[tuple[str, float]]] = [[] for _ in points]
         best_so_far: dict[str, float] = {}
         everything: dict[str, TrialResult] = {}
         final: list[TrialResult] = []
-        decisions: list[tuple[Any, ...]] = []
         async for i, result in inbox.results():
             everything[result.trial_id] = result
-            if result.failed:
-                continue  # stopped where it failed; the medians use results that exist
+            if result.failed:  # stopped where it failed; the medians use results that exist
+                self.decide(study, Stop(trial_id=result.trial_id, step=points[i], reason="failed"))
+                continue
             score = self.score(result.metrics)
             best = best_so_far[result.trial_id] = max(best_so_far.get(result.trial_id, -math.inf), score)
             others = [v for t, v in reported[i] if t != result.trial_id]
@@ -66,10 +69,21 @@ class MedianStopping(Tuner):
             if i + 1 == len(points):
                 final.append(result)
                 continue
-            if points[i] >= self.grace_steps and len(others) >= self.min_trials and best < statistics.median(others):
-                decisions.append(("stop", result.trial_id, points[i]))
+            median = statistics.median(others) if others else None
+            evidence = MedianRule(metric=self.metric, mode=self.mode, best=self._raw(best),
+                                  median=None if median is None else self._raw(median), others=len(others),
+                                  min_trials=self.min_trials, grace_steps=self.grace_steps)
+            if points[i] >= self.grace_steps and median is not None and len(others) >= self.min_trials \
+                    and best < median:
+                self.decide(study, Stop(trial_id=result.trial_id, step=points[i], reason="median", evidence=evidence))
                 continue
+            self.decide(study, Continue(trial_id=result.trial_id, step=points[i], to_step=points[i + 1],
+                                        evidence=evidence))
             inbox.submit(result.hp, points[i + 1], i + 1, i + 1)
-        out = self._result(final, everything)
-        out.decisions = decisions
-        return out
+        return self._result(study, final, everything)
+
+    def _raw(self, score: float) -> float | None:
+        """A :meth:`score` back in the metric's own sign (None for a null metric)."""
+        if not math.isfinite(score):
+            return None
+        return score if self.mode == "max" else -score

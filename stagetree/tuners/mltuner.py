@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from events.decisions import Answer, Continue, Draw, Keep, Patience, Progress, Promote, Ranking, Retune, Stop
 from events.hp import Constant, HPConfig, HPFunction, Piecewise, as_hp, continue_with
 from stagetree.spaces import candidates_of
 from stagetree.study import Study, TrialFailed, wait_all
@@ -58,6 +59,7 @@ class _Branch:
     config: HPConfig
     trial_id: str
     summary: Summary | None = None
+    length: int = 0  # the trial length it was last summarised at
 
     @property
     def speed(self) -> float:
@@ -115,11 +117,16 @@ class MLtunerTuner(Tuner):
     The answer (``TunerResult.best``) is the main line's evaluation with the best ``metric``
     (the first on ties): the selection points of the rounds and the epoch evaluations; its
     ``trial_id``/``hp`` are the main-line configuration at that step and ``steps`` the step.
-    ``TunerResult.trials`` holds every trial's latest result. Decisions, in order:
-    ``("branch", round, trial_id, step, L)``, ``("summary", round, trial_id, L, label, speed)``,
-    ``("double", round, L)``, ``("select", round, trial_id, speed)``,
-    ``("keep", round, reason)``, ``("retune", step)``, ``("stop", step, reason)`` with reason
-    ``"patience"`` or ``"max_steps"``.
+    ``TunerResult.trials`` holds every trial's latest result. Decisions (:mod:`events.decisions`),
+    in order: a ``draw`` per branch (``branch_of`` the main line, its ``round``, its index in the
+    round's permutation and the permutation's ``seed``); ``stop`` "diverged" for a branch that
+    diverged, ``continue`` for the live branches when phase 1 doubles the trial length; at the
+    end of a round ``promote`` for the chosen branch (it becomes the main line) and ``stop``
+    "slower" for the others, or ``stop`` "not-converging" for the live branches and ``keep`` for
+    the main line; each with the branch's :class:`~events.decisions.Progress`. On the main line:
+    ``continue`` to each epoch evaluation, ``retune`` (starting a round), ``stop`` "patience",
+    "max_steps" or "failed", each with its :class:`~events.decisions.Patience`; last, the
+    ``answer``.
 
     Departures from the paper: time is logical (steps, not seconds), so a speed is per step
     and decisions are a function of the metrics alone (identical on any number of workers,
@@ -220,22 +227,28 @@ class MLtunerTuner(Tuner):
 
     # ------------------------------------------------------------------ the run
 
+    def _patience(self, value: float | None, best: float | None, stale: int) -> Patience:
+        return Patience(metric=self.metric, mode=self.mode, value=value, best=best, stale=stale,
+                        patience=self.patience)
+
     async def run(self, study: Study) -> TunerResult:
-        decisions: list[tuple[Any, ...]] = []
         everything: dict[str, TrialResult] = {}
         main = study.config(self.initial)
         step = 0
         best: TrialResult | None = None
         best_score = -math.inf
+        last: float | None = None  # the main line's latest value of `metric`
+        evaluations = 0
         stale = 0  # main-line evaluations since the last improvement of `metric`
         previous = self.max_branches
         rnd = 0
 
         def evaluate(config: HPConfig, at: int, metrics: dict[str, float]) -> None:
-            nonlocal best, best_score, stale
+            nonlocal best, best_score, stale, last, evaluations
             result = TrialResult(study.trial_id(config), config, at, metrics)
             self._record(everything, result)
             score = self.score(metrics)
+            last, evaluations = self.value(result), evaluations + 1
             if best is None or score > best_score:
                 best = result
             if score > best_score:
@@ -243,10 +256,13 @@ class MLtunerTuner(Tuner):
             else:
                 stale += 1
 
+        def patience() -> Patience:
+            return self._patience(last, self.value(best) if best is not None else None, stale)
+
         async def tune(cap_length: int, cap_branches: int) -> bool:
             """A round at the current step; True when it moved the main line (and evaluated it)."""
             nonlocal main, step, previous
-            outcome = await self._round(study, rnd, main, step, cap_length, cap_branches, decisions, everything)
+            outcome = await self._round(study, rnd, main, step, cap_length, cap_branches, everything)
             previous = outcome.tried
             if outcome.chosen is None:
                 return False
@@ -257,28 +273,34 @@ class MLtunerTuner(Tuner):
 
         await tune(self.max_steps, self.max_branches)
         while True:
+            main_id = study.trial_id(main)
             if stale >= self.patience:
-                decisions.append(("stop", step, "patience"))
+                self.decide(study, Stop(trial_id=main_id, step=step, reason="patience", evidence=patience()))
                 break
             if step >= self.max_steps:
-                decisions.append(("stop", step, "max_steps"))
+                self.decide(study, Stop(trial_id=main_id, step=step, reason="max_steps", evidence=patience()))
                 break
             if stale == self.patience - 1:
                 rnd += 1
-                decisions.append(("retune", step))
+                self.decide(study, Retune(trial_id=main_id, step=step, round=rnd, evidence=patience()))
                 if await tune(min(self.epoch_steps, self.max_steps - step), min(self.max_branches, previous)):
                     continue  # the selection point was an evaluation: check patience again
             nxt = min(step + self.epoch_steps, self.max_steps)
+            self.decide(study, Continue(trial_id=main_id, step=step, to_step=nxt, evidence=patience()))
             try:
                 metrics = await study.submit(main, nxt)
             except TrialFailed as exc:  # the main line failed: a loss; the answer is the best so far
-                self._record(everything, TrialResult(study.trial_id(main), main, nxt, {}, error=exc.error or "failed"))
-                decisions.append(("stop", nxt, "failed"))
+                self._record(everything, TrialResult(main_id, main, nxt, {}, error=exc.error or "failed"))
+                self.decide(study, Stop(trial_id=main_id, step=nxt, reason="failed"))
                 break
             step = nxt
             evaluate(main, step, metrics)
+        if best is not None:
+            self.decide(study, Answer(trial_id=best.trial_id, step=best.steps, evidence=Ranking(
+                metric=self.metric, mode=self.mode, value=self.value(best), rank=1, of=evaluations, kept=1,
+                threshold=self.value(best))))
         return TunerResult(best, self.metric, self.mode, sorted(everything.values(), key=lambda r: r.trial_id),
-                           decisions)
+                           list(study.decisions))
 
     @staticmethod
     def _record(everything: dict[str, TrialResult], result: TrialResult) -> None:
@@ -306,22 +328,33 @@ class MLtunerTuner(Tuner):
         return summarize(trace, self.k, self.eps)
 
     async def _run_all(self, study: Study, rnd: int, branches: list[_Branch], start: int, length: int,
-                       decisions: list[tuple[Any, ...]], everything: dict[str, TrialResult]) -> None:
-        """Run ``branches`` to ``length`` at once and record their summaries (in order)."""
+                       everything: dict[str, TrialResult], stopped: set[str]) -> None:
+        """Run ``branches`` to ``length`` at once, keep their summaries and stop (in order) the
+        ones that diverged."""
         summaries = await asyncio.gather(*(self._run_branch(study, b, start, length, everything)
                                            for b in branches))
         for b, summary in zip(branches, summaries):
-            b.summary = summary
-            decisions.append(("summary", rnd, b.trial_id, length, summary.label, summary.speed))
+            b.summary, b.length = summary, length
+            if summary.label == DIVERGED and b.trial_id not in stopped:
+                stopped.add(b.trial_id)
+                self.decide(study, Stop(trial_id=b.trial_id, step=start + length, reason="diverged",
+                                        evidence=self._progress(rnd, b)))
+
+    def _progress(self, rnd: int, b: _Branch) -> Progress:
+        assert b.summary is not None
+        return Progress(metric=self.progress_metric, round=rnd, length=b.length, label=b.summary.label,
+                        speed=b.summary.speed)
 
     async def _round(self, study: Study, rnd: int, main: HPConfig, start: int, cap_length: int,
-                     cap_branches: int, decisions: list[tuple[Any, ...]],
-                     everything: dict[str, TrialResult]) -> _Round:
+                     cap_branches: int, everything: dict[str, TrialResult]) -> _Round:
         """One tuning round from ``main`` at step ``start`` (RELATED_SPEC §3.3)."""
         settings = self.settings()
-        rng = np.random.default_rng(stable_seed(study.name, "mltuner", str(rnd)))
+        seed = stable_seed(study.name, "mltuner", str(rnd))
+        rng = np.random.default_rng(seed)
         order = [settings[int(i)] for i in rng.permutation(len(settings))]
+        main_id = study.trial_id(main)
         tried: list[_Branch] = []
+        stopped: set[str] = set()
 
         def can_propose() -> bool:
             return len(tried) < min(cap_branches, len(order))
@@ -331,8 +364,9 @@ class MLtunerTuner(Tuner):
                 return None
             config = study.config(self.branch(main, order[len(tried)], start))
             b = _Branch(config, study.trial_id(config))
+            self.decide(study, Draw(trial_id=b.trial_id, step=start, to_step=start + length, sampler=self.name,
+                                    index=len(tried), seed=seed, branch_of=main_id, round=rnd))
             tried.append(b)
-            decisions.append(("branch", rnd, b.trial_id, start, length))
             return b
 
         # Phase 1: find a trial length at which something converges.
@@ -346,7 +380,7 @@ class MLtunerTuner(Tuner):
                 break
             if new is not None:
                 live.append(new)
-            await self._run_all(study, rnd, live, start, length, decisions, everything)
+            await self._run_all(study, rnd, live, start, length, everything, stopped)
             ran_at = length
             live = [b for b in live if b.summary is not None and b.summary.label != DIVERGED]
             converging = [b for b in live if b.summary is not None and b.summary.label == CONVERGING]
@@ -354,10 +388,18 @@ class MLtunerTuner(Tuner):
                 best = max(converging, key=lambda b: b.speed)  # max keeps the first of equals
                 break
             if length < cap_length and (live or can_propose()):
-                length = min(2 * length, cap_length)
-                decisions.append(("double", rnd, length))
+                longer = min(2 * length, cap_length)
+                for b in live:  # nothing converges yet: the live branches run on at the doubled length
+                    self.decide(study, Continue(trial_id=b.trial_id, step=start + length, to_step=start + longer,
+                                                evidence=self._progress(rnd, b)))
+                length = longer
         if best is None:
-            decisions.append(("keep", rnd, "no converging branch"))
+            for b in live:
+                if b.trial_id not in stopped:
+                    stopped.add(b.trial_id)
+                    self.decide(study, Stop(trial_id=b.trial_id, step=start + b.length, reason="not-converging",
+                                            evidence=self._progress(rnd, b)))
+            self.decide(study, Keep(trial_id=main_id, step=start, round=rnd, reason="no converging branch"))
             return _Round(None, length, len(tried))
 
         # Phase 2: fixed length; stop on the budget, the candidates, or top_within.
@@ -370,9 +412,16 @@ class MLtunerTuner(Tuner):
             batch = [b for b in (propose() for _ in range(size)) if b is not None]
             if not batch:
                 break
-            await self._run_all(study, rnd, batch, start, length, decisions, everything)
+            await self._run_all(study, rnd, batch, start, length, everything, stopped)
             for b in batch:
                 if b.speed > best.speed:
                     best = b
-        decisions.append(("select", rnd, best.trial_id, best.speed))
+        self.decide(study, Promote(trial_id=best.trial_id, step=start + length, to_step=start + length,
+                                   evidence=self._progress(rnd, best)))
+        stopped.add(best.trial_id)
+        for b in tried:
+            if b.trial_id not in stopped:
+                stopped.add(b.trial_id)
+                self.decide(study, Stop(trial_id=b.trial_id, step=start + b.length, reason="slower",
+                                        evidence=self._progress(rnd, b)))
         return _Round(best, length, len(tried))

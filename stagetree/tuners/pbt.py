@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from events.decisions import Continue, Exploit, Quantiles, Stop
 from events.hp import HPConfig, continue_with
 from stagetree.spaces import candidates_of
 from stagetree.study import Study
@@ -33,7 +33,10 @@ class PBT(Tuner):
 
     Random choices come from :func:`stable_seed` of ``(study, trial id, step)``. Units: steps.
     With ``causal=True`` each generation is a causal group. Assumes results at equal steps
-    compare across members.
+    compare across members. Decisions: a ``draw`` per member, then per result below
+    ``max_steps`` an ``exploit`` (naming the donor, the new member, the seed and the explored
+    values) or a ``continue``, each with the member's :class:`~events.decisions.Quantiles`
+    (a failed member: ``stop``, reason "failed"), and the ``answer``.
 
     Raises:
         ValueError: bad counts, a quantile outside (0, 0.5], a probability outside [0, 1], or a
@@ -82,16 +85,16 @@ class PBT(Tuner):
     async def run(self, study: Study) -> TunerResult:
         gens = self.generations()
         inbox: ResultInbox[int] = ResultInbox(study, self.causal)  # payload: the generation
-        for config in itertools.islice(iter(self.space), self.population):
+        for config in self.draw(study, self.configurations(study, self.population), gens[0]):
             inbox.submit(config, gens[0], 0, 0)
         at_gen: list[list[TrialResult]] = [[] for _ in gens]
         everything: dict[str, TrialResult] = {}
         final: list[TrialResult] = []
-        decisions: list[tuple[Any, ...]] = []
         async for g, result in inbox.results():
             everything[result.trial_id] = result
-            if result.failed:
-                continue  # the member ends; quantiles use results that exist
+            if result.failed:  # the member ends; quantiles use results that exist
+                self.decide(study, Stop(trial_id=result.trial_id, step=gens[g], reason="failed"))
+                continue
             at_gen[g].append(result)
             if g + 1 == len(gens):
                 final.append(result)
@@ -99,15 +102,23 @@ class PBT(Tuner):
             ranked = self.rank(at_gen[g])
             cut = int(len(ranked) * self.quantile)
             top, bottom = ranked[:cut], ranked[len(ranked) - cut:] if cut else []
+            place = next(i for i, r in enumerate(ranked) if r.trial_id == result.trial_id)
+            evidence = Quantiles(metric=self.metric, mode=self.mode, value=self.value(result), rank=place + 1,
+                                 of=len(ranked), cut=cut, quantile=self.quantile)
             nxt = result.hp
             if cut and any(b.trial_id == result.trial_id for b in bottom) \
                     and all(t.trial_id != result.trial_id for t in top):
-                rng = np.random.default_rng(stable_seed(study.name, result.trial_id, str(gens[g])))
+                seed = stable_seed(study.name, result.trial_id, str(gens[g]))
+                rng = np.random.default_rng(seed)
                 donor = top[int(rng.integers(len(top)))]
                 nxt = self.explore(donor.hp, gens[g], rng)
-                decisions.append(("exploit", result.trial_id, donor.trial_id, gens[g],
-                                  study.trial_id(study.config(nxt))))
+                explored = {name: nxt[name].value(gens[g]) for name in sorted(self.mutations)}
+                self.decide(study, Exploit(trial_id=result.trial_id, step=gens[g], donor=donor.trial_id,
+                                           new_trial_id=study.trial_id(study.config(nxt)), to_step=gens[g + 1],
+                                           seed=seed, evidence=evidence, donor_value=self.value(donor),
+                                           explored=explored))
+            else:
+                self.decide(study, Continue(trial_id=result.trial_id, step=gens[g], to_step=gens[g + 1],
+                                            evidence=evidence))
             inbox.submit(nxt, gens[g + 1], g + 1, g + 1)
-        out = self._result(final, everything)
-        out.decisions = decisions
-        return out
+        return self._result(study, final, everything)

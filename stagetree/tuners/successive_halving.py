@@ -31,7 +31,9 @@ class SuccessiveHalving(Tuner):
 
     Every configuration trains to ``min_steps``; at each rung the best 1/``reduction`` (at least
     one) continue to ``reduction`` times more steps, up to ``max_steps``. A promotion is a new
-    request on the same trial, so it resumes from the trial's own checkpoint.
+    request on the same trial, so it resumes from the trial's own checkpoint. Decisions: a
+    ``draw`` per configuration, then at each rung but the last a ``promote`` or ``stop`` per
+    trial with its :class:`~events.decisions.Ranking`, and the ``answer``.
 
     Raises:
         ValueError: non-positive steps, ``min_steps > max_steps`` or ``reduction < 2``.
@@ -47,13 +49,14 @@ class SuccessiveHalving(Tuner):
         return rungs(self.min_steps, self.max_steps, self.reduction)
 
     async def run(self, study: Study) -> TunerResult:
-        alive = list(self.space)
+        budgets = self.rungs()
+        alive = self.draw(study, self.configurations(study), budgets[0])
         everything: dict[str, TrialResult] = {}
         results: list[TrialResult] = []
-        budgets = self.rungs()
         for k, steps in enumerate(budgets):
             results = await self._train(study, alive, steps)
             everything.update({r.trial_id: r for r in results})
             if k + 1 < len(budgets):
-                alive = [r.hp for r in self.keep(results, max(1, len(alive) // self.reduction))]
-        return self._result(results, everything)
+                kept = self.cut(study, results, max(1, len(alive) // self.reduction), k, budgets[k + 1])
+                alive = [r.hp for r in kept]
+        return self._result(study, results, everything)

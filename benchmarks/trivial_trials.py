@@ -1,0 +1,150 @@
+"""Many trivial trials: the control plane's overhead next to Optuna's (issue 15, goal 1).
+
+What it measures
+----------------
+One invocation runs, back to back on this machine:
+
+* **stagetree**: ``stagetree run benchmarks/studies/trivial.py --workers 2`` in a fresh
+  directory (``N`` trials of one step each on a one-weight model, no data; no two trials share
+  a step, so every trial is its own stage, dispatched, trained, checkpointed, evaluated and
+  logged durably). From ``summary.json``: the study's end-to-end seconds (first event to the
+  answer) and worker-seconds; from the subprocess: its wall seconds. Start-up and exit are
+  wall minus end-to-end: the interpreter, the worker processes importing torch and warming
+  up, writing the summary, leaving.
+* **Optuna**: the same ``N`` configurations (a ``GridSampler`` over the same targets) in one
+  process with a durable ``JournalStorage(JournalFileBackend)``, each trial building the same
+  trainer, training its step and evaluating, as a user of Optuna would write it. Its wall
+  seconds include nothing but the study (the interpreter has imported torch already).
+* **the floor of start-up**: the wall seconds of ``python -c "import torch, torch._dynamo"``
+  (what any process training with a torch optimizer pays before its first step).
+
+Ratios printed: stagetree's end-to-end / Optuna's (goal: at most 2), and stagetree's start-up
+plus exit beyond the study (goal: under 3 s) next to the floor. The CPU other processes used
+meanwhile is reported (``/proc/stat``): on a 2-core machine, a run that shared its cores is off
+by a factor of 2 to 3.
+
+Usage::
+
+    .venv/bin/python benchmarks/trivial_trials.py [--trials 1000] [--workers 2] [--out runs/bench-trivial]
+
+Writes ``OUT/trivial_trials.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+STUDY = ROOT / "benchmarks" / "studies" / "trivial.py"
+
+
+def _cpu_seconds() -> float:
+    """Busy CPU seconds of the whole machine so far (Linux /proc/stat: user+nice+system+irq...)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    ticks = [int(x) for x in fields]
+    busy = sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)  # minus idle and iowait
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def run_stagetree(trials: int, workers: int, out: Path) -> dict[str, float]:
+    """Wall, end-to-end and worker seconds of ``stagetree run`` on the trivial study."""
+    shutil.rmtree(out, ignore_errors=True)
+    exe = Path(sys.executable).with_name("stagetree")
+    env = {**os.environ, "STAGETREE_TRIVIAL_TRIALS": str(trials)}
+    cpu0, t0 = _cpu_seconds(), time.perf_counter()
+    proc = subprocess.run([str(exe), "run", str(STUDY), "--workers", str(workers), "--out", str(out)],
+                          env=env, capture_output=True, text=True)
+    wall, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
+    if proc.returncode != 0:
+        raise SystemExit(f"stagetree run failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    summary = orjson.loads((out / "summary.json").read_bytes())
+    return {"wall_s": wall, "end_to_end_s": summary["end_to_end_seconds"],
+            "worker_seconds": summary["worker_seconds"], "machine_cpu_s": cpu}
+
+
+def run_optuna(trials: int, out: Path) -> dict[str, float]:
+    """Wall seconds of the same trials in one process on Optuna with a durable journal file."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    spec = importlib.util.spec_from_file_location("trivial_study", STUDY)
+    assert spec is not None and spec.loader is not None
+    os.environ["STAGETREE_TRIVIAL_TRIALS"] = str(trials)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    import torch
+
+    trainer, targets = module.trainer, [i / trials for i in range(trials)]
+    device = torch.device("cpu")
+
+    def objective(trial: optuna.Trial) -> float:
+        trainer.build(module.seed, device)
+        trainer.setup({"target": trial.suggest_categorical("target", targets)})
+        trainer.train_step(torch.zeros(1, dtype=torch.long), 0)
+        return float(trainer.evaluate()["loss"])
+
+    # the first call imports what training needs (torch's optimizer code): start-up, not study time
+    trainer.build(module.seed, device)
+    trainer.optimizer.state_dict()
+    journal = out / "optuna.journal"
+    journal.unlink(missing_ok=True)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = JournalStorage(JournalFileBackend(str(journal)))
+    sampler = optuna.samplers.GridSampler({"target": targets}, seed=0)
+    cpu0, t0 = _cpu_seconds(), time.perf_counter()
+    study = optuna.create_study(storage=storage, sampler=sampler, direction="minimize")
+    study.optimize(objective, n_trials=trials)
+    wall, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
+    assert len(study.trials) == trials
+    return {"wall_s": wall, "machine_cpu_s": cpu}
+
+
+def torch_floor() -> float:
+    """Wall seconds of a fresh interpreter importing torch and its compiler front end."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch, torch._dynamo"], check=True)
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trials", type=int, default=1000)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-trivial")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    floor = torch_floor()
+    st = run_stagetree(args.trials, args.workers, args.out / "stagetree")
+    op = run_optuna(args.trials, args.out)
+    outside = st["wall_s"] - st["end_to_end_s"]
+    result = {"trials": args.trials, "workers": args.workers, "stagetree": st, "optuna": op,
+              "torch_import_floor_s": floor, "ratio_end_to_end_vs_optuna": st["end_to_end_s"] / op["wall_s"],
+              "startup_and_exit_s": outside, "per_trial_ms": 1000 * st["end_to_end_s"] / args.trials,
+              "cores": os.cpu_count()}
+    (args.out / "trivial_trials.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+
+    print(f"{args.trials} trivial trials, {args.workers} workers, {os.cpu_count()} cores")
+    print(f"  stagetree   end-to-end {st['end_to_end_s']:8.2f} s  ({result['per_trial_ms']:.1f} ms per trial), "
+          f"wall {st['wall_s']:.2f} s, worker-seconds {st['worker_seconds']:.2f}")
+    print(f"  optuna      wall       {op['wall_s']:8.2f} s  (JournalFileBackend, in-process)")
+    print(f"  ratio end-to-end stagetree / optuna: {result['ratio_end_to_end_vs_optuna']:.2f} (goal <= 2)")
+    print(f"  start-up and exit beyond the study: {outside:.2f} s (goal < 3 s); "
+          f"`import torch, torch._dynamo` alone: {floor:.2f} s")
+    print(f"  machine CPU during stagetree: {st['machine_cpu_s']:.1f} s, during optuna: {op['machine_cpu_s']:.1f} s")
+    print(f"wrote {args.out / 'trivial_trials.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""Optuna's samplers propose, stagetree merges (issue 13 item 2).
+
+Two ways to let any ``BaseSampler`` (TPE, CMA-ES, GP, QMC, random, ...) choose
+configurations through Optuna's ask-and-tell interface, over the same space language as
+:class:`~stagetree.spaces.RandomSearchSpace` (fixed values, candidate lists, :class:`Choice`,
+:class:`Uniform`, :class:`LogUniform`, :class:`IntUniform`, :class:`Milestones` and
+:class:`Sampled` sequences, whose parameters, initial value, milestones, gamma, warm-up length,
+period, are Optuna parameters named ``<hp>.<parameter>``: :func:`stagetree.spaces.ask_config`):
+
+* :class:`OptunaSearch`, a tuner on its own: ``n_trials`` configurations asked ``batch`` at a
+  time, each trained to ``steps`` (optionally reported every ``report_every`` steps to an Optuna
+  pruner, which may stop it), and told its result before the next batch is asked.
+* :class:`OptunaSpace`, the configuration source of SuccessiveHalving, ASHA, Hyperband (or any
+  tuner over a space), after BOHB (Falkner et al., ICML 2018): the tuner asks it for its
+  configurations, and every decision the tuner takes is reported to the Optuna study, so
+  Optuna's samplers and pruners, and ``optuna-dashboard``, see the intermediate value of each
+  rung (``trial.report(value, step)`` on a promotion or a stop), stopped trials end pruned,
+  failed ones failed, and the final rung's complete with their value.
+
+The configurations are stagetree trials like any others: proposals that share a prefix (the same
+warm-up, the same decay up to a milestone) are merged in the search plan and trained once. Every
+configuration asked is a ``draw`` decision in the log (:mod:`events.decisions`) naming the
+sampler and its seed; the Optuna study lives in any Optuna storage (``storage=``: a URL or an
+``BaseStorage``; default in memory), named after the stagetree study unless
+``study_name`` is given.
+
+Determinism: a sampler given a seed (``TPESampler(seed=3)``; pass the same ``seed=`` so the
+draws record it) proposes the same configurations for the same sequence of results told, and
+both classes tell in an order fixed by the tuner's decisions (never by timing): the same
+configurations and the same answer on any number of workers. ``replay verify`` recomputes the
+draws with a fresh Optuna study in memory (a replay writes nothing outside the log); that equals
+the live run when its Optuna study had no trials before it started (a new study name).
+
+Needs ``pip install 'stagetree[optuna]'``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from events.decisions import Continue, Decision, Pruned, Stop
+from events.hp import HPConfig
+from stagetree.integration import require
+from stagetree.spaces import ask_config, space_specs
+from stagetree.study import Study
+from stagetree.tuners import Mode, TrialResult, Tuner, TunerResult
+from stagetree.tuners._base import positive_int
+
+require("optuna", "optuna", "stagetree.integration.optuna")
+from optuna import Study as OptunaStudy  # noqa: E402
+from optuna import create_study  # noqa: E402
+from optuna.pruners import BasePruner, NopPruner  # noqa: E402
+from optuna.samplers import BaseSampler, TPESampler  # noqa: E402
+from optuna.storages import BaseStorage, InMemoryStorage  # noqa: E402
+from optuna.trial import Trial as OptunaTrial  # noqa: E402
+from optuna.trial import TrialState  # noqa: E402
+
+__all__ = ["OptunaSearch", "OptunaSpace"]
+
+MAX_ASKS = 10
+"""How many asks per configuration wanted before a space is taken as exhausted (a categorical
+space smaller than ``n``): a sampler proposing a configuration already asked is told it failed
+(user attribute ``duplicate_of``) and asked again."""
+
+
+class OptunaSpace:
+    """Configurations proposed by an Optuna sampler, for a tuner over a space (BOHB-style); see
+    the module docstring.
+
+    Args:
+        hp_dict: name -> a fixed value, a list of candidates or a sampler
+            (:func:`stagetree.spaces.space_specs`).
+        n: how many configurations the tuner gets (positive int).
+        sampler: any ``BaseSampler``; default ``TPESampler(seed=seed)``.
+        seed: the sampler's seed, recorded in every draw decision.
+        storage: where the Optuna study lives (URL or ``BaseStorage``); None: in memory.
+        study_name: the Optuna study's name; default the stagetree study's.
+        pruner: the Optuna study's pruner (consulted by :class:`OptunaSearch`); default none.
+
+    Raises:
+        ValueError: an invalid ``hp_dict`` (naming the hyper-parameter and field), ``n``,
+            ``seed``, ``sampler`` or ``pruner``.
+    """
+
+    def __init__(self, hp_dict: Mapping[str, Any], n: int, *, sampler: BaseSampler | None = None,
+                 seed: int | None = None, storage: str | BaseStorage | None = None,
+                 study_name: str | None = None, pruner: BasePruner | None = None) -> None:
+        self.specs = space_specs(hp_dict)
+        self.n = positive_int("n", n)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            raise ValueError(f"`seed` is {seed!r}, but must be an int in [0, 2**63) or None")
+        if sampler is not None and not isinstance(sampler, BaseSampler):
+            raise ValueError(f"`sampler` is {sampler!r}, but must be an BaseSampler")
+        if pruner is not None and not isinstance(pruner, BasePruner):
+            raise ValueError(f"`pruner` is {pruner!r}, but must be an BasePruner")
+        self.sampler = sampler if sampler is not None else TPESampler(seed=seed)
+        self.seed = seed if seed is not None else getattr(self.sampler, "_seed", None)
+        self.sampler_name = type(self.sampler).__name__
+        self.storage = storage
+        self.study_name = study_name
+        self.pruner = pruner if pruner is not None else NopPruner()
+        self._optuna: OptunaStudy | None = None
+        self._for: Study | None = None
+        self._tuner: Tuner | None = None
+        self._configs: list[HPConfig] = []
+        self._trials: dict[str, list[OptunaTrial]] = {}  # stagetree trial id -> its Optuna trials
+        self._reported: set[tuple[int, int]] = set()  # (Optuna trial number, step)
+        self._told: set[int] = set()
+
+    def __iter__(self) -> Any:
+        """No configuration exists before a study asks: a tuner calls :meth:`configurations`."""
+        return iter(())
+
+    def __repr__(self) -> str:
+        return f"OptunaSpace({self.specs!r}, n={self.n}, sampler={self.sampler_name}, seed={self.seed})"
+
+    # ------------------------------------------------------------------ the Optuna study
+
+    def optuna_study(self, study: Study, tuner: Tuner) -> OptunaStudy:
+        """The Optuna study of ``study`` (created at the first call: maximising when the tuner
+        maximises; in memory in a replay of the log)."""
+        if self._optuna is None or self._for is not study:
+            storage = InMemoryStorage() if study.replaying else self.storage
+            self._optuna = create_study(
+                storage=storage, sampler=self.sampler, pruner=self.pruner, study_name=self.study_name or study.name,
+                direction="maximize" if tuner.mode == "max" else "minimize", load_if_exists=True)
+            self._for, self._tuner, self._configs = study, tuner, []
+            self._trials.clear()
+        return self._optuna
+
+    def ask(self, study: Study, tuner: Tuner, count: int) -> list[HPConfig]:
+        """``count`` new configurations asked of the sampler, distinct from every one asked
+        before in this study (fewer when the space runs out, see :data:`MAX_ASKS`).
+
+        Raises:
+            ValueError: a proposal is not a valid configuration for the study's trainer.
+        """
+        optuna_study = self.optuna_study(study, tuner)
+        out: list[HPConfig] = []
+        for _ in range(MAX_ASKS * count):
+            if len(out) == count:
+                break
+            trial = optuna_study.ask()
+            config = study.config(ask_config(self.specs, trial))
+            trial_id = study.trial_id(config)
+            if trial_id in self._trials:
+                trial.set_user_attr("duplicate_of", trial_id)
+                optuna_study.tell(trial, state=TrialState.FAIL)
+                continue
+            trial.set_user_attr("stagetree_trial", trial_id)
+            self._trials[trial_id] = [trial]
+            self._configs.append(config)
+            out.append(config)
+        return out
+
+    def configurations(self, study: Study, tuner: Tuner, count: int | None = None) -> list[HPConfig]:
+        """The tuner's configurations: the first ``count`` (default ``n``) asked for ``study``,
+        asked on the first call (asking again returns the same)."""
+        wanted = self.n if count is None else min(count, self.n)
+        self.optuna_study(study, tuner)
+        if len(self._configs) < wanted:
+            self.ask(study, tuner, wanted - len(self._configs))
+        return list(self._configs[:wanted])
+
+    # ------------------------------------------------------------------ telling
+
+    def report(self, trial_id: str, value: float | None, step: int) -> None:
+        """Report ``value`` at ``step`` to the trial's Optuna trials (once per step)."""
+        for trial in self._trials.get(trial_id, []):
+            if value is not None and trial.number not in self._told and (trial.number, step) not in self._reported:
+                self._reported.add((trial.number, step))
+                trial.report(value, step)
+
+    def should_prune(self, trial_id: str) -> bool:
+        """The pruner's verdict on the trial's reports so far."""
+        return any(t.should_prune() for t in self._trials.get(trial_id, []) if t.number not in self._told)
+
+    def tell(self, trial_id: str, value: float | None, state: TrialState = TrialState.COMPLETE) -> None:
+        """End the trial's Optuna trials: complete with ``value`` (failed without one), pruned
+        or failed."""
+        assert self._optuna is not None
+        for trial in self._trials.get(trial_id, []):
+            if trial.number in self._told:
+                continue
+            self._told.add(trial.number)
+            if state == TrialState.COMPLETE and value is None:
+                state = TrialState.FAIL
+            self._optuna.tell(trial, value if state == TrialState.COMPLETE else None, state=state)
+
+    def decided(self, study: Study, decision: Decision) -> None:
+        """A tuner decision about one of the trials: its value at the decision's step is reported
+        (the rung, the evaluation), and a stop ends the Optuna trial, pruned (failed when its
+        training failed); a PBT exploit ends the member, pruned."""
+        if decision.trial_id not in self._trials or self._for is not study:
+            return
+        evidence = getattr(decision, "evidence", None)
+        if decision.kind in ("promote", "continue", "stop", "exploit", "answer"):
+            self.report(decision.trial_id, getattr(evidence, "value", None), decision.step)
+        if isinstance(decision, Stop):
+            self.tell(decision.trial_id, None, TrialState.FAIL if decision.reason == "failed" else TrialState.PRUNED)
+        elif decision.kind == "exploit":
+            self.tell(decision.trial_id, None, TrialState.PRUNED)
+
+    def finished(self, study: Study, final: Sequence[TrialResult]) -> None:
+        """The tuner's end: its final results complete their Optuna trials (in trial-id order),
+        and any trial still open ends pruned."""
+        if self._for is not study or self._tuner is None:
+            return
+        for r in sorted(final, key=lambda r: r.trial_id):
+            value = self._tuner.value(r)
+            self.report(r.trial_id, value, r.steps)
+            self.tell(r.trial_id, value, TrialState.FAIL if r.failed else TrialState.COMPLETE)
+        for trial_id in sorted(self._trials):
+            self.tell(trial_id, None, TrialState.PRUNED)
+
+
+class OptunaSearch(Tuner):
+    """An Optuna sampler as a stagetree tuner on its own (ask-and-tell): ``n_trials``
+    configurations, asked ``batch`` at a time (``batch=1``: sequential), each trained to
+    ``steps`` and told its ``metric`` before the next batch is asked.
+
+    With ``report_every`` each trial is evaluated every ``report_every`` steps and the value
+    reported to the Optuna ``pruner`` (e.g. ``optuna.pruners.MedianPruner()``), which may stop it
+    (decision ``stop``, reason "pruned"; otherwise ``continue``, both with the pruner's
+    :class:`~events.decisions.Pruned` verdict). The answer is the best trial trained to
+    ``steps``. Units: steps. See the module docstring for the space, storage and determinism.
+
+    Raises:
+        ValueError: invalid arguments (naming the field and the value), e.g. a ``pruner``
+            without ``report_every``.
+    """
+
+    def __init__(self, hp_dict: Mapping[str, Any], metric: str, mode: Mode = "max", *, n_trials: int, steps: int,
+                 batch: int = 1, sampler: BaseSampler | None = None, seed: int | None = None,
+                 storage: str | BaseStorage | None = None, study_name: str | None = None,
+                 pruner: BasePruner | None = None, report_every: int | None = None) -> None:
+        space = OptunaSpace(hp_dict, n_trials, sampler=sampler, seed=seed, storage=storage, study_name=study_name,
+                            pruner=pruner)
+        super().__init__(space, metric, mode)
+        self.space: OptunaSpace = space
+        self.n_trials = space.n
+        self.steps = positive_int("steps", steps)
+        self.batch = positive_int("batch", batch)
+        if report_every is not None:
+            positive_int("report_every", report_every)
+        elif pruner is not None:
+            raise ValueError(f"`pruner` is {pruner!r}, but a pruner needs `report_every` (steps between reports)")
+        self.report_every = report_every
+
+    def points(self) -> list[int]:
+        """The steps each trial is evaluated at: every ``report_every`` steps, and ``steps``."""
+        if self.report_every is None:
+            return [self.steps]
+        return [*range(self.report_every, self.steps, self.report_every), self.steps]
+
+    async def run(self, study: Study) -> TunerResult:
+        points = self.points()
+        self.space.optuna_study(study, self)
+        pruner = type(self.space.pruner).__name__
+        everything: dict[str, TrialResult] = {}
+        final: list[TrialResult] = []
+        asked = 0
+        while asked < self.n_trials:
+            configs = self.space.ask(study, self, min(self.batch, self.n_trials - asked))
+            if not configs:
+                break  # the space has no configuration left that was not asked
+            self.draw(study, configs, points[0], indexes=list(range(asked, asked + len(configs))))
+            asked += len(configs)
+            alive = configs
+            for i, step in enumerate(points):
+                results = await self._train(study, alive, step)
+                alive = []
+                for r in results:
+                    everything[r.trial_id] = r
+                    if r.failed:
+                        self.decide(study, Stop(trial_id=r.trial_id, step=step, reason="failed"))
+                    elif i + 1 == len(points):
+                        final.append(r)
+                        self.space.report(r.trial_id, self.value(r), step)
+                        self.space.tell(r.trial_id, self.value(r))
+                    else:
+                        self.space.report(r.trial_id, self.value(r), step)
+                        prune = self.space.should_prune(r.trial_id)
+                        evidence = Pruned(pruner=pruner, metric=self.metric, mode=self.mode, value=self.value(r),
+                                          prune=prune)
+                        if prune:
+                            self.decide(study, Stop(trial_id=r.trial_id, step=step, reason="pruned", evidence=evidence))
+                        else:
+                            self.decide(study, Continue(trial_id=r.trial_id, step=step, to_step=points[i + 1],
+                                                        evidence=evidence))
+                            alive.append(r.hp)
+                if not alive:
+                    break
+        return self._result(study, final, everything)
