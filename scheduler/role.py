@@ -247,7 +247,8 @@ class SchedulerRole:
         """Follow every plan partition until :attr:`stop`; decide while holding the role."""
         partitions = self.log.partition_count(topics.PLAN)
         self.fold = PartitionedFold(self.log, partitions, secret=self.secret)
-        self.sealed_through = {p: -1 for p in range(partitions)}
+        self.unsealed = {p: False for p in range(partitions)}  # a record but a seal folded since the last seal made
+        self.last_seal = {p: -1 for p in range(partitions)}  # offset of the last seal folded
         for p, projector in self.fold.projectors.items():
             projector.listeners.append(lambda offset, event, p=p: self._saw(p, offset, event))
         self.follower = Follower(self.log, {(topics.PLAN, p): 0 for p in range(partitions)}, wait_ms=10)
@@ -311,8 +312,10 @@ class SchedulerRole:
             log.warning("serve %s: the last seal was not appended: %s", self.instance, exc)
 
     def _saw(self, partition: int, offset: int, event: Event) -> None:
-        if isinstance(event, LogSealed):
-            self.sealed_through[partition] = offset
+        if isinstance(event, LogSealed):  # seals need no seal; everything else does
+            self.last_seal[partition] = offset
+        else:
+            self.unsealed[partition] = True
 
     def _sync_role(self) -> bool:
         """Take the role over or drop it as the latest grant says; whether it is held now."""
@@ -407,17 +410,29 @@ class SchedulerRole:
             self.decisions.transactions.append([Write(topics.DEADLETTER, "heartbeat", encode(x)) for x in letters])
 
     def _seal(self) -> None:
-        """Append a LogSealed per partition folded past its last seal (the chain after its last
-        folded record), all in one transaction."""
+        """Append a LogSealed per partition where a record other than a seal was folded since
+        its last seal was made, or anything (a rejected record) after the last seal folded: the
+        chain after its last folded record, all in one transaction.
+
+        What a seal covers is decided when it is made: records other processes append before
+        it lands are folded after it, so they are sealed by the next one (a seal that lands
+        after nothing but seals needs none)."""
         algorithm = chain_algorithm(self.secret)
         partitioned = len(self.fold.projectors) > 1
+        sealing = [p for p, projector in self.fold.projectors.items()
+                   if self.unsealed[p] or projector.state.offset > self.last_seal[p]]
         writes = []
-        for p, projector in self.fold.projectors.items():
-            state = projector.state
-            if state.offset > self.sealed_through[p]:
-                seal = LogSealed(producer=self.producer, ts=time.time(), stream=topics.PLAN, offset=state.offset,
-                                 chain=state.chain, algorithm=algorithm, partition=p if partitioned else None)
-                writes.append(Write(topics.PLAN, "seal", encode(seal), p))
+        for p in sealing:
+            state = self.fold.projectors[p].state
+            seal = LogSealed(producer=self.producer, ts=time.time(), stream=topics.PLAN, offset=state.offset,
+                             chain=state.chain, algorithm=algorithm, partition=p if partitioned else None)
+            writes.append(Write(topics.PLAN, "seal", encode(seal), p))
+            self.unsealed[p] = False
         if writes:
-            positions = self.decisions.transactions.append(writes)
+            try:
+                positions = self.decisions.transactions.append(writes)
+            except BaseException:
+                for p in sealing:
+                    self.unsealed[p] = True
+                raise
             self.decisions.wait_folded(positions)

@@ -275,20 +275,40 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
                               "--study", str(args.file), "--device", args.device]) for w in workers]
             await runtime.ready(workers)
         summary = await _conduct(runtime, log, args, loaded, mode)
+        if procs:  # the serve we started seals the chain: stop it only once the study's end is sealed
+            await _sealed(runtime, dict(runtime.last_record), console)
     finally:
         if dashboard is not None:
             dashboard.stop()
         poller.cancel()
         runtime.close()
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        # The workers first (each leaves with a WorkerLost of its own), then the serve, whose
+        # last seal then covers their goodbyes too.
+        for group in (procs[1:], procs[:1]):
+            for proc in group:
+                proc.terminate()
+            for proc in group:
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
         log.close()
     return _write_summary(out, summary)
+
+
+async def _sealed(runtime: Any, upto: dict[int, int], console: Console, timeout_s: float = 60.0) -> None:
+    """Wait until seals cover every partition of the plan stream up to ``upto[partition]`` (the
+    study's records as the runtime folded them), as the runtime folds them, so that stopping the
+    ``serve`` this command started leaves a stream ``replay verify`` finds sealed to its end;
+    after ``timeout_s`` seconds a warning says it is not."""
+    deadline = time.monotonic() + timeout_s
+    while runtime.unsealed(upto):
+        if time.monotonic() > deadline:
+            left = ", ".join(f"partition {p} through offset {o}" for p, o in sorted(runtime.unsealed(upto).items()))
+            console.print(f"[yellow]warning:[/yellow] the plan stream was not sealed ({left}) within {timeout_s:g} s; "
+                          "`replay verify` will report its last records as not sealed")
+            return
+        await asyncio.sleep(0.1)
 
 
 def _print_summary(summary: dict[str, Any], console: Console) -> None:

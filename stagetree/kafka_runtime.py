@@ -15,8 +15,8 @@ from typing import Any
 
 from events import topics
 from events.kafka_log import Follower, KafkaLog, KafkaLogError, partition_for
-from events.log import append_events, event_key
-from events.models import Event
+from events.log import Record, append_events, event_key
+from events.models import Event, LogSealed
 from projections.partitions import PartitionedFold
 from stagetree.runtime import RuntimeBase, RuntimeError_
 
@@ -33,9 +33,20 @@ class KafkaRuntime(RuntimeBase):
         self.log = log
         self.poll_s = poll_s
         self.follower = Follower(log, {(topics.PLAN, p): 0 for p in range(self.partitions)}, wait_ms=100)
+        self.last_record: dict[int, int] = {}
+        """Partition -> offset of the last record folded that is not a seal."""
+        self.sealed_to: dict[int, int] = {}
+        """Partition -> the last offset a seal folded so far covers."""
         ends = self.follower.end_offsets()
         while not self.follower.reached(ends):
-            fold.fold(self.follower.poll(0.1))
+            self._fold(self.follower.poll(0.1))
+
+    def _fold(self, records: list[Record]) -> None:
+        for partition, offset, event in self.fold_all.fold(records):
+            if isinstance(event, LogSealed):
+                self.sealed_to[partition] = max(self.sealed_to.get(partition, -1), event.offset)
+            else:
+                self.last_record[partition] = offset
 
     def append(self, events: list[Event]) -> None:
         """Append events to their plans' partitions, then fold up to them."""
@@ -53,12 +64,17 @@ class KafkaRuntime(RuntimeBase):
             if time.monotonic() > deadline:
                 raise KafkaLogError(f"kafka: the SDK's own records {mine} were not readable within "
                                     f"{self.log.timeout_s:g} s")
-            self.fold_all.fold(self.follower.poll(0.05))
+            self._fold(self.follower.poll(0.05))
         self._notify()
 
     def fold(self) -> None:
-        self.fold_all.fold(self.follower.poll(0))
+        self._fold(self.follower.poll(0))
         self._notify()
+
+    def unsealed(self, upto: dict[int, int]) -> dict[int, int]:
+        """The partitions whose records up to ``upto[partition]`` are not all covered by a seal
+        folded so far, with the offset a seal must cover."""
+        return {p: o for p, o in upto.items() if self.sealed_to.get(p, -1) < o}
 
     def prefix(self, plan_key: str) -> dict[str, Any]:
         """``decided_at``: the last folded offset of ``plan_key``'s partition; with several
