@@ -51,14 +51,12 @@ def prestarted_worker_main(conn: Connection) -> None:
     """Entry point of a worker started before its run's arguments are checked (``stagetree run``
     starts its workers first, so that their start-up, mostly importing torch, overlaps the
     coordinator's own): import the worker, then wait for the arguments of
-    :func:`embedded_worker_main` after ``conn`` (one pickled tuple) and serve; ``None``, or the
-    pipe closing, means the run did not start: leave at once."""
+    :func:`embedded_worker_main` after ``conn`` (one pickled tuple) and serve; the pipe closing
+    first means the coordinator is gone: leave at once. (A refused run kills these processes.)"""
     import gpu_worker.process  # noqa: F401  (torch, the trainer's modules: the bulk of start-up)
 
     try:
         args = conn.recv()
     except EOFError:
-        args = None
-    if args is None:
         os._exit(0)
     embedded_worker_main(conn, *args)

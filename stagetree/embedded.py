@@ -56,26 +56,31 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def _start(target: Callable[..., None], args: tuple[object, ...], name: str
+           ) -> tuple[mp.process.BaseProcess, Connection]:
+    """Start ``target(child_end, *args)`` in a spawned daemon process; returns it and the
+    coordinator's end of the pipe."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), name=name, daemon=True)
+    proc.start()
+    child.close()
+    return proc, parent
+
+
 class PrestartedWorkers:
     """``n`` worker processes started before their run's arguments are checked: each imports
     torch and the worker at once (seconds) while the coordinator loads the study file and opens
     the log, and waits for its arguments (see :func:`gpu_worker.boot.prestarted_worker_main`).
-    The coordinator takes them in :meth:`take`; :meth:`close` ends those not taken (the run was
-    refused or failed), without their having touched the run directory.
+    The coordinator takes them in :meth:`take`; :meth:`close` kills those not taken (the run was
+    refused or failed): they have not touched the run directory.
 
     Args:
         n: processes to start (>= 0).
     """
 
     def __init__(self, n: int) -> None:
-        ctx = mp.get_context("spawn")
-        self._free: list[tuple[mp.process.BaseProcess, Connection]] = []
-        for _ in range(n):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=prestarted_worker_main, args=(child,), daemon=True)
-            proc.start()
-            child.close()
-            self._free.append((proc, parent))
+        self._free = [_start(prestarted_worker_main, (), "stagetree-worker") for _ in range(n)]
 
     def take(self) -> tuple[mp.process.BaseProcess, Connection] | None:
         """A started process and its pipe that still runs, or None when none is left."""
@@ -192,12 +197,7 @@ class EmbeddedCoordinator(RuntimeBase):
             proc, parent = taken
             parent.send(args)
         else:
-            ctx = mp.get_context("spawn")
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=embedded_worker_main, args=(child, *args),
-                               name=f"stagetree-worker-{slot.worker_id}", daemon=True)
-            proc.start()
-            child.close()
+            proc, parent = _start(embedded_worker_main, args, f"stagetree-worker-{slot.worker_id}")
         slot.generation += 1
         slot.process, slot.conn, slot.joined = proc, parent, False
         threading.Thread(target=self._read_pipe, args=(self._loop, slot.worker_id, slot.generation, parent),
