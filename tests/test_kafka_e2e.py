@@ -165,7 +165,9 @@ def test_a_serve_paused_between_deciding_and_committing_is_fenced(
     finally:
         cluster.close()
     state, events = kafka_state(env)
-    assert stalled.event_id not in {e.event_id for e in events}
+    landed = [e for e in events if e.event_id == stalled.event_id]
+    assert not landed, (f"the stalled decision landed: {landed}\n--- serve A ---\n{cluster.output('A')}"
+                        f"\n--- serve B ---\n{cluster.output('B')}")
     with KafkaLog(env["STAGETREE_BOOTSTRAP_SERVERS"], topic_prefix=env["STAGETREE_TOPIC_PREFIX"]) as log:
         plan_topic = log.topic(topics.PLAN)
         partition = partition_for(stalled.plan_key, log.partition_count(topics.PLAN))
