@@ -73,6 +73,7 @@ from events.codec import encode  # noqa: E402
 from events.kafka_log import KafkaLog  # noqa: E402
 from events.log import EmbeddedLog, EventLog, event_key  # noqa: E402
 from events.models import StageDispatched, StageStarted, TrialSubmitted  # noqa: E402
+from projections.partitions import PartitionedFold  # noqa: E402
 from projections.store import ProjectionStore, Projector, snapshot  # noqa: E402
 from replay.audit import projection_digest  # noqa: E402
 
@@ -114,10 +115,12 @@ def time_fold(log: EventLog, store_path: Path) -> tuple[float, str]:
 
 def dispatch_latencies(log: EventLog) -> dict[str, Any]:
     """Per request: TrialSubmitted -> StageDispatched -> first StageStarted of that dispatch (s),
-    and ``unpaired``: how many requests no later dispatch trained (a checkpoint or a path in flight had them)."""
-    projector = Projector(log, dead_letters=False)
-    applied = projector.catch_up()
-    trials = projector.state.trials
+    and ``unpaired``: how many requests no later dispatch trained (a checkpoint or a path in flight had them).
+    Every partition of the plan stream is folded; a request, its dispatch and its start are in
+    their plan's partition, in order."""
+    fold = PartitionedFold(log, log.partition_count(topics.PLAN))
+    applied = [(offset, event) for _, offset, event in fold.catch_up()]
+    trials = fold.state.trials
     pending: dict[tuple[str, int], list[float]] = {}  # (node, step) -> ts of requests waiting
     dispatched: dict[str, tuple[float, list[float]]] = {}  # dispatch_id -> (ts, request ts)
     out: dict[str, Any] = {"submit_to_start": [], "submit_to_dispatch": [], "dispatch_to_start": []}
@@ -198,7 +201,9 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="stagetree-bench-") as tmp:
             logs: dict[str, EventLog] = {"embedded": EmbeddedLog(Path(tmp) / "log"),
-                                         "kafka": KafkaLog(bootstrap, topic_prefix=f"{run_id}-fold.")}
+                                         # one partition: the fold of one stream, as embedded
+                                         "kafka": KafkaLog(bootstrap, topic_prefix=f"{run_id}-fold.",
+                                                           plan_partitions=1)}
             for t, log in logs.items():
                 fold[t]["append_events_per_second"] = len(items) / append_all(log, items)
             for r in range(args.fold_repeats):

@@ -29,14 +29,19 @@ def cap(text: str, limit: int) -> str:
     return f"{text[:limit]}... [{len(text) - limit} more characters]"
 
 
-def dead_letter(stream: str, offset: int, raw: bytes, reason: str, producer: str) -> DeadLettered:
+def dead_letter(stream: str, offset: int, raw: bytes, reason: str, producer: str,
+                partition: int | None = None) -> DeadLettered:
     """The dead letter of the record at ``offset`` of ``stream`` (``offset`` -1: a record that is
-    in no log, such as a message on a worker pipe).
+    in no log, such as a message on a worker pipe), in ``partition`` of a partitioned stream.
 
-    A letter about a log record has the id ``dl-<stream>-<offset>``, so publishing it twice (a
-    crash between committing and publishing) gives the same event, which consumers apply once.
+    A letter about a log record has the id ``dl-<stream>-<offset>`` (``dl-<stream>-<partition>-
+    <offset>`` in a partition), so publishing it twice (a crash between committing and
+    publishing) gives the same event, which consumers apply once.
     """
-    event_id = f"dl-{stream}-{offset}" if offset >= 0 else new_event_id()
+    if offset < 0:
+        event_id = new_event_id()
+    else:
+        event_id = f"dl-{stream}-{offset}" if partition is None else f"dl-{stream}-{partition}-{offset}"
     return DeadLettered(
         event_id=event_id,
         producer=producer,
@@ -46,4 +51,5 @@ def dead_letter(stream: str, offset: int, raw: bytes, reason: str, producer: str
         raw=cap(bytes(raw).decode("utf-8", "replace"), RAW_LIMIT),
         sha256=hashlib.sha256(raw).hexdigest(),
         size=len(raw),
+        partition=partition,
     )

@@ -201,7 +201,8 @@ class _Pending:
 
 
 def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: str,
-             stamp: Callable[[Event], Event] = lambda e: e, control: Control | None = None) -> None:
+             stamp: Callable[[Event], Event] = lambda e: e, control: Control | None = None,
+             should_stop: Callable[[], bool] | None = None) -> bool:
     """Execute every stage of ``d`` in order on ``backend``, emitting the event batches described
     in the module docstring through ``emit`` (each event passed through ``stamp`` first: producer,
     timestamp, trace context), acting on what ``control`` says at step boundaries. Never raises
@@ -211,6 +212,11 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
     goes out, in stage order, once its write is verified (checked at step boundaries, and waited
     for before the path ends); its ``seconds`` end when the checkpoint was handed to the writer,
     so the time a write overlaps the next stage counts once.
+
+    ``should_stop`` is asked before every stage after the first (a worker draining on SIGTERM):
+    when it answers True the path ends there, once the finished stages' writes are verified and
+    their end batches emitted, and ``run_path`` returns False (the rest is for the worker to hand
+    back); True otherwise.
     """
     base = {"dispatch_id": d.dispatch_id, "plan_key": d.plan_key}
     first = d.stages[0]
@@ -255,12 +261,14 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
             backend.begin(d)
     except StageFault as fault:
         failed(first, fault.kind, fault.error, fault.ref)
-        return
+        return True
     for i, spec in enumerate(d.stages):
+        if i and should_stop is not None and should_stop():
+            return not release(True)  # a write that failed ended the path with its StageFailed
         stage = {"node_id": spec.node_id, "from_step": spec.from_step, "to_step": spec.to_step}
         attrs = {f"stagetree.{k}": v for k, v in stage.items()}
         with tracing.span("stage", attributes=attrs):
-            emit([stamp(StageStarted(dispatch_id=d.dispatch_id, worker_id=worker_id, **stage))])
+            emit([stamp(StageStarted(dispatch_id=d.dispatch_id, worker_id=worker_id, plan_key=d.plan_key, **stage))])
             try:
                 if backend.step() != spec.from_step:
                     raise RuntimeError(f"stage starts at step {spec.from_step}, "
@@ -268,7 +276,7 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
                 train_seconds = 0.0
                 while True:
                     if not release(False):
-                        return
+                        return True
                     steering.update()
                     at = backend.step()
                     stop = steering.stop_in(i, spec)
@@ -279,7 +287,7 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
                                                      seconds=now - started, train_seconds=train_seconds))
                         pending.append(_Pending(spec, at, handle, [], lambda e=stopped: [e]))
                         release(True)
-                        return
+                        return True
                     if at >= spec.to_step:
                         break
                     target = min(x for x in (spec.to_step, stop, steering.next_save(spec, at)) if x is not None)
@@ -306,12 +314,12 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
                 if release(True):
                     backend.abandon()
                     failed(spec, fault.kind, fault.error, fault.ref)
-                return
+                return True
             except Exception as exc:  # the trainer's own code failed: report, never crash the worker
                 if release(True):
                     backend.abandon()
                     failed(spec, "error", "".join(traceback.format_exception_only(exc)).strip())
-                return
+                return True
             now = backend.now()
             finish = StageFinished(**base, worker_id=worker_id, **stage, seconds=now - started,
                                    train_seconds=train_seconds)
@@ -324,3 +332,4 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
                 pending.append(_Pending(spec, spec.to_step, handle, end, lambda f=finish, t0=t0: [
                     stamp(f.model_copy(update={"seconds": backend.now() - t0}))]))
                 release(True)
+    return True

@@ -1,37 +1,37 @@
 """The Kafka log transport: the :class:`~events.log.EventLog` protocol on confluent-kafka.
 
-Each stream is a Kafka topic, and this transport writes and reads **partition 0** of every
-topic. ``stagetree.plan`` therefore is one totally ordered sequence, as DESIGN.md "The event
-log" requires ("one partition holds a plan's whole history"); a topic may be created with more
-partitions (``partitions=``) for the per-plan projectors that come later, but this transport
-still uses only partition 0 of it.
+Each stream is a Kafka topic. ``stagetree.plan`` has ``plan_partitions`` partitions (default
+8, a setting; fixed when the topic is created, read from the cluster afterwards) and every other
+stream one, unless ``partitions`` says otherwise. A record goes to the partition of its key
+(:func:`partition_for`, the Java client's murmur2 partitioner), so one partition holds every
+record of one plan key, in append order: a plan's whole history (DESIGN.md "The event log").
 
 Guarantees, compared with :class:`~events.log.EmbeddedLog`:
 
-* **Offsets** are Kafka's offsets of partition 0: dense and increasing from 0, because every
-  producer of these topics is non-transactional (a transaction's commit marker would take an
-  offset of its own). ``append``/``append_many`` return the offsets the broker assigned, taken
-  from the delivery reports; for a single writer they are consecutive.
-* **Durability**: the producer is idempotent with ``acks=all``; an append returns only after the
-  broker acknowledged every record (``min.insync.replicas`` replicas hold it), so a crash of the
-  writing process afterwards loses nothing.
+* **Offsets** are Kafka's offsets within a partition. They increase but are *not dense*:
+  transactional producers (the serve roles, the workers: :class:`TransactionalAppender`)
+  leave commit and abort markers that take offsets of their own, and records of aborted
+  transactions are never delivered. A reader tracks the last offset it applied, never a count.
+* **Durability**: every producer is idempotent with ``acks=all``; an append returns only after
+  the broker acknowledged every record (``min.insync.replicas`` replicas hold it).
 * **Order and duplicates**: the idempotent producer keeps the order of one ``append_many`` and
   never writes a record twice because of its own retries. A *process* that crashes and appends
-  again can write an event twice; consumers recognize that by ``event_id`` (the reducer applies
-  a redelivered event once).
-* **Atomicity** of ``append_many`` is weaker than RocksDB's WriteBatch: every item is validated
-  (types, size) before anything is produced, so bad input leaves nothing behind; but a broker
-  failure in the middle of a batch may leave a prefix of it in the log (raised as
-  :class:`DeliveryFailed` with the offsets that did land). Kafka transactions would make batches
-  atomic, but their commit markers break dense offsets.
-* **Hash chain**: records read from Kafka have ``chain == b""``; on Kafka the chain is kept by
-  seal events, not per record.
+  again can write an event twice; consumers recognize that by ``event_id``.
+* **Atomicity**: :meth:`KafkaLog.append_many` validates every item before producing, but a
+  broker failure in the middle may leave a prefix (:class:`DeliveryFailed`). A batch that must
+  be all-or-nothing (a stage's end; a decision with its dispatch copy) goes through a
+  :class:`TransactionalAppender`: one Kafka transaction, visible to ``read_committed``
+  readers at once or never.
+* **Fencing**: a :class:`TransactionalAppender`'s ``transactional.id`` names the role (the
+  scheduler), partition or worker it writes for; starting one fences every earlier producer
+  with the same id (its open transaction is aborted, its next one fails with :class:`Fenced`).
+* **Hash chain**: records read from Kafka have ``chain == b""``; on Kafka the chain of each
+  partition is kept by seal events (LogSealed), not per record.
 
-Reads use one consumer per :class:`KafkaLog` (re-assigned for each :meth:`KafkaLog.read`; a read
-started while another is still being iterated gets a consumer of its own), with
-``enable.auto.commit=False``, ``isolation.level=read_committed`` and no group membership: the
-consumer never commits offsets; consumers that need a durable position keep it with their
-effect (the projection store keeps its offset in the same WriteBatch as its state).
+Every consumer here reads ``read_committed``, with ``enable.auto.commit=False`` and no group
+membership: it never commits offsets; consumers that need a durable position keep it with their
+effect (the projection store keeps its offset in the same WriteBatch as its state; a decision
+records its prefix inside the event, in the decision's own transaction).
 """
 
 from __future__ import annotations
@@ -42,19 +42,44 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from aiokafka.partitioner import murmur2
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from events.log import LogError, Record, check_items
+from events import topics
+from events.codec import encode
+from events.log import LogError, Record, check_items, event_key, is_broadcast
+from events.models import Event
 
 log = logging.getLogger(__name__)
 
-PARTITION = 0
-"""The one partition of each topic this transport reads and writes."""
+DEFAULT_PLAN_PARTITIONS = topics.DEFAULT_PLAN_PARTITIONS
+
+TRANSACTION_TIMEOUT_MS = 10_000
+"""``transaction.timeout.ms`` of every transactional producer: how long the broker lets an open
+transaction of a producer that died (kill -9) hold back ``read_committed`` readers before it
+aborts it (at the broker's next ``transaction.abort.timed.out.transaction.cleanup.interval.ms``),
+unless a successor with the same ``transactional.id`` aborts it at once by starting."""
+
+
+def partition_for(key: str, partitions: int) -> int:
+    """The partition of a record keyed ``key`` among ``partitions``: Kafka's default
+    partitioner (murmur2 of the UTF-8 key, as the Java client and faust's aiokafka compute it),
+    so every client puts a key in the same partition.
+
+    Raises:
+        ValueError: ``partitions`` < 1.
+    """
+    if partitions < 1:
+        raise ValueError(f"`partitions` is {partitions!r}, but must be >= 1")
+    if partitions == 1:
+        return 0
+    return (murmur2(key.encode("utf-8")) & 0x7FFFFFFF) % partitions
 
 _TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
 
@@ -124,11 +149,38 @@ def trace_headers(value: bytes) -> list[tuple[str, bytes]] | None:
     return [(k, str(v).encode()) for k, v in sorted(trace.items()) if k in ("traceparent", "tracestate")] or None
 
 
+_TRANSIENT = frozenset({
+    KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError.REQUEST_TIMED_OUT, KafkaError._TIMED_OUT, KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN,
+    KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    # librdkafka answers this one from its own metadata cache for a partition it has not learned
+    # again yet (after a broker restart): it goes away with the next metadata refresh.
+    KafkaError._UNKNOWN_PARTITION,
+})
+
+
+def _transient(err: object) -> bool:
+    """Whether a client error is one that goes away by itself (a leader being elected, a broker
+    restarting): retried until the operation's timeout."""
+    return isinstance(err, KafkaError) and (err.retriable() or err.code() in _TRANSIENT)
+
+
 def _check_topic(stream: str) -> str:
     if not isinstance(stream, str) or not _TOPIC_NAME.fullmatch(stream) or stream in (".", ".."):
         raise ValueError(f"stream {stream!r} is not a valid Kafka topic name "
                          "(1 to 249 characters of A-Z a-z 0-9 . _ -, not '.' or '..')")
     return stream
+
+
+@dataclass(frozen=True)
+class Write:
+    """One record of a transaction: ``key`` and ``value`` to ``stream`` (a logical stream name,
+    made a topic by the log's prefix), in ``partition`` or, when None, the key's partition."""
+
+    stream: str
+    key: str
+    value: bytes
+    partition: int | None = None
 
 
 class KafkaLog:
@@ -137,9 +189,10 @@ class KafkaLog:
     Args:
         bootstrap_servers: ``host:port[,host:port...]`` of the brokers.
         client_id: ``client.id`` of the producer, consumer and admin client (shows in broker logs).
-        partitions: partition count per topic, used when a topic is created (default 1 each).
-            Only partition 0 is ever written or read; ``stagetree.plan`` must keep its history in
-            one partition, so give it more only together with per-plan projectors.
+        partitions: partition count per topic, used when a topic is created (default 1 each,
+            ``plan_partitions`` for the plan stream's topic). An existing topic keeps the count it
+            has: every client reads it from the cluster.
+        plan_partitions: partitions of ``<prefix>stagetree.plan`` when this log creates it.
         create_topics: create a missing topic (``partitions[topic]`` partitions, replication
             ``replication_factor``) on its first append and wait until the cluster metadata
             shows it. When false, appending to a missing topic raises :class:`KafkaLogError`.
@@ -175,6 +228,7 @@ class KafkaLog:
         *,
         client_id: str = "stagetree",
         partitions: Mapping[str, int] | None = None,
+        plan_partitions: int = DEFAULT_PLAN_PARTITIONS,
         create_topics: bool = True,
         security: Mapping[str, str] | None = None,
         replication_factor: int = 1,
@@ -186,7 +240,12 @@ class KafkaLog:
             raise ValueError(f"`bootstrap_servers` is {bootstrap_servers!r}, but must be 'host:port[,host:port...]'")
         if not isinstance(client_id, str) or not client_id:
             raise ValueError(f"`client_id` is {client_id!r}, but must be a non-empty string")
-        self.partitions: dict[str, int] = {}
+        if isinstance(plan_partitions, bool) or not isinstance(plan_partitions, int) or plan_partitions < 1:
+            raise ValueError(f"`plan_partitions` is {plan_partitions!r}, but must be an int >= 1")
+        if topic_prefix:
+            _check_topic(topic_prefix)
+        self.topic_prefix = topic_prefix
+        self.partitions: dict[str, int] = {self.topic(topics.PLAN): plan_partitions}
         for topic, count in (partitions or {}).items():
             _check_topic(topic)
             if isinstance(count, bool) or not isinstance(count, int) or count < 1:
@@ -200,15 +259,13 @@ class KafkaLog:
         for setting in extra:
             if setting in _GUARDED:
                 raise ValueError(f"`security` sets {setting!r}, which the Kafka transport sets itself")
-        if topic_prefix:
-            _check_topic(topic_prefix)
-        self.topic_prefix = topic_prefix
         self.bootstrap_servers = bootstrap_servers
         self.client_id = client_id
         self.read_only = read_only
         self.create_topics = create_topics and not read_only
         self.replication_factor = replication_factor
         self.timeout_s = float(timeout_s)
+        self.security = extra
         self._max_record = int(extra.get("message.max.bytes", 1_000_000)) - _RECORD_OVERHEAD
 
         base: dict[str, Any] = {
@@ -217,6 +274,7 @@ class KafkaLog:
             "client.id": client_id,
             "logger": log,
         }
+        self._base_conf = base
         self._admin_conf = dict(base)
         self._producer_conf = {
             **base,
@@ -246,7 +304,7 @@ class KafkaLog:
         self._producer_fatal: KafkaError | None = None
         self._consumer: Consumer | None = None
         self._consumer_busy = False
-        self._known: set[str] = set()
+        self._known: dict[str, int] = {}  # topic -> partition count, once every partition has a leader
         self._append_lock = threading.Lock()
         self._lock = threading.Lock()
         self._closed = False
@@ -259,6 +317,10 @@ class KafkaLog:
         """The Kafka topic of ``stream``: ``topic_prefix + stream`` (validated)."""
         return _check_topic(self.topic_prefix + stream)
 
+    def stream_of(self, topic: str) -> str:
+        """The stream name of ``topic`` (the prefix removed)."""
+        return topic[len(self.topic_prefix):] if self.topic_prefix and topic.startswith(self.topic_prefix) else topic
+
     def __repr__(self) -> str:  # never the settings: they may hold credentials
         return f"KafkaLog({self.bootstrap_servers!r}, client_id={self.client_id!r})"
 
@@ -267,6 +329,11 @@ class KafkaLog:
     def _check_open(self) -> None:
         if self._closed:
             raise LogError(f"{self!r} is closed")
+
+    def client_conf(self, **settings: Any) -> dict[str, Any]:
+        """The settings every client of this log shares (servers, client id, security), plus
+        ``settings`` (librdkafka names with ``.`` written as ``_``)."""
+        return {**self._base_conf, **{k.replace("_", "."): v for k, v in settings.items()}}
 
     def _get_admin(self) -> AdminClient:
         if self._admin is None:
@@ -290,8 +357,10 @@ class KafkaLog:
             self._producer = Producer(self._producer_conf)
         return self._producer
 
-    def _new_consumer(self) -> Consumer:
-        return Consumer({**self._consumer_conf, "group.id": f"{self.client_id}-reader-{uuid.uuid4().hex}"})
+    def new_consumer(self, **settings: Any) -> Consumer:
+        """A fresh ``read_committed`` consumer that never joins a group nor commits."""
+        return Consumer({**self._consumer_conf, "group.id": f"{self.client_id}-reader-{uuid.uuid4().hex}",
+                         **settings})
 
     def _get_consumer(self) -> Consumer:
         if self._consumer is None:
@@ -300,23 +369,37 @@ class KafkaLog:
 
     # ------------------------------------------------------------------ topics
 
-    def _exists(self, topic: str) -> bool:
-        """Whether the cluster metadata shows ``topic`` with a led partition 0."""
-        if topic in self._known:
-            return True
+    def _partitions_led(self, topic: str) -> int | None:
+        """The partition count of ``topic`` when the metadata shows every partition with a
+        leader; None when it does not exist (yet)."""
+        known = self._known.get(topic)
+        if known is not None:
+            return known
         try:
             md = self._get_admin().list_topics(topic=topic, timeout=self.timeout_s)
         except KafkaException as exc:
             raise KafkaLogError(f"kafka: metadata of topic {topic!r} from {self.bootstrap_servers}: "
                                 f"{exc.args[0]}", topic=topic, error=exc.args[0]) from exc
         meta = md.topics.get(topic)
-        if meta is None or meta.error is not None:
-            return False
-        part = meta.partitions.get(PARTITION)
-        if part is None or part.leader < 0:
-            return False
-        self._known.add(topic)
-        return True
+        if meta is None or meta.error is not None or not meta.partitions:
+            return None
+        if any(part.leader < 0 for part in meta.partitions.values()):
+            return None
+        self._known[topic] = len(meta.partitions)
+        return self._known[topic]
+
+    def _exists(self, topic: str) -> bool:
+        """Whether the cluster metadata shows ``topic`` with every partition led."""
+        return self._partitions_led(topic) is not None
+
+    def partition_count(self, stream: str) -> int:
+        """Partitions of ``stream``'s topic as the cluster has them (1 for a missing topic).
+
+        Raises:
+            KafkaLogError: the broker did not answer within ``timeout_s``.
+        """
+        self._check_open()
+        return self._partitions_led(self.topic(stream)) or 1
 
     def ensure_topic(self, stream: str) -> None:
         """Create topic ``stream`` if it is missing and wait until the metadata shows it.
@@ -351,20 +434,56 @@ class KafkaLog:
         deadline = time.monotonic() + self.timeout_s
         while not self._exists(topic):
             if time.monotonic() > deadline:
-                raise KafkaLogError(f"kafka: topic {topic!r} was created but its partition {PARTITION} has no "
+                raise KafkaLogError(f"kafka: topic {topic!r} was created but not all its partitions have a "
                                     f"leader after {self.timeout_s:g} s", topic=topic, error="no leader")
             time.sleep(0.05)
 
+    def _ready(self, stream: str) -> str:
+        """The topic of ``stream``, created first when missing and ``create_topics`` allows it."""
+        topic = self.topic(stream)
+        if not self._exists(topic):
+            if not self.create_topics:
+                raise KafkaLogError(f"kafka: topic {topic!r} does not exist and create_topics is false",
+                                    topic=topic, error=KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART))
+            self.ensure_topic(stream)
+        return topic
+
     # ------------------------------------------------------------------ writing
 
+    def _check_sizes(self, topic: str, records: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        for i, (kb, vb) in enumerate(records):
+            if len(kb) + len(vb) > self._max_record:
+                raise KafkaLogError(
+                    f"item {i} of the append to {topic!r} has {len(kb) + len(vb)} bytes of key and value, but "
+                    f"Kafka records hold at most {self._max_record} (message.max.bytes)", topic=topic,
+                    error="too large")
+        return list(records)
+
+    def resolve(self, writes: Sequence[Write]) -> list[tuple[str, int, bytes, bytes]]:
+        """``(topic, partition, key, value)`` of each write, checked (types, sizes, partition in
+        range), topics created as needed. Raises as :meth:`append_many`, naming the item."""
+        where = ", ".join(sorted({self.topic(w.stream) for w in writes}))
+        checked = self._check_sizes(where, check_items(where, [(w.key, w.value) for w in writes]))
+        resolved = []
+        for i, (w, (kb, vb)) in enumerate(zip(writes, checked)):
+            topic = self._ready(w.stream)
+            count = self._partitions_led(topic) or 1
+            partition = partition_for(w.key, count) if w.partition is None else w.partition
+            if not 0 <= partition < count:
+                raise ValueError(f"item {i} of the append: partition {partition!r} of topic {topic!r} does not "
+                                 f"exist (it has {count})")
+            resolved.append((topic, partition, kb, vb))
+        return resolved
+
     def append(self, stream: str, key: str, value: bytes) -> int:
-        """Append one record to partition 0 of topic ``stream``; returns its offset once the
-        broker acknowledged it (acks=all). Raises as :meth:`append_many`."""
+        """Append one record to its key's partition of topic ``stream``; returns its offset
+        once the broker acknowledged it (acks=all). Raises as :meth:`append_many`."""
         return self.append_many(stream, [(key, value)])[0]
 
     def append_many(self, stream: str, items: Sequence[tuple[str, bytes]]) -> list[int]:
-        """Append ``(key, value)`` records in order; returns their offsets once every one was
-        acknowledged by the broker (acks=all).
+        """Append ``(key, value)`` records in order, each to its key's partition
+        (:func:`partition_for`); returns their offsets (each within its partition) once every
+        one was acknowledged by the broker (acks=all).
 
         Every item is checked before anything is produced, so bad input appends nothing.
 
@@ -378,24 +497,14 @@ class KafkaLog:
         if self.read_only:
             raise LogError(f"{self!r} was opened read-only")
         topic = self.topic(stream)
-        records = check_items(topic, items)
-        for i, (kb, vb) in enumerate(records):
-            if len(kb) + len(vb) > self._max_record:
-                raise KafkaLogError(
-                    f"item {i} of the append to {topic!r} has {len(kb) + len(vb)} bytes of key and value, but "
-                    f"Kafka records hold at most {self._max_record} (message.max.bytes)", topic=topic,
-                    error="too large")
-        if not records:
+        self._check_sizes(topic, check_items(topic, items))
+        if not items:
             return []
-        if not self._exists(topic):
-            if not self.create_topics:
-                raise KafkaLogError(f"kafka: topic {topic!r} does not exist and create_topics is false",
-                                    topic=topic, error=KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART))
-            self.ensure_topic(stream)
+        records = self.resolve([Write(stream, key, value) for key, value in items])
         with self._append_lock:
-            return self._produce(topic, records)
+            return [offset for _, offset in self._produce(records)]
 
-    def _produce(self, topic: str, records: list[tuple[bytes, bytes]]) -> list[int]:
+    def _produce(self, records: list[tuple[str, int, bytes, bytes]]) -> list[tuple[int, int]]:
         producer = self._get_producer()
         reports: list[tuple[KafkaError | None, int]] = [(None, -1)] * len(records)
         done = [False] * len(records)
@@ -407,10 +516,10 @@ class KafkaLog:
             return on_delivery
 
         enqueue_error: BaseException | None = None
-        for i, (kb, vb) in enumerate(records):
+        for i, (topic, partition, kb, vb) in enumerate(records):
             while True:
                 try:
-                    producer.produce(topic, value=vb, key=kb, partition=PARTITION, on_delivery=report(i),
+                    producer.produce(topic, value=vb, key=kb, partition=partition, on_delivery=report(i),
                                      headers=trace_headers(vb))
                     break
                 except BufferError:  # local queue full: serve delivery reports and retry
@@ -426,27 +535,29 @@ class KafkaLog:
             producer.flush(0.5)
             if time.monotonic() > deadline:
                 break
-        offsets: list[int] = []
+        offsets: list[tuple[int, int]] = []
         for i in range(len(records)):
             err, offset = reports[i]
             if not done[i] or err is not None:
                 why = err if err is not None else f"no delivery report within {self.timeout_s:g} s"
                 raise DeliveryFailed(
-                    f"kafka: append to topic {topic!r} failed at record {i} of the batch: {why} "
+                    f"kafka: append to topic {records[i][0]!r} failed at record {i} of the batch: {why} "
                     f"({len(offsets)} record(s) before it were acknowledged)",
-                    topic=topic, error=why, offsets=offsets)
-            offsets.append(offset)
+                    topic=records[i][0], error=why, offsets=[o for _, o in offsets])
+            offsets.append((records[i][1], offset))
         if enqueue_error is not None:
             err = enqueue_error.args[0]
+            topic = records[-1][0] if records else "?"
             raise DeliveryFailed(
                 f"kafka: append to topic {topic!r} failed at record {len(records)} of the batch: {err} "
-                f"({len(offsets)} record(s) before it were acknowledged)", topic=topic, error=err, offsets=offsets)
+                f"({len(offsets)} record(s) before it were acknowledged)", topic=topic, error=err,
+                offsets=[o for _, o in offsets])
         return offsets
 
     # ------------------------------------------------------------------ reading
 
-    def end_offset(self, stream: str) -> int:
-        """The high watermark of partition 0 of ``stream``: the offset the next record will get
+    def end_offset(self, stream: str, partition: int = 0) -> int:
+        """The high watermark of ``partition`` of ``stream``: the offset the next record will get
         (0 for a topic that does not exist).
 
         Raises:
@@ -456,22 +567,28 @@ class KafkaLog:
         topic = self.topic(stream)
         if not self._exists(topic):
             return 0
-        with self._lock:
-            consumer = self._get_consumer()
-            try:
-                _low, high = consumer.get_watermark_offsets(TopicPartition(topic, PARTITION), timeout=self.timeout_s)
-            except KafkaException as exc:
-                raise KafkaLogError(f"kafka: end offset of topic {topic!r}: {exc.args[0]}",
-                                    topic=topic, error=exc.args[0]) from exc
-        return int(high)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            with self._lock:
+                consumer = self._get_consumer()
+                try:
+                    _low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition),
+                                                                timeout=self.timeout_s)
+                    return int(high)
+                except KafkaException as exc:
+                    err = exc.args[0]
+                    if not (_transient(err) and time.monotonic() < deadline):
+                        raise KafkaLogError(f"kafka: end offset of topic {topic!r} partition {partition}: {err}",
+                                            topic=topic, error=err) from exc
+            time.sleep(0.1)
 
-    def read(self, stream: str, start: int = 0, stop: int | None = None) -> Iterator[Record]:
-        """Records of partition 0 of ``stream`` with ``start <= offset < stop``, in offset order.
+    def read(self, stream: str, start: int = 0, stop: int | None = None, partition: int = 0) -> Iterator[Record]:
+        """Records of ``partition`` of ``stream`` with ``start <= offset < stop``, in offset order.
 
         ``stop`` defaults to the high watermark when ``read`` is called (later appends are not
         waited for); a larger ``stop`` is cut to it. ``chain`` of every record is ``b""``.
-        The consumer reads ``read_committed``: records of a foreign producer's open transaction
-        are not delivered until it ends (stagetree's producers use no transactions).
+        The consumer reads ``read_committed``: records of an open transaction are not delivered
+        until it commits, those of an aborted one never; markers leave gaps in the offsets.
 
         Raises:
             ValueError: ``start`` is negative (at the call).
@@ -486,13 +603,13 @@ class KafkaLog:
         if stop is not None and start >= stop:
             self.topic(stream)
             return iter(())
-        end = self.end_offset(stream)
+        end = self.end_offset(stream, partition)
         stop = end if stop is None else min(stop, end)
         if start >= stop:
             return iter(())
-        return self._read(stream, start, stop)
+        return self._read(stream, start, stop, partition)
 
-    def _read(self, stream: str, start: int, stop: int) -> Iterator[Record]:
+    def _read(self, stream: str, start: int, stop: int, partition: int) -> Iterator[Record]:
         topic = self.topic(stream)
         with self._lock:
             shared = not self._consumer_busy
@@ -500,9 +617,9 @@ class KafkaLog:
                 self._consumer_busy = True
                 consumer = self._get_consumer()
         if not shared:
-            consumer = self._new_consumer()  # another read is still being iterated
+            consumer = self.new_consumer()  # another read is still being iterated
         try:
-            consumer.assign([TopicPartition(topic, PARTITION, start)])
+            consumer.assign([TopicPartition(topic, partition, start)])
             position = start
             last_progress = time.monotonic()
             while position < stop:
@@ -525,15 +642,12 @@ class KafkaLog:
                         position = stop
                         break
                     position = offset + 1
-                    key = msg.key()
-                    value = msg.value()
-                    yield Record(stream, offset, "" if key is None else key.decode("utf-8", "replace"),
-                                 b"" if value is None else value, b"")
+                    yield _record(stream, msg)
                 if msgs:
                     last_progress = time.monotonic()
                 elif position < stop:
-                    # Transaction markers of foreign producers take offsets but are never delivered.
-                    (tp,) = consumer.position([TopicPartition(topic, PARTITION)])
+                    # Transaction markers take offsets but are never delivered.
+                    (tp,) = consumer.position([TopicPartition(topic, partition)])
                     if tp.offset >= 0:
                         position = max(position, tp.offset)
                     if time.monotonic() - last_progress > self.timeout_s:
@@ -574,3 +688,304 @@ class KafkaLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _record(stream: str, msg: Message) -> Record:
+    key, value = msg.key(), msg.value()
+    return Record(stream, msg.offset(), "" if key is None else key.decode("utf-8", "replace"),
+                  b"" if value is None else value, b"", msg.partition())
+
+
+def event_writes(stream: str, events: Sequence[Event], partitions: int) -> list[Write]:
+    """The writes of ``events`` to ``stream`` (the plan stream): each to its key's partition
+    (:func:`events.log.event_key`), a broadcast event (WorkerJoined, WorkerLost) to every one
+    of ``partitions``."""
+    out = []
+    for event in events:
+        key, value = event_key(event), encode(event)
+        if is_broadcast(event) and partitions > 1:
+            out += [Write(stream, key, value, p) for p in range(partitions)]
+        else:
+            out.append(Write(stream, key, value))
+    return out
+
+
+# --------------------------------------------------------------------------- following
+
+
+class Follower:
+    """Reads partitions of streams of ``log`` as records arrive (``read_committed``), each from
+    a given offset: the SDK's, the scheduler's and a worker's view of the topics they follow.
+
+    Args:
+        log: the transport (its servers, security and topic prefix are used).
+        positions: ``(stream, partition) -> offset`` of the next record to read.
+        wait_ms: how long the broker holds a fetch open at the end of a partition
+            (``fetch.wait.max.ms``): new records are delivered as soon as they are readable,
+            so this only bounds how often an idle follower asks.
+
+    Raises:
+        KafkaLogError: from :meth:`poll` when a partition cannot be read (e.g. an offset below
+            the log start).
+
+    Thread safety: one thread at a time.
+    """
+
+    def __init__(self, log: KafkaLog, positions: Mapping[tuple[str, int], int], *, wait_ms: int = 100) -> None:
+        self.log = log
+        self.last_error: float | None = None
+        """When (``time.monotonic()``) the client last reported the cluster unreachable."""
+        self._consumer = log.new_consumer(**{"fetch.wait.max.ms": wait_ms, "auto.offset.reset": "error",
+                                             "error_cb": self._on_error})
+        self.positions: dict[tuple[str, int], int] = {}
+        self._assign(positions)
+
+    def _on_error(self, err: KafkaError) -> None:
+        if err.code() in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._TIMED_OUT):
+            self.last_error = time.monotonic()
+        log.debug("kafka follower: %s", err)
+
+    def _assign(self, positions: Mapping[tuple[str, int], int]) -> None:
+        for (stream, partition), offset in positions.items():
+            if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+                raise ValueError(f"start offset of {stream!r} partition {partition} is {offset!r}, but must be >= 0")
+            self.positions[(stream, partition)] = offset
+        self._consumer.assign([TopicPartition(self.log.topic(s), p, o) for (s, p), o in self.positions.items()])
+
+    def follow(self, stream: str, partition: int, start: int) -> None:
+        """Also (or again) read ``partition`` of ``stream`` from ``start``."""
+        self._assign({(stream, partition): start})
+
+    def poll(self, timeout: float, max_records: int = 1000) -> list[Record]:
+        """The records readable now (waiting up to ``timeout`` seconds for the first), in offset
+        order per partition."""
+        try:
+            msgs = self._consumer.consume(num_messages=max_records, timeout=timeout)
+        except KafkaException as exc:
+            raise KafkaLogError(f"kafka: follow: {exc.args[0]}", error=exc.args[0]) from exc
+        out = []
+        for msg in msgs:
+            err = msg.error()
+            stream = self.log.stream_of(msg.topic() or "")
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    key = (stream, msg.partition())
+                    self.positions[key] = max(self.positions.get(key, 0), msg.offset())
+                    continue
+                if _transient(err):
+                    log.debug("kafka follower: %s", err)
+                    continue
+                raise KafkaLogError(f"kafka: follow {msg.topic()!r} partition {msg.partition()}: {err}",
+                                    topic=msg.topic(), error=err)
+            record = _record(stream, msg)
+            self.positions[(stream, record.partition)] = record.offset + 1
+            out.append(record)
+        return out
+
+    def end_offsets(self) -> dict[tuple[str, int], int]:
+        """The high watermark of every followed partition now (an open transaction can keep a
+        ``read_committed`` reader below it until it ends)."""
+        out = {}
+        for stream, partition in self.positions:
+            deadline = time.monotonic() + self.log.timeout_s
+            while True:
+                try:
+                    _low, high = self._consumer.get_watermark_offsets(
+                        TopicPartition(self.log.topic(stream), partition), timeout=self.log.timeout_s, cached=False)
+                    break
+                except KafkaException as exc:
+                    err = exc.args[0]
+                    if _transient(err) and time.monotonic() < deadline:
+                        time.sleep(0.1)  # e.g. a partition whose leader is being elected
+                        continue
+                    raise KafkaLogError(f"kafka: end offset of {stream!r} partition {partition}: {err}",
+                                        error=err) from exc
+            out[(stream, partition)] = int(high)
+        return out
+
+    def reached(self, ends: Mapping[tuple[str, int], int]) -> bool:
+        """Whether every partition in ``ends`` was read up to its offset there (markers included)."""
+        behind = [k for k, end in ends.items() if self.positions.get(k, 0) < end]
+        if behind:
+            positions = self._consumer.position([TopicPartition(self.log.topic(s), p) for s, p in behind])
+            for tp in positions:
+                if tp.offset >= 0:
+                    key = (self.log.stream_of(tp.topic), tp.partition)
+                    self.positions[key] = max(self.positions[key], tp.offset)
+        return all(self.positions.get(k, 0) >= end for k, end in ends.items())
+
+    def close(self) -> None:
+        try:
+            self._consumer.close()
+        except RuntimeError:  # closed already
+            pass
+
+
+# --------------------------------------------------------------------------- transactions
+
+
+class Fenced(KafkaLogError):
+    """A producer with the same ``transactional.id`` started after this one: this writer is a
+    zombie and must stop writing for its role (nothing of the failed transaction is visible)."""
+
+
+class TransactionAborted(KafkaLogError):
+    """The transaction could not be committed and was aborted: nothing of it is visible to
+    ``read_committed`` readers; the caller may decide again and retry."""
+
+
+_FENCED_CODES = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH})
+
+
+class TransactionalAppender:
+    """The one way a role, a partition's owner or a worker appends what it decided: every
+    :meth:`append` is one Kafka transaction (all its records visible to ``read_committed``
+    readers at once, or none), written by a producer whose ``transactional.id`` names the
+    writer, so a zombie with the same id is fenced by its successor.
+
+    Args:
+        log: the transport (servers, security, topic prefix, topic creation).
+        transactional_id: who writes (``<prefix>stagetree.scheduler``,
+            ``<prefix>stagetree.worker.<id>``, ...): one live producer per id in the cluster.
+        timeout_s: how long :meth:`start` and :meth:`append` wait for the cluster
+            (default: the log's); a broker that is away for a while is waited for.
+
+    Raises:
+        ValueError: an empty ``transactional_id``.
+
+    Thread safety: one thread at a time.
+    """
+
+    def __init__(self, log: KafkaLog, transactional_id: str, *, timeout_s: float | None = None) -> None:
+        if not isinstance(transactional_id, str) or not transactional_id:
+            raise ValueError(f"`transactional_id` is {transactional_id!r}, but must be a non-empty string")
+        self.log = log
+        self.transactional_id = transactional_id
+        self.timeout_s = float(timeout_s if timeout_s is not None else log.timeout_s)
+        self._producer: Producer | None = None
+        self._fenced: KafkaError | None = None
+
+    def __repr__(self) -> str:
+        return f"TransactionalAppender({self.transactional_id!r})"
+
+    def start(self) -> None:
+        """Register the ``transactional.id`` with the cluster: any earlier producer with the same
+        id is fenced, and a transaction it left open is aborted now (its records never become
+        visible). Call before the first :meth:`append`, and to take a role over.
+
+        Raises:
+            KafkaLogError: the cluster did not answer within ``timeout_s``.
+        """
+        self.close()
+        conf = {
+            **self.log._base_conf,
+            "transactional.id": self.transactional_id,
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": 0,
+            # A record not acknowledged within the transaction's timeout fails the transaction
+            # (aborted; the caller decides again), e.g. while the broker restarts.
+            "message.timeout.ms": TRANSACTION_TIMEOUT_MS,
+            "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS,
+        }
+        producer = Producer(conf)
+        try:
+            producer.init_transactions(self.timeout_s)
+        except KafkaException as exc:
+            raise KafkaLogError(f"kafka: {self!r} could not start: {exc.args[0]}", error=exc.args[0]) from exc
+        self._producer = producer
+        self._fenced = None
+
+    def _error(self, exc: KafkaException, what: str) -> KafkaLogError:
+        err = exc.args[0]
+        if isinstance(err, KafkaError) and (err.code() in _FENCED_CODES or err.fatal()):
+            self._fenced = err
+            return Fenced(f"kafka: {self!r} was fenced ({what}): another producer with this transactional.id "
+                          f"started; nothing of this transaction is visible ({err})", error=err)
+        return KafkaLogError(f"kafka: {self!r}: {what}: {err}", error=err)
+
+    def append(self, writes: Sequence[Write], *, before_commit: Callable[[], None] | None = None
+               ) -> list[tuple[int, int]]:
+        """Append ``writes`` in one transaction; returns ``(partition, offset)`` of each once
+        the transaction is committed. ``before_commit`` runs after the records reached the
+        broker and before the commit (fault injection: a pause there leaves an open transaction
+        that a successor aborts).
+
+        Raises:
+            TypeError, KafkaLogError, ValueError: a bad write (named); nothing was appended.
+            Fenced: a successor took this ``transactional_id`` over; nothing was appended, and
+                this appender is unusable (``start`` it again only to take the role back).
+            TransactionAborted: the transaction failed and was aborted; nothing was appended.
+        """
+        if self._fenced is not None:
+            raise Fenced(f"kafka: {self!r} was fenced earlier ({self._fenced})", error=self._fenced)
+        if self._producer is None:
+            self.start()
+        producer = self._producer
+        assert producer is not None
+        records = self.log.resolve(writes)
+        if not records:
+            return []
+        reports: list[tuple[KafkaError | None, int, int] | None] = [None] * len(records)
+
+        def report(i: int) -> Any:
+            def on_delivery(err: KafkaError | None, msg: Message) -> None:
+                reports[i] = (err, msg.partition(), msg.offset() if err is None else -1)
+            return on_delivery
+
+        try:
+            producer.begin_transaction()
+        except KafkaException as exc:
+            raise self._error(exc, "begin") from exc
+        try:
+            for i, (topic, partition, kb, vb) in enumerate(records):
+                while True:
+                    try:
+                        producer.produce(topic, value=vb, key=kb, partition=partition, on_delivery=report(i),
+                                         headers=trace_headers(vb))
+                        break
+                    except BufferError:
+                        producer.poll(0.05)
+            left = producer.flush(self.timeout_s)
+            failed = [r for r in reports if r is None or r[0] is not None]
+            if left or failed:
+                first = failed[0] if failed else None
+                raise KafkaException(first[0] if first is not None and first[0] is not None else KafkaError(
+                    KafkaError._TIMED_OUT, f"no delivery report within {self.timeout_s:g} s"))
+            if before_commit is not None:
+                before_commit()
+            self._commit(producer)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if isinstance(err, KafkaError) and (err.code() in _FENCED_CODES or err.fatal()):
+                raise self._error(exc, "append") from exc
+            try:
+                producer.abort_transaction(self.timeout_s)
+            except KafkaException as abort_exc:
+                raise self._error(abort_exc, f"abort after {err}") from abort_exc
+            raise TransactionAborted(f"kafka: {self!r}: the transaction was aborted ({err}); nothing of it is "
+                                     "visible", error=err) from exc
+        return [(r[1], r[2]) for r in reports if r is not None]
+
+    def _commit(self, producer: Producer) -> None:
+        """Commit, retrying what librdkafka says is retriable (a broker away for a while)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                producer.commit_transaction(max(1.0, deadline - time.monotonic()))
+                return
+            except KafkaException as exc:
+                err = exc.args[0]
+                if isinstance(err, KafkaError) and err.retriable() and time.monotonic() < deadline:
+                    log.info("kafka: %r: commit will be retried: %s", self, err)
+                    continue
+                raise
+
+    def close(self) -> None:
+        """Drop the producer (an open transaction is aborted by the broker or a successor)."""
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            try:
+                producer.flush(0)
+            except (KafkaException, RuntimeError):
+                pass

@@ -24,7 +24,7 @@ from typing import Protocol
 from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
 from events.codec import encode
-from events.models import Event
+from events.models import Event, WorkerJoined, WorkerLost
 
 
 class LogError(Exception):
@@ -37,32 +37,41 @@ class LogLocked(LogError):
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    """One record of a stream: ``offset`` (0-based), ``key``, ``value`` (encoded event bytes) and
-    ``chain``, the stream's hash chain after this record (32 bytes; empty if the transport keeps none)."""
+    """One record of a stream: ``offset`` (0-based), ``key``, ``value`` (encoded event bytes),
+    ``chain``, the stream's hash chain after this record (32 bytes; empty if the transport keeps
+    none), and ``partition``, the partition of the stream that holds it (0 on an unpartitioned
+    stream; offsets count within a partition)."""
 
     stream: str
     offset: int
     key: str
     value: bytes
     chain: bytes = b""
+    partition: int = 0
 
 
 class EventLog(Protocol):
     """What every log transport provides.
 
-    Contract: offsets of a stream are dense and increasing from 0; ``append`` returns only after
-    the record is durable (a crash of the writing process afterwards loses nothing);
-    ``read`` yields records in offset order starting at ``start``; records are never changed
-    or removed. Implementations are used from one thread at a time unless they say otherwise.
+    Contract: a stream has one or more partitions; offsets of a partition increase from 0
+    (dense on the embedded log; on Kafka, transaction markers leave gaps, so a reader tracks the
+    last offset it applied, never a count); ``append`` returns only after the record is durable
+    (a crash of the writing process afterwards loses nothing); ``read`` yields the records of
+    one partition in offset order starting at ``start``; records are never changed or removed.
+    A record's partition is chosen from its key (:func:`events.kafka_log.partition_for`), so
+    every record of one key is in one partition, in append order. Implementations are used from
+    one thread at a time unless they say otherwise.
     """
 
     def append(self, stream: str, key: str, value: bytes) -> int: ...
 
     def append_many(self, stream: str, items: Sequence[tuple[str, bytes]]) -> list[int]: ...
 
-    def read(self, stream: str, start: int = 0, stop: int | None = None) -> Iterator[Record]: ...
+    def read(self, stream: str, start: int = 0, stop: int | None = None, partition: int = 0) -> Iterator[Record]: ...
 
-    def end_offset(self, stream: str) -> int: ...
+    def end_offset(self, stream: str, partition: int = 0) -> int: ...
+
+    def partition_count(self, stream: str) -> int: ...
 
     def close(self) -> None: ...
 
@@ -74,6 +83,17 @@ def event_key(event: Event) -> str:
         if value:
             return str(value)
     return ""
+
+
+BROADCAST = (WorkerJoined, WorkerLost)
+"""Event types written to *every* partition of a partitioned plan stream: a worker's arrival or
+loss changes each plan whose stages it was running, and one partition holds a plan's whole
+history (DESIGN.md "The event log"). On an unpartitioned stream they are written once."""
+
+
+def is_broadcast(event: Event) -> bool:
+    """Whether ``event`` goes to every partition of the plan stream (see :data:`BROADCAST`)."""
+    return isinstance(event, BROADCAST)
 
 
 def check_items(stream: str, items: Sequence[tuple[str, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -251,8 +271,18 @@ class EmbeddedLog:
             self._heads[stream] = head
         return head
 
-    def end_offset(self, stream: str) -> int:
+    def partition_count(self, stream: str) -> int:
+        """1: every stream of the embedded log is one partition."""
+        return 1
+
+    @staticmethod
+    def _only_partition(partition: int) -> None:
+        if partition != 0:
+            raise ValueError(f"`partition` is {partition!r}, but the embedded log has one partition per stream (0)")
+
+    def end_offset(self, stream: str, partition: int = 0) -> int:
         """The offset the next append to ``stream`` will get (= number of records)."""
+        self._only_partition(partition)
         end = self._ends.get(stream)
         if end is None:
             prefix = b"r" + stream.encode() + b"\x00"
@@ -320,8 +350,10 @@ class EmbeddedLog:
             names.add(bytes(raw_key[1:-9]).decode())
         return sorted(names)
 
-    def read(self, stream: str, start: int = 0, stop: int | None = None) -> Iterator[Record]:
-        """Yield records of ``stream`` with ``start <= offset < stop`` (stop: current end)."""
+    def read(self, stream: str, start: int = 0, stop: int | None = None, partition: int = 0) -> Iterator[Record]:
+        """Yield records of ``stream`` with ``start <= offset < stop`` (stop: current end).
+        ``partition`` must be 0 (ValueError otherwise)."""
+        self._only_partition(partition)
         if start < 0:
             raise ValueError(f"`start` is {start}, but must be >= 0")
         end = self.end_offset(stream) if stop is None else min(stop, self.end_offset(stream))

@@ -85,13 +85,18 @@ class StudyStarted(Event):
 
 
 class StudyFinished(Event):
-    """A study run ended with its tuner's answer. ``end_to_end_seconds`` covers every incarnation."""
+    """A study run ended with its tuner's answer. ``end_to_end_seconds`` covers every incarnation.
+
+    ``plan_key`` is the study's plan key (the one its StudyStarted names), so that on a
+    partitioned plan stream the event lands in the partition that holds the study; None in logs
+    written before the field existed (the event is then keyed by study id)."""
 
     type: ClassVar[str] = "StudyFinished"
     study_id: Ident
     best_trial: str | None
     best_metric: float | None
     end_to_end_seconds: float = Field(ge=0)
+    plan_key: Ident | None = None
 
 
 class TrialSubmitted(Event):
@@ -127,11 +132,15 @@ class TrialSubmitted(Event):
 
 
 class TrialCancelled(Event):
-    """The trial no longer needs results; requests nobody else waits on are dropped."""
+    """The trial no longer needs results; requests nobody else waits on are dropped.
+
+    ``plan_key`` is the trial's plan key (routes the event to its plan's partition); None in
+    logs written before the field existed."""
 
     type: ClassVar[str] = "TrialCancelled"
     study_id: Ident
     trial_id: Ident
+    plan_key: Ident | None = None
 
 
 # --------------------------------------------------------------------------- scheduling
@@ -170,11 +179,36 @@ class StageSpec(BaseModel):
         return v
 
 
-class StageDispatched(Event):
+PartitionOffsets = dict[NonNegativeInt, Annotated[int, Field(ge=-1)]]
+"""Partition of ``stagetree.plan`` -> offset of the last record of it folded (-1: none)."""
+
+
+class DecisionEvent(Event):
+    """Base of the events a decider appends (a scheduling decision, a worker declared lost, a
+    tuner's decision, an eviction): each records the log prefix it was decided from, so a
+    replay recomputes (or re-checks) it from exactly that prefix (DESIGN.md invariant 3).
+
+    Attributes:
+        decided_at: on an unpartitioned plan stream (embedded mode), the offset of the last
+            event the decider had folded (-1: nothing, or not recorded).
+        decided_at_partitions: on a partitioned plan stream (Kafka), the offset of the last
+            folded record of *every* partition (a global decision's prefix is this vector);
+            None on an unpartitioned stream and in logs written before the field existed.
+
+    Offsets may have gaps (Kafka transaction markers take offsets of their own): a prefix is
+    named by the last offset applied, never by a count.
+    """
+
+    decided_at: int = Field(default=-1, ge=-1)
+    decided_at_partitions: PartitionOffsets | None = None
+
+
+class StageDispatched(DecisionEvent):
     """A scheduling decision: run ``stages`` (one critical path, in order) on ``worker_id``.
 
-    ``decided_at`` is the offset of the last ``stagetree.plan`` event the scheduler had folded,
-    so a replay recomputes the decision from exactly that prefix. ``source`` is None when the
+    ``decided_at`` is the offset of the last ``stagetree.plan`` event the scheduler had folded
+    (``decided_at_partitions``: of every partition, on a partitioned stream), so a replay
+    recomputes the decision from exactly that prefix. ``source`` is None when the
     path starts from a fresh initialisation at step 0. ``policy`` is the scheduling policy that
     decided it (``scheduler.decide.POLICIES``, HIPPO_SPEC §3.7); logs written before the field
     existed decode as "critical-path", the only policy there was.
@@ -192,7 +226,8 @@ class StageDispatched(Event):
 
 
 class StageStarted(Event):
-    """A worker began training a stage of a dispatch."""
+    """A worker began training a stage of a dispatch. ``plan_key`` is the dispatch's plan key
+    (routes the event to its plan's partition); None in logs written before the field existed."""
 
     type: ClassVar[str] = "StageStarted"
     dispatch_id: Ident
@@ -200,6 +235,7 @@ class StageStarted(Event):
     node_id: Ident
     from_step: Steps
     to_step: Steps
+    plan_key: Ident | None = None
 
 
 class CheckpointSaved(Event):
@@ -287,7 +323,7 @@ class StageStopped(Event):
 # --------------------------------------------------------------------------- in-flight and storage decisions
 
 
-class PathPreempted(Event):
+class PathPreempted(DecisionEvent):
     """A scheduling decision: no trial needs the rest of the running path ``dispatch_id`` (a
     cancellation, a stop by the tuner). Its worker trains on up to ``until_step`` of stage
     ``until_stage`` (an index into the dispatch's stages) when some trial still needs those
@@ -310,7 +346,7 @@ class PathPreempted(Event):
     """The checkpoint budget of the scheduling pass that decided it (None: unbounded)."""
 
 
-class CheckpointRequested(Event):
+class CheckpointRequested(DecisionEvent):
     """A scheduling decision: a request puts a boundary inside a stage of the running path
     ``dispatch_id``; its worker saves a checkpoint of ``node_id`` at ``step`` when it reaches it
     (and reports the metrics there when ``evaluate``), so the new branch resumes from it instead
@@ -332,7 +368,7 @@ class CheckpointRequested(Event):
     checkpoint_budget: PositiveInt | None = None
 
 
-class CheckpointEvicted(Event):
+class CheckpointEvicted(DecisionEvent):
     """A storage decision: the checkpoint ``ref`` of ``node_id`` at ``step`` leaves the plan to keep
     the checkpoint bytes within ``checkpoint_budget`` (bytes), chosen by the cost-benefit rule of
     ``scheduler.eviction`` (TreeML thesis §4.2.2, after Nectar); ``reason`` is its evidence. The
@@ -361,9 +397,13 @@ class WorkerJoined(Event):
     device: str
 
 
-class WorkerLost(Event):
-    """A worker is gone (process died, heartbeat timed out, coordinator restarted); its
-    unfinished stages are dispatched again from the last checkpoints."""
+class WorkerLost(DecisionEvent):
+    """A worker is gone (process died, heartbeat timed out, coordinator restarted, the worker
+    drained on SIGTERM); its unfinished stages are dispatched again from the last checkpoints.
+
+    When ``stagetree serve`` declares it (a heartbeat timeout: a decision taken by a clock and
+    recorded), it records the prefix it decided from (:class:`DecisionEvent`); ``replay verify``
+    checks that the worker was alive there. A worker's own goodbye records none."""
 
     type: ClassVar[str] = "WorkerLost"
     worker_id: Ident
@@ -373,16 +413,20 @@ class WorkerLost(Event):
 # --------------------------------------------------------------------------- tuner decisions
 
 
-class TunerDecided(Event):
+class TunerDecided(DecisionEvent):
     """A tuner's decision (:mod:`events.decisions`: draw, promote, continue, stop, exploit,
     keep, retune, answer), appended by the SDK before the requests it causes.
 
     ``decided_at`` is the offset of the last ``stagetree.plan`` event the study's runtime had
-    folded when its tuner decided (as in StageDispatched), so ``replay verify --study`` re-runs
-    the tuner and recomputes the decision from exactly that prefix. ``released`` lists the
-    results handed to an asynchronous tuner since its previous decision, in the order it was
-    given them (arrival or causal order; empty for synchronous tuners). ``tuner`` is the tuner's
-    class name.
+    folded when its tuner decided (as in StageDispatched; on a partitioned stream, the last of
+    the study's own partition, and ``decided_at_partitions`` that of every partition: the
+    results of a ``--no-merge`` study's trials are in their own plans' partitions), so
+    ``replay verify --study`` re-runs the tuner and recomputes the decision from exactly that
+    prefix. ``released`` lists the results handed to an asynchronous tuner since its previous
+    decision, in the order it was given them (arrival or causal order; empty for synchronous
+    tuners). ``tuner`` is the tuner's class name. ``plan_key`` is the study's plan key, so that
+    on a partitioned stream the decision lands in the partition that holds the study; None in
+    logs written before the field existed (the event is then keyed by study id).
     """
 
     type: ClassVar[str] = "TunerDecided"
@@ -391,18 +435,23 @@ class TunerDecided(Event):
     decided_at: int = Field(ge=-1)
     decision: Decision
     released: list[ReleasedResult] = Field(default_factory=list)
+    plan_key: Ident | None = None
 
 
 class LogSealed(Event):
-    """The hash chain of ``stream`` after the record at ``offset`` (hex; sha256 or HMAC-SHA256 per
-    ``algorithm``), written by the one process that folds the stream (on Kafka: the serve
-    projector). ``replay verify`` recomputes the chain and checks every seal."""
+    """The hash chain of ``stream`` (of its ``partition``) after the record at ``offset`` (hex;
+    sha256 or HMAC-SHA256 per ``algorithm``), written by whoever folds the stream for the
+    deployment (on Kafka: ``stagetree serve``'s scheduler role, one seal per partition, in its
+    fenced transactions). ``replay verify`` recomputes the chain and checks every seal."""
 
     type: ClassVar[str] = "LogSealed"
     stream: str
     offset: int = Field(ge=0)
     chain: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
     algorithm: Literal["sha256", "hmac-sha256"]
+    partition: NonNegativeInt | None = None
+    """The partition of ``stream`` whose chain this is (each partition of a partitioned stream
+    has a chain of its own); None: an unpartitioned stream (partition 0)."""
 
 
 class DeadLettered(Event):
@@ -422,6 +471,8 @@ class DeadLettered(Event):
     raw: str
     sha256: Sha256 | None = None
     size: NonNegativeInt | None = None
+    partition: NonNegativeInt | None = None
+    """The partition of ``stream`` the record was in (None: unpartitioned, or not from a stream)."""
 
 
 EVENT_TYPES: dict[str, type[Event]] = {

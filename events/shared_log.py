@@ -454,8 +454,10 @@ class SharedEmbeddedLog:
             records = _records_from_json(stream, reply["records"])
         return next((r.offset for r in records if (r.key, r.value) == item), None)
 
-    def read(self, stream: str, start: int = 0, stop: int | None = None) -> Iterator[Record]:
-        """Records of ``stream`` with ``start <= offset < stop`` (stop: the end when called)."""
+    def read(self, stream: str, start: int = 0, stop: int | None = None, partition: int = 0) -> Iterator[Record]:
+        """Records of ``stream`` with ``start <= offset < stop`` (stop: the end when called).
+        ``partition`` must be 0: an embedded log's streams have one partition."""
+        EmbeddedLog._only_partition(partition)
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise ValueError(f"`start` is {start!r}, but must be an int >= 0")
         with self._mutex:
@@ -467,8 +469,13 @@ class SharedEmbeddedLog:
             self._seen = max(self._seen, result[-1].offset + 1)
         return iter(result)
 
-    def end_offset(self, stream: str) -> int:
-        """The offset the next append to ``stream`` will get."""
+    def partition_count(self, stream: str) -> int:
+        """1: an embedded log's streams have one partition."""
+        return 1
+
+    def end_offset(self, stream: str, partition: int = 0) -> int:
+        """The offset the next append to ``stream`` will get (``partition`` must be 0)."""
+        EmbeddedLog._only_partition(partition)
         with self._mutex:
             result = self._do(lambda owner: owner.end_offset(stream), {"op": "end", "stream": stream})
         return int(result["end"]) if isinstance(result, dict) else int(result)

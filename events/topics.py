@@ -1,19 +1,46 @@
-"""Stream (Kafka topic) names. One totally ordered plan stream, keyed by plan key (DESIGN.md)."""
+"""Stream (Kafka topic) names. The plan stream is keyed by plan key, one partition per group of
+plans, so one partition holds a plan's whole history (DESIGN.md "The event log")."""
+
+import re
+
+DEFAULT_PLAN_PARTITIONS = 8
+"""Partitions of ``stagetree.plan`` when a Kafka deployment creates it (``--plan-partitions``;
+fixed at creation, read from the cluster afterwards)."""
 
 PLAN = "stagetree.plan"
-"""Every event that changes a search plan or study: keyed by plan key (worker events by worker id)."""
+"""Every event that changes a search plan or study: keyed by plan key; WorkerJoined and
+WorkerLost (keyed by worker id) go to every partition (events.log.BROADCAST)."""
 
 DISPATCH = "stagetree.dispatch"
-"""StageDispatched copies for workers, keyed by worker id."""
+"""Embedded mode: StageDispatched copies for workers, keyed by worker id. On Kafka each worker
+has a stream of its own (:func:`dispatch_stream`)."""
 
 DEADLETTER = "stagetree.deadletter"
 """DeadLettered events: what could not be decoded or applied, with the reason."""
 
 HEARTBEAT = "stagetree.heartbeat"
-"""Worker liveness beats (Kafka mode), keyed by worker id; not part of the plan's history: the
-serve process turns a missed beat into a WorkerLost event on the plan stream."""
+"""Worker liveness beats (Kafka mode), keyed by worker id, one partition: its owner in the
+serve app's group holds the scheduler role and turns a missed beat into a WorkerLost event."""
 
-ALL = (PLAN, DISPATCH, DEADLETTER, HEARTBEAT)
+ALL = (PLAN, DEADLETTER, HEARTBEAT)
+"""The streams a Kafka deployment creates up front (workers create their dispatch streams)."""
+
+_WORKER_ID = re.compile(r"[A-Za-z0-9._-]{1,200}")
+
+
+def dispatch_stream(worker_id: str) -> str:
+    """The stream a worker reads its dispatches (and a notice that it was declared lost) from,
+    on Kafka: ``stagetree.dispatch.<worker id>``, so a worker reads only its own records.
+
+    Raises:
+        ValueError: ``worker_id`` cannot be part of a Kafka topic name (1 to 200 characters of
+            A-Z a-z 0-9 . _ -).
+    """
+    if not isinstance(worker_id, str) or not _WORKER_ID.fullmatch(worker_id):
+        raise ValueError(f"worker id {worker_id!r} must be 1 to 200 characters of A-Z a-z 0-9 . _ - "
+                         "(it names the worker's dispatch topic on Kafka)")
+    return f"{DISPATCH}.{worker_id}"
+
 
 OPTUNA = "stagetree.optuna"
 """Optuna's journal (``stagetree.integration.optuna``): one record per journal operation, keyed

@@ -240,15 +240,18 @@ class PathExecutor:
     def now(self) -> float:
         return self.clock()
 
-    def run(self, d: StageDispatched, emit: Emit, control: Control | None = None) -> None:
+    def run(self, d: StageDispatched, emit: Emit, control: Control | None = None,
+            should_stop: Callable[[], bool] | None = None) -> bool:
         """Execute every stage of ``d`` in order, emitting event batches through ``emit``: the
         one event sequence of :func:`events.execution.run_path`.
 
         Never raises for a failing stage: a corrupt or missing source checkpoint, an exception
         from the trainer, or a store that keeps failing becomes a StageFailed event and ends the
         path. With tracing on, the work is recorded as spans in the trace the dispatch carries.
+        ``should_stop``: a drain (see ``run_path``); returns False when the rest of the path was
+        left to hand back.
         """
         with tracing.span("dispatch.process", parent=d.trace, kind=SpanKind.CONSUMER,
                           attributes=tracing.messaging("process", topics.DISPATCH, d.event_id,
                                                        dispatch_id=d.dispatch_id, worker_id=self.worker_id)):
-            run_path(d, self, emit, self.worker_id, self.stamp, control)
+            return run_path(d, self, emit, self.worker_id, self.stamp, control, should_stop)

@@ -1,33 +1,102 @@
-"""A worker on Kafka (``stagetree worker``): consume its dispatches, train, publish results.
+"""A worker on Kafka (``stagetree worker``): read its own dispatches, run them, publish results.
 
-The worker shares the path executor with embedded mode; only the transport differs. It joins by
-publishing WorkerJoined (which voids any dispatch an earlier process of the same id left
-unfinished), then reads ``stagetree.dispatch`` from the offset it noted *before* joining,
-executing the records keyed by its id. Results go to ``stagetree.plan``; checkpoints to the
-checkpoint store (local directory or MinIO), written and verified before CheckpointSaved is
-published. A thread sends a beat to ``stagetree.heartbeat`` every ``heartbeat_s`` seconds; the
-serve process declares a silent worker lost, and its unfinished stages are dispatched again.
+The worker shares the path executor with embedded mode; only the transport differs:
+
+* **Its own stream.** Dispatches reach a worker on ``stagetree.dispatch.<worker id>``
+  (:func:`events.topics.dispatch_stream`), which it creates at start; it reads nothing else
+  (``read_committed``, long-polling: an idle worker costs the broker one open fetch). When
+  ``stagetree serve`` declares it lost (it was silent too long: paused, cut off), a copy of the
+  WorkerLost arrives there too, and the worker joins again.
+* **Atomic, fenced appends.** Every batch the path executor emits (``events.execution``: a
+  stage's end is ONE batch, MetricsReported, CheckpointSaved and StageFinished) is one Kafka
+  transaction of a :class:`~events.kafka_log.TransactionalAppender` with ``transactional.id``
+  ``<prefix>stagetree.worker.<worker id>``, visible at once or not at all; a WorkerJoined is
+  written to every plan partition at once. Starting a worker fences an older process with the
+  same id (a zombie's next append fails, and it exits).
+* **Steering.** Decisions about the running path (PathPreempted, CheckpointRequested) arrive on
+  the same stream while it runs; the executor asks for them between steps
+  (:class:`StreamControl`).
+* **Joining** publishes WorkerJoined (voiding any dispatch an earlier process of the same id
+  left unfinished); dispatches on its stream from before that are ignored.
+* **Draining.** On SIGTERM (:meth:`KafkaWorker.drain`) the worker finishes the stage it is
+  training, hands the rest of its path back (WorkerLost with reason "drained", written by the
+  worker itself: the scheduler dispatches the rest again from the checkpoint just saved), and
+  exits. A second SIGTERM is not needed; SIGKILL loses only the stage in flight.
+* **Liveness.** A thread sends a beat to ``stagetree.heartbeat`` every ``heartbeat_s`` seconds.
+
+This module does not import torch: what runs a dispatch is a :class:`Runner` (training:
+:class:`TrainingRunner`, which imports torch when made; the cluster benchmark's simulated
+workers: :mod:`gpu_worker.simulated_worker`).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 import orjson
-import torch
 
 from events import topics
 from events.codec import InvalidEvent, decode, encode
 from events.deadletter import dead_letter
-from events.log import EventLog, event_key
-from events.models import CheckpointRequested, Event, PathPreempted, StageDispatched, StudyStarted, WorkerJoined
-from gpu_worker.checkpoint import CheckpointStore
-from gpu_worker.executor import PathExecutor, resolve_device
-from gpu_worker.loader import load_trainer
-from gpu_worker.process import warm_up
+from events.execution import Control
+from events.kafka_log import (
+    Fenced,
+    Follower,
+    KafkaLog,
+    KafkaLogError,
+    TransactionalAppender,
+    Write,
+    event_writes,
+    partition_for,
+)
+from events.log import Record
+from events.models import (
+    CheckpointRequested,
+    Event,
+    PathPreempted,
+    StageDispatched,
+    StageStarted,
+    StudyStarted,
+    WorkerJoined,
+    WorkerLost,
+)
+
+log = logging.getLogger(__name__)
+
+Emit = Callable[[list[Event]], None]
+
+SIGTERM_HOOK_ENV = "STAGETREE_TEST_SIGTERM_IN_A_PATH"
+"""Fault injection for tests: when set, the worker sends itself SIGTERM (once) as it starts the
+first stage of a dispatch that has more stages after it, so the drain hands a path back."""
+
+HOLD_HOOK_ENV = "STAGETREE_TEST_HOLD_IN_PATH"
+"""Fault injection for tests: ``N:DIR``. When the worker has started the first stage of its N-th
+dispatch (counting from 1; its StageStarted is on the log), it creates ``DIR/<worker id>.held``
+and waits there, still beating, until the test deletes that file (or a SIGTERM). A test thus
+holds a study at a known point, mid-path, while it kills or stops a serve, a broker or the
+worker itself, however fast the stages train."""
+
+
+class Runner(Protocol):
+    """Runs dispatched paths for one worker (a training executor, or a simulated GPU)."""
+
+    device: str
+    """The device name written into WorkerJoined."""
+
+    def prepare(self) -> None:
+        """Start-up work before joining (not counted in worker-seconds)."""
+
+    def run(self, dispatch: StageDispatched, emit: Emit, control: Control, should_stop: Callable[[], bool]) -> bool:
+        """Run ``dispatch``, emitting its event batches in order (``events.execution.run_path``),
+        steered by ``control``; stop before a stage when ``should_stop()``, returning False (the
+        rest handed back); True otherwise."""
 
 
 def base_plan_key(plan_key: str) -> str:
@@ -35,27 +104,30 @@ def base_plan_key(plan_key: str) -> str:
     return plan_key.split("/trial/", 1)[0]
 
 
-class TopicControl:
-    """The :class:`~events.execution.Control` of a path on a Kafka worker: decisions about it
-    arrive on the worker's dispatch records; they are read at most every ``every_s`` seconds
-    (a read costs a fetch), from the offset after the dispatch."""
+def worker_transactional_id(log: KafkaLog, worker_id: str) -> str:
+    """The ``transactional.id`` of worker ``worker_id`` in the deployment of ``log``."""
+    return log.topic(f"stagetree.worker.{worker_id}")
 
-    def __init__(self, log: EventLog, worker_id: str, start: int, every_s: float = 0.5) -> None:
-        self.log, self.worker_id, self.position, self.every_s = log, worker_id, start, every_s
+
+class StreamControl:
+    """The :class:`~events.execution.Control` of a path on a Kafka worker: decisions about it
+    (PathPreempted, CheckpointRequested) arrive on the worker's own stream while it runs; the
+    stream is polled at most every ``every_s`` seconds, without waiting. Records that are not
+    about the path (a notice that the worker was declared lost) are kept for the worker's loop."""
+
+    def __init__(self, worker: KafkaWorker, every_s: float = 0.2) -> None:
+        self.worker, self.every_s = worker, every_s
         self.checked = time.monotonic()
         self.arrived: list[Event] = []
 
     def _read(self) -> None:
         self.checked = time.monotonic()
-        for record in self.log.read(topics.DISPATCH, self.position):
-            self.position = record.offset + 1
-            if record.key != self.worker_id or (b'"PathPreempted"' not in record.value
-                                                and b'"CheckpointRequested"' not in record.value):
-                continue
-            try:
-                self.arrived.append(decode(record.value))
-            except InvalidEvent:
-                continue  # the worker's loop dead-letters it when it reads the record
+        for record in self.worker.follower.poll(0):
+            event = self.worker.decoded(record)
+            if isinstance(event, (PathPreempted, CheckpointRequested)):
+                self.arrived.append(event)
+            elif event is not None:
+                self.worker.pending.append((record, event))
 
     def waiting(self) -> bool:
         if not self.arrived and time.monotonic() - self.checked >= self.every_s:
@@ -63,6 +135,8 @@ class TopicControl:
         return bool(self.arrived)
 
     def poll(self) -> list[Event]:
+        if time.monotonic() - self.checked >= self.every_s:
+            self._read()
         out, self.arrived = self.arrived, []
         return out
 
@@ -73,40 +147,232 @@ class KafkaWorker:
     Args:
         log_factory: makes a transport (a KafkaLog); called twice, for the main loop and the
             heartbeat thread, since a transport is used from one thread at a time.
-        worker_id: this worker's id (dispatch records are keyed by it).
+        worker_id: this worker's id (its dispatch stream is named after it: A-Z a-z 0-9 . _ -).
+        runner: runs the dispatches.
+        heartbeat_s: seconds between beats.
+        retry_s: how long an append that fails (a broker away) is retried before the worker
+            gives up and exits (its stage is then dispatched again).
+
+    Raises:
+        ValueError: ``worker_id`` cannot name a Kafka topic.
+    """
+
+    def __init__(self, log_factory: Callable[[], KafkaLog], worker_id: str, runner: Runner, *,
+                 heartbeat_s: float = 1.0, retry_s: float = 300.0) -> None:
+        self.stream = topics.dispatch_stream(worker_id)
+        self.log_factory = log_factory
+        self.log = log_factory()
+        self.worker_id = worker_id
+        self.runner = runner
+        self.heartbeat_s = heartbeat_s
+        self.retry_s = retry_s
+        self.stop = threading.Event()
+        """Set to leave after the current stage (a drain) or, when idle, at once."""
+        self.producer = f"worker:{worker_id}"
+        self.partitions = 1
+        self.appender = TransactionalAppender(self.log, worker_transactional_id(self.log, worker_id))
+        self.pending: list[tuple[Record, Event]] = []  # read from the stream, not handled yet
+        self.follower: Follower
+        self._hooked = False
+        self._sigterm_hook: StageDispatched | None = None
+        self._dispatches = 0  # dispatches run so far (the hold hook counts them)
+        self._hold: Path | None = None
+
+    def drain(self) -> None:
+        """Finish the stage in flight, hand back the rest of the path, and leave (SIGTERM)."""
+        self.stop.set()
+
+    # ------------------------------------------------------------------ publishing
+
+    def _append(self, writes: Sequence[Write]) -> None:
+        """Append in one transaction, retrying a broker that is away for up to ``retry_s``.
+
+        Raises:
+            Fenced: another process took this worker id over.
+            KafkaLogError: still failing after ``retry_s``.
+        """
+        deadline = time.monotonic() + self.retry_s
+        while True:
+            try:
+                self.appender.append(writes)
+                return
+            except Fenced:
+                raise
+            except KafkaLogError as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("worker %s: append failed, retrying: %s", self.worker_id, exc)
+                time.sleep(1.0)
+
+    def publish(self, events: Sequence[Event]) -> None:
+        """Append ``events`` to the plan stream in one transaction (WorkerJoined/WorkerLost to
+        every partition)."""
+        self._append(event_writes(topics.PLAN, events, self.partitions))
+
+    def emit(self, events: list[Event]) -> None:
+        """The executor's emit: each batch (a stage's end is one) is one transaction."""
+        self.publish(events)
+        if self._sigterm_hook is not None and any(isinstance(e, StageStarted) for e in events):
+            d, self._sigterm_hook = self._sigterm_hook, None
+            first = d.stages[0]
+            if any(isinstance(e, StageStarted) and (e.node_id, e.from_step) == (first.node_id, first.from_step)
+                   for e in events):
+                os.kill(os.getpid(), signal.SIGTERM)
+        if self._hold is not None and any(isinstance(e, StageStarted) for e in events):
+            held, self._hold = self._hold, None
+            held.touch()
+            while held.exists() and not self.stop.is_set():
+                self.stop.wait(0.05)
+
+    def _hold_hook(self) -> Path | None:
+        """The file :data:`HOLD_HOOK_ENV` holds this worker's current dispatch with, or None."""
+        spec = os.environ.get(HOLD_HOOK_ENV)
+        if not spec:
+            return None
+        count, _, folder = spec.partition(":")
+        return Path(folder) / f"{self.worker_id}.held" if int(count) == self._dispatches else None
+
+    def _dead_letter(self, offset: int, raw: bytes, reason: str) -> None:
+        letter = dead_letter(self.stream, offset, raw, reason, producer=self.producer)
+        log.warning("worker %s: dispatch record at offset %d dead-lettered: %s", self.worker_id, offset, reason)
+        self._append([Write(topics.DEADLETTER, self.worker_id, encode(letter))])
+
+    def decoded(self, record: Record) -> Event | None:
+        """The event of a record of this worker's stream, or None when it is dead-lettered
+        (undecodable, or not for this worker)."""
+        try:
+            event = decode(record.value)
+        except InvalidEvent as exc:
+            self._dead_letter(record.offset, record.value, exc.reason)
+            return None
+        if getattr(event, "worker_id", None) != self.worker_id:
+            self._dead_letter(record.offset, record.value, f"a {event.type} for worker "
+                              f"{getattr(event, 'worker_id', None)!r} on the dispatch stream of {self.worker_id!r}")
+            return None
+        return event
+
+    def _beat(self) -> None:
+        beats = self.log_factory()
+        try:
+            while not self.stop.is_set():
+                try:
+                    beats.append(topics.HEARTBEAT, self.worker_id,
+                                 orjson.dumps({"worker_id": self.worker_id, "ts": time.time()}))
+                except KafkaLogError as exc:  # a broker away: the next beat tries again
+                    log.warning("worker %s: heartbeat not sent: %s", self.worker_id, exc)
+                self.stop.wait(self.heartbeat_s)
+        finally:
+            beats.close()
+
+    def _join(self) -> None:
+        self.publish([WorkerJoined(producer=self.producer, ts=time.time(), worker_id=self.worker_id,
+                                   device=self.runner.device)])
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> None:
+        """Join, then run dispatches until :attr:`stop` is set (a path in flight is cut after
+        its current stage and handed back)."""
+        self.runner.prepare()  # start-up costs before joining, not in worker-seconds
+        self.log.ensure_topic(self.stream)
+        self.partitions = self.log.partition_count(topics.PLAN)
+        start = self.log.end_offset(self.stream)
+        self.appender.start()  # fences an older process of this worker id
+        self._join()
+        # A fetch the broker holds open returns when records arrive, but a transaction's records
+        # become readable only at its commit marker: keep the wait short so that a dispatch is
+        # seen within ~0.1 s of its commit.
+        self.follower = Follower(self.log, {(self.stream, 0): start}, wait_ms=100)
+        beat = threading.Thread(target=self._beat, name=f"heartbeat-{self.worker_id}", daemon=True)
+        beat.start()
+        handed_back = False
+        try:
+            while not self.stop.is_set():
+                if not self.pending:
+                    self.pending += [(r, e) for r in self.follower.poll(0.2) if (e := self.decoded(r)) is not None]
+                while self.pending and not self.stop.is_set():
+                    record, event = self.pending.pop(0)
+                    if isinstance(event, StageDispatched):
+                        self._dispatches += 1
+                        self._hold = self._hold_hook()
+                        if os.environ.get(SIGTERM_HOOK_ENV) and len(event.stages) > 1 and not self._hooked:
+                            self._hooked, self._sigterm_hook = True, event
+                        if not self.runner.run(event, self.emit, StreamControl(self), self.stop.is_set):
+                            handed_back = True
+                    elif isinstance(event, (PathPreempted, CheckpointRequested)):
+                        continue  # about a path that has ended (it finished first): nothing to do
+                    elif isinstance(event, WorkerLost):
+                        log.warning("worker %s was declared lost (%s): joining again", self.worker_id, event.reason)
+                        self._join()
+                    else:
+                        self._dead_letter(record.offset, record.value, f"a {event.type} event does not belong on "
+                                                                       "a dispatch stream")
+            reason = "drained (SIGTERM) with its path handed back" if handed_back else "drained (SIGTERM)"
+            self.publish([WorkerLost(producer=self.producer, ts=time.time(), worker_id=self.worker_id,
+                                     reason=reason)])
+        except Fenced as exc:
+            log.error("worker %s: another process took this worker id over; leaving: %s", self.worker_id, exc)
+        finally:
+            self.stop.set()
+            beat.join(timeout=5)
+            self.follower.close()
+            self.appender.close()
+            self.log.close()
+
+
+class TrainingRunner:
+    """Runs dispatches by training (the :class:`~gpu_worker.executor.PathExecutor`), building a
+    trainer per study file. Imports torch when made.
+
+    Args:
+        log: a transport (reads a plan's StudyStarted for its study file when ``study_file`` is
+            None).
+        worker_id: the worker's id.
         store: the checkpoint store.
         device: torch device spec (``auto``, ``cpu``, ``cuda:N``).
         study_file: the study file to build trainers from; None: the file recorded by the
             StudyStarted event of each dispatch's plan.
-        heartbeat_s: seconds between beats.
-        poll_s: seconds between reads of the dispatch stream when idle.
+        threads: torch intra-op threads.
     """
 
-    def __init__(self, log_factory: Callable[[], EventLog], worker_id: str, store: CheckpointStore,
-                 device: str = "auto", *, study_file: str | None = None, heartbeat_s: float = 1.0,
-                 poll_s: float = 0.02, threads: int = 1) -> None:
-        self.log_factory = log_factory
-        self.log = log_factory()
+    def __init__(self, log: KafkaLog, worker_id: str, store: Any, device: str = "auto", *,
+                 study_file: str | None = None, threads: int = 1) -> None:
+        import torch
+
+        from gpu_worker.executor import resolve_device
+
+        torch.set_num_threads(threads)
+        self.log = log
         self.worker_id = worker_id
         self.store = store
-        torch.set_num_threads(threads)
-        self.device = resolve_device(device)
+        self.torch_device = resolve_device(device)
+        self.device = str(self.torch_device)
         self.study_file = study_file
-        self.heartbeat_s = heartbeat_s
-        self.poll_s = poll_s
-        self.stop = threading.Event()
-        self._executors: dict[str, PathExecutor] = {}
+        self._executors: dict[str, Any] = {}
         self._studies: dict[str, str] = {}  # plan key -> study file, from StudyStarted
-        self._plan_read = 0
-        self._lost_read = 0
+
+    def prepare(self) -> None:
+        if self.study_file is not None:
+            from gpu_worker.process import warm_up
+
+            warm_up(self._executor(self.study_file).trainer, self.torch_device)
+
+    def _executor(self, path: str) -> Any:
+        if path not in self._executors:
+            from gpu_worker.executor import PathExecutor
+            from gpu_worker.loader import load_trainer
+
+            self._executors[path] = PathExecutor(load_trainer(Path(path)), self.worker_id, self.store,
+                                                 self.torch_device)
+        return self._executors[path]
 
     def _study_file_for(self, plan_key: str) -> str:
         if self.study_file is not None:
             return self.study_file
         key = base_plan_key(plan_key)
         if key not in self._studies:
-            for record in self.log.read(topics.PLAN, self._plan_read):
-                self._plan_read = record.offset + 1
+            partition = partition_for(key, self.log.partition_count(topics.PLAN))
+            for record in self.log.read(topics.PLAN, partition=partition):
                 if b'"StudyStarted"' not in record.value:
                     continue
                 try:
@@ -119,83 +385,5 @@ class KafkaWorker:
             raise LookupError(f"no StudyStarted with a study file for plan {key!r}: pass --study")
         return self._studies[key]
 
-    def _executor_for(self, d: StageDispatched) -> PathExecutor:
-        path = self._study_file_for(d.plan_key)
-        if path not in self._executors:
-            self._executors[path] = PathExecutor(load_trainer(Path(path)), self.worker_id, self.store, self.device)
-        return self._executors[path]
-
-    def _emit(self, events: list[Event]) -> None:
-        self.log.append_many(topics.PLAN, [(event_key(e), encode(e)) for e in events])
-
-    def _beat(self) -> None:
-        log = self.log_factory()
-        try:
-            while not self.stop.is_set():
-                log.append(topics.HEARTBEAT, self.worker_id,
-                           orjson.dumps({"worker_id": self.worker_id, "ts": time.time()}))
-                self.stop.wait(self.heartbeat_s)
-        finally:
-            log.close()
-
-    def _join(self) -> int:
-        """Publish WorkerJoined; returns the dispatch offset to read from (earlier ones are void)."""
-        start = self.log.end_offset(topics.DISPATCH)
-        self._emit([WorkerJoined(producer=f"worker:{self.worker_id}", ts=time.time(), worker_id=self.worker_id,
-                                 device=str(self.device))])
-        self._lost_read = self.log.end_offset(topics.PLAN)
-        return start
-
-    def _declared_lost(self) -> bool:
-        """Whether the plan stream says this worker was declared lost since it joined (it was
-        silent too long, e.g. paused or cut off): then it joins again."""
-        lost = False
-        for record in self.log.read(topics.PLAN, self._lost_read):
-            self._lost_read = record.offset + 1
-            if record.key == self.worker_id and b'"WorkerLost"' in record.value:
-                lost = True
-        return lost
-
-    def run(self) -> None:
-        """Join, then serve dispatches until :attr:`stop` is set (after the current path)."""
-        if self.study_file is not None:  # start-up costs before joining, not in worker-seconds
-            executor = self._executors[self.study_file] = PathExecutor(
-                load_trainer(Path(self.study_file)), self.worker_id, self.store, self.device)
-            warm_up(executor.trainer, self.device)
-        start = self._join()
-        beat = threading.Thread(target=self._beat, name=f"heartbeat-{self.worker_id}", daemon=True)
-        beat.start()
-        checked = time.monotonic()
-        try:
-            while not self.stop.is_set():
-                if time.monotonic() - checked > 1.0:
-                    checked = time.monotonic()
-                    if self._declared_lost():
-                        start = self._join()
-                got = False
-                for record in self.log.read(topics.DISPATCH, start):
-                    start, got = record.offset + 1, True
-                    if record.key != self.worker_id:
-                        continue
-                    try:
-                        dispatch = decode(record.value)
-                        if isinstance(dispatch, (PathPreempted, CheckpointRequested)):
-                            continue  # about a path that has ended (it finished first): nothing to do
-                        if not isinstance(dispatch, StageDispatched):
-                            raise InvalidEvent(f"the dispatch stream holds StageDispatched, PathPreempted and "
-                                               f"CheckpointRequested events, not {dispatch.type}")
-                    except InvalidEvent as exc:  # one rule: dead-letter with the reason, never skip silently
-                        letter = dead_letter(topics.DISPATCH, record.offset, record.value, exc.reason,
-                                             producer=f"worker:{self.worker_id}")
-                        self.log.append(topics.DEADLETTER, record.key, encode(letter))
-                        continue
-                    control = TopicControl(self.log, self.worker_id, start)
-                    self._executor_for(dispatch).run(dispatch, self._emit, control)
-                    if self.stop.is_set():
-                        break
-                if not got:
-                    self.stop.wait(self.poll_s)
-        finally:
-            self.stop.set()
-            beat.join(timeout=5)
-            self.log.close()
+    def run(self, dispatch: StageDispatched, emit: Emit, control: Control, should_stop: Callable[[], bool]) -> bool:
+        return self._executor(self._study_file_for(dispatch.plan_key)).run(dispatch, emit, control, should_stop)

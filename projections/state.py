@@ -306,8 +306,9 @@ class Rejection:
 
 @dataclass
 class State:
-    """The whole projection of the plan stream. ``offset`` is the last folded offset (-1: none);
-    ``chain`` the stream's hash chain up to it, kept by the projector (hex)."""
+    """The whole projection of the plan stream (or of one partition of it). ``offset`` is the
+    last folded offset (-1: none); ``chain`` the stream's hash chain up to it, kept by the
+    projector (hex)."""
 
     plans: dict[str, Plan] = field(default_factory=dict)
     trials: dict[str, Trial] = field(default_factory=dict)
@@ -323,6 +324,10 @@ class State:
     """trial id -> the tuner decisions naming it, in log order (TunerDecided events)."""
     offset: int = -1
     chain: str = "0" * 64  # hash chain of the plan stream after ``offset`` (events.log.chain_next)
+    offsets: dict[int, int] | None = None
+    """When this state is the merged view of a partitioned plan stream
+    (:func:`projections.partitions.merge`): the offset of every partition's last folded record,
+    the prefix a decision taken from it records; None for the fold of one stream. Not persisted."""
 
     def node(self, plan_key: str, node_id: str) -> Node | None:
         plan = self.plans.get(plan_key)

@@ -266,7 +266,8 @@ def fold_records(state: State, records: Iterable[Record], folded: Folded | None 
             else:
                 touched = apply(state, event, record.offset)
         except (InvalidEvent, Rejected) as exc:
-            letter = dead_letter(topics.PLAN, record.offset, record.value, str(exc), producer="projector")
+            letter = dead_letter(topics.PLAN, record.offset, record.value, str(exc), producer="projector",
+                                 partition=record.partition or None)
             state.offset, state.chain = record.offset, chain
             state.rejected[record.offset] = Rejection(letter.reason, letter.sha256 or "", letter.size or 0)
             folded.touched |= {("meta",), ("rejected", f"{record.offset:016d}")}
@@ -281,23 +282,28 @@ def fold_records(state: State, records: Iterable[Record], folded: Folded | None 
 
 
 class Projector:
-    """Folds the plan stream of ``log`` into ``state``, persisting to ``store`` when given.
+    """Folds the plan stream of ``log`` (its ``partition``) into ``state``, persisting to
+    ``store`` when given.
 
     Each call to :meth:`catch_up` folds every record after ``state.offset`` with
-    :func:`fold_records` and commits the touched records, the offset and the rejections in one
-    batch; then, when ``dead_letters`` is true (the one live projector, not replays), publishes
-    the dead letters to ``stagetree.deadletter``. Publishing after the commit is an outbox: a
-    crash in between loses no letter, because a projector that starts publishes the rejections
-    its state holds that the dead-letter stream lacks (same event ids, so never twice in effect).
+    :func:`fold_records`; :meth:`fold` takes records delivered otherwise (a faust agent's, a
+    follower's) and skips those at or before ``state.offset`` (offsets may have gaps: Kafka
+    transaction markers). Either commits the touched records, the offset and the rejections in
+    one batch; then, when ``dead_letters`` is true (the one live projector, not replays),
+    publishes the dead letters to ``stagetree.deadletter``. Publishing after the commit is an
+    outbox: a crash in between loses no letter, because a projector that starts publishes the
+    rejections its state holds that the dead-letter stream lacks (same event ids, so never twice
+    in effect).
     """
 
     def __init__(self, log: EventLog, state: State | None = None, store: ProjectionStore | None = None,
-                 *, dead_letters: bool = True, secret: bytes | None = None) -> None:
+                 *, dead_letters: bool = True, secret: bytes | None = None, partition: int = 0) -> None:
         self.log = log
         self.store = store
         self.state = state if state is not None else (store.load() if store is not None else State())
         self.dead_letters = dead_letters
         self.secret = secret
+        self.partition = partition
         self.listeners: list[Listener] = []
         if dead_letters and self.state.rejected:
             self._publish_missing_letters()
@@ -310,13 +316,15 @@ class Projector:
                 letter = decode(record.value)
             except InvalidEvent:
                 continue
-            if isinstance(letter, DeadLettered) and letter.stream == topics.PLAN:
+            if isinstance(letter, DeadLettered) and letter.stream == topics.PLAN \
+                    and (letter.partition or 0) == self.partition:
                 published.add(letter.offset)
         letters = []
         for offset in sorted(set(self.state.rejected) - published):
-            for record in self.log.read(topics.PLAN, offset, offset + 1):
+            for record in self.log.read(topics.PLAN, offset, offset + 1, partition=self.partition):
                 letters.append((record.key, dead_letter(topics.PLAN, offset, record.value,
-                                                        self.state.rejected[offset].reason, producer="projector")))
+                                                        self.state.rejected[offset].reason, producer="projector",
+                                                        partition=self.partition or None)))
         if letters:
             self.log.append_many(topics.DEADLETTER, [(key, encode(letter)) for key, letter in letters])
 
@@ -327,9 +335,15 @@ class Projector:
         exception (a defect of the reducer) propagates after what was folded before it is
         committed; the record that raised is neither applied nor skipped.
         """
+        return self.fold(self.log.read(topics.PLAN, self.state.offset + 1, stop, partition=self.partition))
+
+    def fold(self, records: Iterable[Record]) -> list[tuple[int, Event]]:
+        """Fold ``records`` (of this projector's partition, in offset order); those at or before
+        ``state.offset`` were folded already and are skipped. Commits, dead-letters and notifies
+        as :meth:`catch_up`; returns the applied ``(offset, event)`` pairs."""
         folded = Folded()
         try:
-            fold_records(self.state, self.log.read(topics.PLAN, self.state.offset + 1, stop), folded,
+            fold_records(self.state, (r for r in records if r.offset > self.state.offset), folded,
                          secret=self.secret, traced=True)
         finally:
             if self.store is not None and folded.touched:

@@ -11,6 +11,7 @@ much the other studies on its plan gave it.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -69,12 +70,18 @@ def elapsed(events: Iterable[Event], study_id: str) -> float:
 
 def plan_events(log: EventLog) -> Iterator[Event]:
     """The decoded events of the plan stream of ``log``, in offset order (undecodable records,
-    the audit's business, skipped)."""
-    for record in log.read(topics.PLAN):
-        try:
-            yield decode(record.value)
-        except InvalidEvent:
-            continue
+    the audit's business, skipped). A partitioned stream's partitions are interleaved by the
+    events' timestamps, each partition kept in its own order (one plan is in one partition, so
+    what happened to one plan keeps its order)."""
+
+    def decoded(partition: int) -> Iterator[Event]:
+        for record in log.read(topics.PLAN, partition=partition):
+            try:
+                yield decode(record.value)
+            except InvalidEvent:
+                continue
+
+    yield from heapq.merge(*(decoded(p) for p in range(log.partition_count(topics.PLAN))), key=lambda e: e.ts)
 
 
 def elapsed_before(log: EventLog, study_id: str) -> float:

@@ -8,10 +8,15 @@ cannot be re-sealed without the key.
 
 ``verify`` checks, and names the first failing offset, event and check:
 
-1. ``chain``: every stream's records are dense from offset 0 and their chain values recompute;
+1. ``chain``: every stream's records are dense from offset 0 and their chain values recompute
+   (a Kafka deployment: every partition's chain up to each of its LogSealed records; offsets
+   there have gaps, where transaction markers are);
 2. ``decision``: every decision (StageDispatched, CheckpointEvicted, PathPreempted,
-   CheckpointRequested) equals what its decider recomputes from the log prefix it records
-   (``decided_at``), DESIGN.md invariant 3 (replay/decisions.py);
+   CheckpointRequested; on a partitioned stream also a WorkerLost that ``serve`` decided)
+   equals what its decider recomputes from the log prefix it records (``decided_at``; on a
+   partitioned plan stream the offset of every partition's last folded record,
+   ``decided_at_partitions``: each partition folded up to it and the states merged),
+   DESIGN.md invariant 3 (replay/decisions.py);
 3. ``projection``: the projection rebuilt by folding the plan stream equals the stored one byte
    for byte (run dir: ``state/``; export: the digest in its header);
 4. ``checkpoint``: every checkpoint referenced by a CheckpointSaved exists and matches its sha256,
@@ -43,9 +48,10 @@ from events.log import (  # noqa: F401 (KEY_ENV, secret_from: re-exported from t
     secret_from,
 )
 from events.models import CheckpointSaved, LogSealed
+from projections.partitions import merge
 from projections.state import State
 from projections.store import ProjectionStore, all_keys, fold_records, snapshot
-from replay.decisions import DecisionCheck
+from replay.decisions import DecisionCheck, replay_partitioned
 
 EXPORT_FORMAT = "stagetree-log"
 EXPORT_VERSION = 2
@@ -139,7 +145,8 @@ def open_export(path: Path, checkpoints: str | None = None) -> Source:
         try:
             o = orjson.loads(line)
             value = base64.b64decode(o["value_b64"], validate=True) if "value_b64" in o else o["value"].encode()
-            record = Record(o["stream"], int(o["offset"]), o["key"], value, bytes.fromhex(o["chain"]))
+            record = Record(o["stream"], int(o["offset"]), o["key"], value, bytes.fromhex(o["chain"]),
+                            int(o.get("partition", 0)))
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise AuditError(f"{str(path)!r} line {n}: malformed record ({type(exc).__name__}: {exc})") from None
         streams.setdefault(record.stream, []).append(record)
@@ -170,14 +177,16 @@ def kafka_location(url: str) -> tuple[str, str]:
 
 
 def open_kafka(url: str, checkpoints: str | Path | None = None) -> Source:
-    """Read ``kafka://HOST:PORT[/WHERE]`` (:func:`kafka_location`): the streams of a Kafka
-    deployment, as a plain consumer. On Kafka the plan stream's chain is carried by LogSealed
-    events (``chain`` = "sealed")."""
+    """Read ``kafka://HOST:PORT[/WHERE]`` (:func:`kafka_location`): the plan stream (every
+    partition) and the dead letters of a Kafka deployment, as a plain ``read_committed``
+    consumer (workers' dispatch streams hold copies of plan decisions: not read). On Kafka each
+    partition's chain is carried by LogSealed events (``chain`` = "sealed")."""
     from events.kafka_log import KafkaLog, security_from_env
 
     servers, prefix = kafka_location(url)
     with KafkaLog(servers, topic_prefix=prefix, security=security_from_env(), read_only=True) as log:
-        streams = {name: list(log.read(name)) for name in (topics.PLAN, topics.DISPATCH, topics.DEADLETTER)}
+        streams = {name: [r for p in range(log.partition_count(name)) for r in log.read(name, partition=p)]
+                   for name in (topics.PLAN, topics.DEADLETTER)}
     return Source(Path(url), "kafka", {k: v for k, v in streams.items() if v}, "sealed",
                   str(checkpoints) if checkpoints else None)
 
@@ -217,21 +226,22 @@ def export_log(source: Source, out: Path, secret: bytes | None = None) -> int:
     The header carries the chain algorithm, the record count per stream and the digest of the
     projection folded from the plan stream.
     """
-    state = fold(source.streams.get(topics.PLAN, []), secret=secret)
     header = {
         "format": EXPORT_FORMAT,
         "version": EXPORT_VERSION,
         "chain": source.chain,
         "streams": {name: len(recs) for name, recs in sorted(source.streams.items())},
-        "projection_sha256": projection_digest(snapshot(state)),
+        "projection_sha256": projection_digest(plan_snapshot(source.streams.get(topics.PLAN, []), secret)),
     }
     n = 0
     with out.open("wb") as f:
         f.write(orjson.dumps(header) + b"\n")
         for name in sorted(source.streams):
             for r in source.streams[name]:
-                f.write(orjson.dumps({"stream": r.stream, "offset": r.offset, "key": r.key, **_value_field(r),
-                                      "chain": r.chain.hex()}) + b"\n")
+                line = {"stream": r.stream, "offset": r.offset, "key": r.key, **_value_field(r), "chain": r.chain.hex()}
+                if r.partition:
+                    line["partition"] = r.partition
+                f.write(orjson.dumps(line) + b"\n")
                 n += 1
     return n
 
@@ -269,12 +279,42 @@ def fold(records: Iterable[Record], on_event: Callable[[Record, Any, State], Non
          after: Callable[[int, State], None] | None = None, secret: bytes | None = None) -> State:
     """Fold plan-stream records into a fresh state with the projector's own fold
     (:func:`projections.store.fold_records`); ``on_event``/``after`` as there. ``after(-1, state)``
-    runs first, on the empty state."""
-    state = State()
-    if after is not None:
-        after(-1, state)
-    fold_records(state, records, secret=secret, on_event=on_event, after=after)
-    return state
+    runs first, on the empty state. Records of several partitions are folded partition by
+    partition and their states merged (:func:`projections.partitions.merge`); ``after`` then
+    sees each record's partition's state."""
+    states = {}
+    for partition, recs in by_partition(records).items():
+        state = states[partition] = State()
+        if after is not None and partition == 0:
+            after(-1, state)
+        fold_records(state, recs, secret=secret, on_event=on_event, after=after)
+    return merge(states)
+
+
+def by_partition(records: Iterable[Record]) -> dict[int, list[Record]]:
+    """Plan-stream records grouped by partition, in offset order within each (partition 0 is
+    always there: an unpartitioned stream is partition 0)."""
+    parts: dict[int, list[Record]] = {0: []}
+    for r in records:
+        parts.setdefault(r.partition, []).append(r)
+    for recs in parts.values():
+        recs.sort(key=lambda r: r.offset)
+    return parts
+
+
+def plan_snapshot(records: Iterable[Record], secret: bytes | None = None) -> dict[bytes, bytes]:
+    """The projection records of the plan stream's fold: :func:`projections.store.snapshot`
+    of its one partition, or of every partition of a partitioned stream, each key prefixed
+    with ``p<partition>/``."""
+    parts = by_partition(records)
+    out = {}
+    for partition, recs in parts.items():
+        state = State()
+        fold_records(state, recs, secret=secret)
+        if set(parts) == {0}:
+            return snapshot(state)
+        out.update({f"p{partition}/".encode() + k: v for k, v in snapshot(state).items()})
+    return out
 
 
 @dataclass
@@ -321,35 +361,46 @@ def _event_name(record: Record) -> str:
 
 
 def check_seals(source: Source, secret: bytes | None) -> Failure | None:
-    """A sealed plan stream (Kafka): recompute its chain and check every LogSealed record."""
-    head, sealed, algorithm = CHAIN_START, -1, chain_algorithm(secret)
-    chain_after: dict[int, bytes] = {}
-    records = source.streams.get(topics.PLAN, [])
-    for expected, r in enumerate(records):
-        if r.offset != expected:
-            return Failure("chain", expected, None, f"stream {topics.PLAN}: offset {expected} is missing")
-        if b'"LogSealed"' in r.value:
-            try:
-                seal = decode(r.value)
-            except InvalidEvent:
-                seal = None
-            if isinstance(seal, LogSealed):
-                if seal.algorithm != algorithm:
-                    return Failure("chain", r.offset, seal.type, f"sealed with {seal.algorithm}, but verification "
-                                                                  f"was given {'a' if secret else 'no'} secret")
-                if seal.offset >= r.offset:
-                    return Failure("chain", r.offset, seal.type, f"seals offset {seal.offset}, not before itself")
-                if (chain_after.get(seal.offset) or b"").hex() != seal.chain:
-                    return Failure("chain", r.offset, seal.type,
-                                   f"the chain up to offset {seal.offset} does not match its seal (a record at or "
-                                   f"before it was edited, inserted, deleted or moved)")
-                sealed = max(sealed, seal.offset)
-        head = chain_next(head, topics.PLAN, r.offset, r.key, r.value, secret)
-        chain_after[r.offset] = head
-    unsealed = [r.offset for r in records if r.offset > sealed and b'"LogSealed"' not in r.value]
-    if unsealed:
-        return Failure("chain", unsealed[0], None, f"{len(unsealed)} records from offset {unsealed[0]} on are not "
-                                                   "sealed (a study still running, or a truncated seal)")
+    """A sealed plan stream (Kafka): recompute each partition's chain and check every LogSealed
+    record in it. Offsets increase but may have gaps (transaction markers take offsets and are
+    never read); the chain covers every record that is there, so a deleted, inserted or edited
+    record still breaks it at the next seal."""
+    algorithm = chain_algorithm(secret)
+    for partition, records in sorted(by_partition(source.streams.get(topics.PLAN, [])).items()):
+        where = f"stream {topics.PLAN}" + (f" partition {partition}" if partition else "")
+        head, sealed, previous = CHAIN_START, -1, -1
+        chain_after: dict[int, bytes] = {}
+        seals: set[int] = set()
+        for r in records:
+            if r.offset <= previous:
+                return Failure("chain", r.offset, None, f"{where}: offset {r.offset} comes after offset {previous}")
+            previous = r.offset
+            if b'"LogSealed"' in r.value:
+                try:
+                    seal = decode(r.value)
+                except InvalidEvent:
+                    seal = None
+                if isinstance(seal, LogSealed):
+                    seals.add(r.offset)
+                    if (seal.partition or 0) != partition:
+                        return Failure("chain", r.offset, seal.type, f"{where}: the seal names partition "
+                                                                      f"{seal.partition or 0}")
+                    if seal.algorithm != algorithm:
+                        return Failure("chain", r.offset, seal.type, f"sealed with {seal.algorithm}, but verification "
+                                                                      f"was given {'a' if secret else 'no'} secret")
+                    if seal.offset >= r.offset:
+                        return Failure("chain", r.offset, seal.type, f"seals offset {seal.offset}, not before itself")
+                    if (chain_after.get(seal.offset) or b"").hex() != seal.chain:
+                        return Failure("chain", r.offset, seal.type,
+                                       f"{where}: the chain up to offset {seal.offset} does not match its seal (a "
+                                       f"record at or before it was edited, inserted, deleted or moved)")
+                    sealed = max(sealed, seal.offset)
+            head = chain_next(head, topics.PLAN, r.offset, r.key, r.value, secret)
+            chain_after[r.offset] = head
+        unsealed = [r.offset for r in records if r.offset > sealed and r.offset not in seals]
+        if unsealed:
+            return Failure("chain", unsealed[0], None, f"{where}: {len(unsealed)} records from offset {unsealed[0]} "
+                                                       "on are not sealed (a study still running, or a truncated seal)")
     return None
 
 
@@ -384,27 +435,39 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
                                  f"({source.chain})")
 
     saved: list[tuple[Record, CheckpointSaved]] = []
-    # A decision records the offset of the last event its decider had folded (``decided_at``);
-    # on Kafka other producers may append before the decision's own record, so each decider is
-    # re-run on exactly that prefix, remembered while folding, with the parameters the decision
-    # records (policy, checkpoint budget): replay/decisions.py.
-    decisions = DecisionCheck(plan)
+    parts = by_partition(plan)
 
-    def on_event(r: Record, event: Any, state: State) -> None:
+    def on_saved(r: Record, event: Any, state: State) -> None:
         if progress is not None:
             progress(1)
         if isinstance(event, CheckpointSaved):
             saved.append((r, event))
-        decisions.on_event(r, event)
 
-    state = fold(plan, on_event, decisions.after, secret=secret)
-    mismatch = decisions.finish()
-    counts = ", ".join(f"{n} {name}" for name, n in sorted(decisions.checked.items())) or "no"
+    if set(parts) == {0}:
+        # A decision records the offset of the last event its decider had folded
+        # (``decided_at``); each decider is re-run on exactly that prefix, remembered while
+        # folding, with the parameters the decision records (policy, checkpoint budget):
+        # replay/decisions.py.
+        decisions = DecisionCheck(plan)
+
+        def on_event(r: Record, event: Any, state: State) -> None:
+            on_saved(r, event, state)
+            decisions.on_event(r, event)
+
+        state = fold(plan, on_event, decisions.after, secret=secret)
+        mismatch, checked = decisions.finish(), decisions.checked
+        rebuilt = snapshot(state)
+    else:
+        # A partitioned stream (Kafka): a decision's prefix is every partition's last offset.
+        mismatch, checked, states = replay_partitioned(
+            parts, lambda st, recs: fold_records(st, recs, secret=secret, on_event=on_saved))
+        state = merge(states)
+        rebuilt = {f"p{p}/".encode() + k: v for p in sorted(parts) for k, v in snapshot(states[p]).items()}
+    counts = ", ".join(f"{n} {name}" for name, n in sorted(checked.items())) or "no"
     result.add("decision", None if mismatch is None else Failure("decision", mismatch.offset, mismatch.event,
                                                                  mismatch.detail),
                f"{counts} decisions recomputed from their log prefixes")
 
-    rebuilt = snapshot(state)
     if source.stored_projection is not None:
         failure = None
         if rebuilt != source.stored_projection:

@@ -27,7 +27,16 @@ from typing import Any
 
 from events.codec import InvalidEvent, decode
 from events.log import Record
-from events.models import CheckpointEvicted, CheckpointRequested, Event, PathPreempted, StageDispatched
+from events.models import (
+    CheckpointEvicted,
+    CheckpointRequested,
+    DecisionEvent,
+    Event,
+    PathPreempted,
+    StageDispatched,
+    WorkerLost,
+)
+from projections.partitions import merge
 from projections.state import State
 from scheduler.decide import decide
 from scheduler.eviction import evictions_for_dispatch
@@ -161,3 +170,117 @@ class DecisionCheck:
                                 f"the {name} decider computes {len(expected)} decisions from the prefix up to offset "
                                 f"{prefix}, the log records {got}; missing: {decider.describe(expected[got])}")
         return None
+
+
+# ----------------------------------------------------------------------------- partitioned streams
+
+
+def _check_worker_lost(state: State, params: Params) -> list[Event]:
+    """A WorkerLost ``serve`` decided (a heartbeat timeout, a clock: not recomputable) is checked
+    instead: the worker it names was alive in its prefix."""
+    worker_id, reason = params
+    worker = state.workers.get(worker_id)
+    if worker is None or not worker.alive:
+        return []
+    return [WorkerLost(worker_id=worker_id, reason=reason, decided_at=state.offset)]
+
+
+LIVENESS = Decider("liveness", (WorkerLost,), lambda e: (e.worker_id, e.reason), _check_worker_lost,
+                   lambda e: f"{e.worker_id} lost: {e.reason}")
+"""Checked only where a WorkerLost records a partitioned prefix (``stagetree serve``'s); a
+worker's own goodbye and the embedded coordinator's record none."""
+
+
+def prefix_of(event: DecisionEvent) -> dict[int, int] | None:
+    """The prefix a decision recorded on a partitioned stream, ``{partition: last folded
+    offset}``; None when it records none."""
+    return None if event.decided_at_partitions is None else dict(event.decided_at_partitions)
+
+
+def replay_partitioned(parts: dict[int, list[Record]], fold: Callable[[State, list[Record]], None]
+                       ) -> tuple[Mismatch | None, dict[str, int], dict[int, State]]:
+    """Recompute the decisions of a partitioned plan stream (``parts``: each partition's
+    records in offset order): ``(first mismatch, decisions checked per decider, each partition's
+    final state)``. ``fold(state, records)`` folds records into a partition's state (the one
+    fold, with the caller's hooks).
+
+    A decision records the offset of every partition's last folded record
+    (``decided_at_partitions``). The decisions of one decider at one prefix form a group,
+    recomputed once from the merged view of the partitions folded to exactly those offsets
+    (:func:`projections.partitions.merge`) and compared with the recorded group as a whole
+    (recorded across partitions, so without an order). Groups are visited in the order of their
+    prefixes and each partition's fold only moves forward: a prefix behind one visited before
+    (two deciders at once, or one that had not folded its predecessor's decisions) is a
+    mismatch too.
+    """
+    groups: dict[tuple[tuple[tuple[int, int], ...], str, Params], list[tuple[Record, Event]]] = {}
+    mismatch: Mismatch | None = None
+    for records in parts.values():
+        for r in records:
+            if not any(m in r.value for m in (*_MARKERS, b'"WorkerLost"')):
+                continue
+            try:
+                event = decode(r.value)
+            except InvalidEvent:
+                continue
+            decider = LIVENESS if isinstance(event, WorkerLost) else _BY_TYPE.get(type(event))
+            if decider is None or not isinstance(event, DecisionEvent):
+                continue
+            prefix = prefix_of(event)
+            if prefix is None:
+                if decider is not LIVENESS:
+                    mismatch = mismatch or Mismatch(r.offset, event.type, f"partition {r.partition}: the decision "
+                                                                          "records no prefix of every partition")
+                continue
+            key = (tuple(sorted(prefix.items())), decider.name, decider.params(event))
+            groups.setdefault(key, []).append((r, event))
+    states = {p: State() for p in parts}
+    cursor = {p: 0 for p in parts}
+
+    def advance(partition: int, upto: int) -> None:
+        records, state = parts.get(partition, []), states.setdefault(partition, State())
+        start = i = cursor.setdefault(partition, 0)
+        while i < len(records) and records[i].offset <= upto:
+            i += 1
+        if i > start:
+            fold(state, records[start:i])
+        cursor[partition] = i
+
+    checked: dict[str, int] = {}
+    for key in sorted(groups, key=lambda k: (sum(o for _, o in k[0]), k[0], k[1], repr(k[2]))):
+        if mismatch is not None:
+            break
+        prefix, name, params = dict(key[0]), key[1], key[2]
+        recorded = sorted(groups[key], key=lambda x: (x[0].partition, x[0].offset))
+        r, first = recorded[0]
+        checked[name] = checked.get(name, 0) + len(recorded)
+        late = [rec for rec, _ in recorded if prefix.get(rec.partition, -1) >= rec.offset]
+        if late:
+            mismatch = Mismatch(late[0].offset, first.type, f"decided at offset {prefix.get(late[0].partition)} of "
+                                                            f"partition {late[0].partition}, which is not before it")
+            break
+        behind = [p for p, o in prefix.items() if states.setdefault(p, State()).offset > o]
+        if behind:
+            mismatch = Mismatch(r.offset, first.type, f"its prefix {_text(prefix)} is behind a decision checked "
+                                                      f"before it in partition {behind[0]} (two deciders at once?)")
+            break
+        for p, o in prefix.items():
+            advance(p, o)
+        view = merge({p: states[p] for p in sorted(set(states) | set(prefix))})
+        decider = LIVENESS if name == LIVENESS.name else next(d for d in DECIDERS if d.name == name)
+        again = [e.model_copy(update={"decided_at_partitions": dict(prefix)})
+                 for e in decider.recompute(view, params)]
+        want = sorted(repr(sorted(e.payload().items())) for e in again)
+        got = sorted(repr(sorted(e.payload().items())) for _, e in recorded)
+        if got != want:
+            what = "nothing" if not again else "; ".join(decider.describe(e) for e in again)
+            mismatch = Mismatch(r.offset, first.type,
+                                f"recorded {'; '.join(decider.describe(e) for _, e in recorded)}; the {name} decider "
+                                f"computes {what} from the prefix {_text(prefix)}")
+    for p, records in parts.items():
+        advance(p, records[-1].offset if records else -1)
+    return mismatch, checked, states
+
+
+def _text(prefix: dict[int, int]) -> str:
+    return "at offsets " + ", ".join(f"{p}:{o}" for p, o in sorted(prefix.items()))

@@ -18,6 +18,11 @@ a causal-order tuner's order is recomputed by its rule and compared. Each run of
 (``StudyStarted``: a first run or a ``--resume``) is replayed with a fresh tuner from its own
 start. Logs written before decisions were events hold none: their tuner decisions cannot be
 recomputed, which the check says.
+
+On a partitioned plan stream (Kafka) a study's runs, decisions and requests are in its plan
+key's partition (its ``--no-merge`` trials' requests in their own plans' partitions), offsets
+are that partition's, and each decision's ``decided_at_partitions`` says how far every other
+partition is folded for it; the study's tuner sees their merged view, as the live SDK did.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from __future__ import annotations
 import asyncio
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from events import topics
 from events.codec import InvalidEvent, decode
@@ -35,6 +41,7 @@ from events.log import LogError, Record
 from events.models import Event, StudyFinished, StudyStarted, TrialSubmitted, TunerDecided
 from gpu_worker.loader import StudyFileError
 from gpu_worker.trainer import Trainer
+from projections.partitions import PartitionedFold
 from projections.store import Projector
 from replay.audit import AuditError, AuditResult, Failure, Source, open_source, verify
 from stagetree.runtime import RuntimeBase, settle
@@ -46,18 +53,25 @@ NO_DECISIONS = ("not recomputed: the log holds no tuner decisions (written befor
 
 
 class _Records:
-    """The reading half of the EventLog protocol over records already read from a source, so
-    the replay folds with the projector's own fold (:class:`Projector`). Appending is refused."""
+    """The reading half of the EventLog protocol over records already read from a source (each
+    partition's in offset order), so the replay folds with the projector's own fold
+    (:class:`Projector`). Appending is refused."""
 
     def __init__(self, records: Sequence[Record]) -> None:
-        self.records = list(records)
-        self.offsets = [r.offset for r in self.records]
+        self.parts: dict[int, list[Record]] = {}
+        for r in records:
+            self.parts.setdefault(r.partition, []).append(r)
+        self.offsets = {p: [r.offset for r in rs] for p, rs in self.parts.items()}
 
-    def read(self, stream: str, start: int = 0, stop: int | None = None) -> Iterator[Record]:
-        if stream != topics.PLAN:
+    def partition_count(self, stream: str) -> int:
+        return max(self.parts, default=0) + 1
+
+    def read(self, stream: str, start: int = 0, stop: int | None = None, partition: int = 0) -> Iterator[Record]:
+        if stream != topics.PLAN or partition not in self.parts:
             return iter(())
-        end = len(self.records) if stop is None else bisect_left(self.offsets, stop)
-        return iter(self.records[bisect_left(self.offsets, start):end])
+        records, offsets = self.parts[partition], self.offsets[partition]
+        end = len(records) if stop is None else bisect_left(offsets, stop)
+        return iter(records[bisect_left(offsets, start):end])
 
     def append(self, stream: str, key: str, value: bytes) -> int:
         raise LogError("a replay of the log appends nothing")
@@ -65,8 +79,9 @@ class _Records:
     def append_many(self, stream: str, items: Sequence[tuple[str, bytes]]) -> list[int]:
         raise LogError("a replay of the log appends nothing")
 
-    def end_offset(self, stream: str) -> int:
-        return self.offsets[-1] + 1 if self.offsets and stream == topics.PLAN else 0
+    def end_offset(self, stream: str, partition: int = 0) -> int:
+        offsets = self.offsets.get(partition) if stream == topics.PLAN else None
+        return offsets[-1] + 1 if offsets else 0
 
     def close(self) -> None:
         pass
@@ -74,16 +89,41 @@ class _Records:
 
 class _ReplayRuntime(RuntimeBase):
     """The Runtime protocol over a prefix of a finished log: :meth:`advance` folds further;
-    what the tuner appends (its decisions and requests) is kept, never written."""
+    what the tuner appends (its decisions and requests) is kept, never written.
 
-    def __init__(self, records: Sequence[Record], secret: bytes | None) -> None:
-        super().__init__(Projector(_Records(records), dead_letters=False, secret=secret))  # type: ignore[arg-type]
+    A partitioned plan stream (Kafka) is folded partition by partition, and the study sees the
+    merged view (:class:`~projections.partitions.PartitionedFold`), as the live SDK did; offsets
+    are those of the study's own ``partition``."""
+
+    def __init__(self, records: Sequence[Record], secret: bytes | None, partition: int = 0) -> None:
+        log = _Records(records)
+        self.partition = partition
+        self.parts: PartitionedFold | None = None
+        if log.partition_count(topics.PLAN) > 1:
+            self.parts = PartitionedFold(log, log.partition_count(topics.PLAN), secret=secret)  # type: ignore[arg-type]
+            super().__init__(self.parts)  # type: ignore[arg-type]
+        else:
+            super().__init__(Projector(log, dead_letters=False, secret=secret))  # type: ignore[arg-type]
         self.appended: list[Event] = []
         self._taken = 0
 
-    def advance(self, offset: int) -> None:
-        """Fold the records up to and including ``offset``, and resolve what they answer."""
-        self.projector.catch_up(stop=offset + 1)
+    @property
+    def folded(self) -> int:
+        """The offset of the last record folded of the study's partition."""
+        return self.state.offset if self.parts is None else self.parts.projectors[self.partition].state.offset
+
+    def prefix(self, plan_key: str) -> dict[str, Any]:
+        return super().prefix(plan_key) if self.parts is None else self.parts.prefix(self.partition)
+
+    def advance(self, offset: int, partitions: Mapping[int, int] | None = None) -> None:
+        """Fold the study's partition up to and including ``offset`` (and every other partition
+        up to its offset in ``partitions``, a decision's recorded prefix), and resolve what
+        they answer."""
+        if self.parts is None:
+            self.projector.catch_up(stop=offset + 1)
+        else:
+            upto = {p: o for p, o in (partitions or {}).items() if p in self.parts.projectors}
+            self.parts.catch_up({**upto, self.partition: offset})
         self._notify()
 
     def append(self, events: list[Event]) -> None:
@@ -105,6 +145,13 @@ class Run:
     decisions: list[tuple[int, TunerDecided]] = field(default_factory=list)
     requests: list[tuple[int, TrialSubmitted]] = field(default_factory=list)
     finished: int | None = None  # offset of its StudyFinished
+    partition: int = 0
+    """The plan stream's partition holding the study (its StudyStarted, decisions, StudyFinished,
+    and its requests unless they are ``--no-merge`` trials' with plans of their own)."""
+    elsewhere: list[tuple[int, TrialSubmitted]] = field(default_factory=list)
+    """Requests of the study in other partitions (``--no-merge`` on a partitioned stream; held
+    by the study's last run): which run made them is not in their offsets, so they are checked
+    against the requests of every run."""
 
 
 @dataclass
@@ -117,6 +164,8 @@ class TunerCheck:
     checked: int = 0
     failure: Failure | None = None
     notes: list[str] = field(default_factory=list)
+    made: set[tuple[str, int]] = field(default_factory=set)
+    """The requests ``(trial id, steps)`` the recomputed tuner made."""
 
     @property
     def ok(self) -> bool:
@@ -124,28 +173,49 @@ class TunerCheck:
 
 
 def plan_events(source: Source) -> list[tuple[int, Event]]:
-    """The decodable events of the source's plan stream with their offsets."""
+    """The decodable events of the source's plan stream with their offsets (a partitioned
+    stream's partitions one after the other, each in offset order)."""
+    return [(offset, event) for _, offset, event in _plan_events(source)]
+
+
+def _plan_events(source: Source) -> list[tuple[int, int, Event]]:
     out = []
     for r in source.streams.get(topics.PLAN, []):
         try:
-            out.append((r.offset, decode(r.value)))
+            out.append((r.partition, r.offset, decode(r.value)))
         except InvalidEvent:
             continue
     return out
 
 
-def runs_of(events: Sequence[tuple[int, Event]]) -> dict[str, list[Run]]:
-    """Each study's runs in the log, in order, with their decisions."""
-    runs: dict[str, list[Run]] = {}
-    for offset, event in events:
+def runs_of(events: Sequence[tuple[int, int, Event]]) -> dict[str, list[Run]]:
+    """Each study's runs in the log, in order, with their decisions, from ``(partition, offset,
+    event)`` triples (each partition's in offset order). A study's runs are in the partition
+    of its first StudyStarted."""
+    home: dict[str, int] = {}
+    for partition, _, event in events:
         if isinstance(event, StudyStarted):
-            runs.setdefault(event.study_id, []).append(Run(event, offset))
+            home.setdefault(event.study_id, partition)
+    runs: dict[str, list[Run]] = {}
+    elsewhere: dict[str, list[tuple[int, TrialSubmitted]]] = {}
+    for partition, offset, event in events:
+        study_id = getattr(event, "study_id", None)
+        if study_id not in home:
+            continue
+        if partition != home[study_id]:
+            if isinstance(event, TrialSubmitted):
+                elsewhere.setdefault(study_id, []).append((offset, event))
+            continue
+        if isinstance(event, StudyStarted):
+            runs.setdefault(event.study_id, []).append(Run(event, offset, partition=partition))
         elif isinstance(event, TunerDecided) and runs.get(event.study_id):
             runs[event.study_id][-1].decisions.append((offset, event))
         elif isinstance(event, TrialSubmitted) and runs.get(event.study_id):
             runs[event.study_id][-1].requests.append((offset, event))
         elif isinstance(event, StudyFinished) and runs.get(event.study_id):
             runs[event.study_id][-1].finished = offset
+    for study_id, requests in elsewhere.items():
+        runs[study_id][-1].elsewhere = requests
     return runs
 
 
@@ -167,7 +237,7 @@ def replay_run(records: Sequence[Record], run: Run, tuner: Tuner, trainer: Train
     (a fresh one, as the study file defines it) and ``trainer``."""
     study_id = run.study.study_id
     check = TunerCheck(study_id)
-    runtime = _ReplayRuntime(records, secret)
+    runtime = _ReplayRuntime(records, secret, run.partition)
     study = Study(runtime, study_id, trainer, run.study.seed, merge=run.study.mode == "merged")  # type: ignore[arg-type]
     if study.plan_key != run.study.plan_key:
         check.failure = Failure("tuner", run.start, run.study.type, f"study {study_id!r}: the study file's trainer and "
@@ -238,28 +308,52 @@ def replay_run(records: Sequence[Record], run: Run, tuner: Tuner, trainer: Train
                 check.failure = misplaced(check.checked)
                 if check.failure is not None:
                     return
-                if event.decided_at <= runtime.state.offset:
+                if event.decided_at <= runtime.folded:
                     check.failure = Failure("tuner", offset, event.type, (
                         f"trial {event.decision.trial_id}: recorded {_said(event)}, decided at offset "
                         f"{event.decided_at}; the tuner computes nothing from the prefix up to offset "
-                        f"{runtime.state.offset}"))
+                        f"{runtime.folded}"))
                     return
-                runtime.advance(event.decided_at)
+                runtime.advance(event.decided_at, event.decided_at_partitions)
         finally:
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(drive())
+    check.made = {(e.trial_id, e.steps) for e in runtime.appended if isinstance(e, TrialSubmitted)}
     if check.failure is None:  # every request of the run is one the tuner makes
-        made = {(e.trial_id, e.steps) for e in runtime.appended if isinstance(e, TrialSubmitted)}
-        for offset, event in run.requests:
-            if (event.trial_id, event.steps) not in made:
-                check.failure = Failure("tuner", offset, event.type, (
-                    f"trial {event.trial_id}: a request for {event.steps} steps that no decision of the tuner "
-                    "recomputed from the log makes"))
-                break
+        check.failure = _unmade(run.requests, check.made)
     return check
+
+
+def _unmade(requests: Sequence[tuple[int, TrialSubmitted]], made: set[tuple[str, int]]) -> Failure | None:
+    """The first of ``requests`` that no recomputed decision makes, as a failure."""
+    for offset, event in requests:
+        if (event.trial_id, event.steps) not in made:
+            return Failure("tuner", offset, event.type, (
+                f"trial {event.trial_id}: a request for {event.steps} steps that no decision of the tuner "
+                "recomputed from the log makes"))
+    return None
+
+
+def _check_runs(records: Sequence[Record], study: str, runs: Sequence[Run],
+                make: Callable[[int], tuple[Tuner, Trainer]], secret: bytes | None) -> TunerCheck:
+    """Recompute every run of ``study`` in order (``make(i)``: a fresh tuner and the trainer for
+    run ``i``), stopping at the first mismatch; then the study's requests in other partitions
+    must be ones some run made."""
+    total = TunerCheck(study)
+    for i, run in enumerate(runs):
+        tuner, trainer = make(i)
+        check = replay_run(records, run, tuner, trainer, secret=secret)
+        total.checked += check.checked
+        total.notes += check.notes
+        total.made |= check.made
+        if check.failure is not None:
+            total.failure = check.failure
+            return total
+    total.failure = _unmade([r for run in runs for r in run.elsewhere], total.made)
+    return total
 
 
 def check_study(source: str | Path | Source, study: str, make: Callable[[], Tuner], trainer: Trainer, *,
@@ -272,21 +366,12 @@ def check_study(source: str | Path | Source, study: str, make: Callable[[], Tune
     """
     opened = source if isinstance(source, Source) else open_source(str(source), secret=secret)
     records = opened.streams.get(topics.PLAN, [])
-    runs = runs_of(plan_events(opened)).get(study)
+    runs = runs_of(_plan_events(opened)).get(study)
     if not runs:
         raise AuditError(f"study {study!r} is not in {str(opened.path)!r}")
-    total = TunerCheck(study)
     if not any(run.decisions for run in runs):
-        total.notes.append(f"study {study!r}: {NO_DECISIONS}")
-        return total
-    for run in runs:
-        check = replay_run(records, run, make(), trainer, secret=secret)
-        total.checked += check.checked
-        total.notes += check.notes
-        if check.failure is not None:
-            total.failure = check.failure
-            break
-    return total
+        return TunerCheck(study, notes=[f"study {study!r}: {NO_DECISIONS}"])
+    return _check_runs(records, study, runs, lambda _: (make(), trainer), secret)
 
 
 def _study_specs(path: str) -> dict[str, tuple[Tuner, Trainer]]:
@@ -307,9 +392,9 @@ def verify_decisions(source: Source, study_file: str | None = None, *,
     Raises:
         AuditError: ``study_file`` was given but cannot be loaded.
     """
-    events = plan_events(source)
+    events = _plan_events(source)
     runs = runs_of(events)
-    if not any(isinstance(e, TunerDecided) for _, e in events):
+    if not any(isinstance(e, TunerDecided) for _, _, e in events):
         return None, NO_DECISIONS
     records = source.streams.get(topics.PLAN, [])
     if study_file is not None:
@@ -340,13 +425,12 @@ def verify_decisions(source: Source, study_file: str | None = None, *,
                          "name or does not load")
             continue
         studies += 1
-        for i, run in enumerate(runs[study_id]):
-            tuner, trainer = spec if i == 0 else (make() or spec)
-            check = replay_run(records, run, tuner, trainer, secret=secret)
-            checked += check.checked
-            notes += check.notes
-            if check.failure is not None:
-                return check.failure, ""
+        check = _check_runs(records, study_id, runs[study_id],
+                            lambda i, spec=spec, make=make: spec if i == 0 else (make() or spec), secret)
+        checked += check.checked
+        notes += check.notes
+        if check.failure is not None:
+            return check.failure, ""
     detail = f"{checked} tuner decisions of {studies} {'study' if studies == 1 else 'studies'} recomputed from their " \
              "log prefixes" if studies else "tuner decisions not recomputed"
     return None, "; ".join([detail, *notes])

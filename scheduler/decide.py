@@ -139,8 +139,10 @@ def decide(state: State, policy: str = "critical-path") -> StageDispatched | Non
     nothing ready).
 
     The event's ``dispatch_id`` is ``d<number of dispatches so far>``, ``decided_at`` is
-    ``state.offset`` and ``policy`` is recorded, so the same state and policy always give the
-    same decision; header fields (event id, timestamp) are left for the caller to stamp.
+    ``state.offset`` (and ``decided_at_partitions`` ``state.offsets``, for the merged view of a
+    partitioned stream: :func:`projections.partitions.merge`) and ``policy`` is recorded, so
+    the same state and policy always give the same decision; header fields (event id,
+    timestamp) are left for the caller to stamp.
 
     Raises:
         ValueError: ``policy`` is not one of :data:`POLICIES` (HIPPO_SPEC §3.7).
@@ -165,6 +167,7 @@ def decide(state: State, policy: str = "critical-path") -> StageDispatched | Non
         plan_key=plan.plan_key,
         seed=plan.seed,
         decided_at=state.offset,
+        decided_at_partitions=state.offsets,
         policy=policy,
         source=source,
         stages=[

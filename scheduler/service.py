@@ -1,10 +1,12 @@
 """The scheduler service: after every fold, append the scheduler's decisions to the log.
 
-Used by the embedded coordinator and by ``stagetree serve`` on Kafka alike. Each decision
-(``decide``, a pure function of the projection) is appended as a StageDispatched to
-``stagetree.plan`` and copied to ``stagetree.dispatch`` keyed by worker id, then folded, so the
-next decision sees that path as running. On Kafka other producers may append between a
-decision and its record; the event's ``decided_at`` names the prefix it was decided from, and a
+Used by the embedded coordinator, the cluster simulator and ``stagetree serve``'s scheduler
+role on Kafka alike. Each decision (a pure function of the projection) is committed, then
+folded, so the next decision sees it. Embedded, committing appends it to ``stagetree.plan``
+(a decision for a worker also to ``stagetree.dispatch``); on Kafka the scheduler role commits
+it in one transaction with its copy on the worker's own stream (``scheduler.role``). Other
+producers may append between a decision and its record; the event's ``decided_at``
+(``decided_at_partitions`` on a partitioned stream) names the prefix it was decided from, and a
 decision the reducer rejects on the newer state (its worker was lost meanwhile, say) is
 dead-lettered and simply decided again.
 """
@@ -29,6 +31,9 @@ Deliver = Callable[[Event], None]
 """Hands a decision for a worker (StageDispatched, PathPreempted, CheckpointRequested) to it."""
 Delete = Callable[[list[str]], None]
 """Deletes checkpoint objects (refs) from the checkpoint store."""
+Commit = Callable[[list[Event], bool], list[bool]]
+"""Appends decisions (one atomic batch; with ``True``, decisions for workers, each also to its
+worker) and folds up to them; returns, per decision, whether the reducer accepted it."""
 
 
 class SchedulerService:
@@ -59,16 +64,22 @@ class SchedulerService:
         splits: decide CheckpointRequested (saves at a boundary inside a running stage). Off only
             for the ablation of ``benchmarks/checkpoint_budget.py``: a log made without them does
             not verify its in-flight decisions, which assume them.
+        commit: appends decisions and folds up to them (see :data:`Commit`); default: append
+            to ``log`` and catch the projector up. ``projector`` may then be anything with a
+            ``state`` (the view decided from, read again after every commit) and ``listeners``,
+            e.g. a :class:`projections.partitions.PartitionedFold`.
+        producer: the ``producer`` stamped on decisions.
 
     Raises:
         ValueError: ``policy`` is not one of ``scheduler.decide.POLICIES``, or the budget is not
             a positive int.
     """
 
-    def __init__(self, log: EventLog, projector: Projector, deliver: Deliver | None = None,
+    def __init__(self, log: EventLog | None, projector: Projector, deliver: Deliver | None = None,
                  max_rejections: int = 3, policy: str = "critical-path",
                  clock: Callable[[], float] = time.time, checkpoint_budget: int | None = None,
-                 delete: Delete | None = None, splits: bool = True) -> None:
+                 delete: Delete | None = None, splits: bool = True, commit: Commit | None = None,
+                 producer: str = "scheduler") -> None:
         if checkpoint_budget is not None and (isinstance(checkpoint_budget, bool)
                                               or not isinstance(checkpoint_budget, int) or checkpoint_budget < 1):
             raise ValueError(f"`checkpoint_budget` is {checkpoint_budget!r}, but must be a positive int (bytes)")
@@ -81,6 +92,8 @@ class SchedulerService:
         self.checkpoint_budget = checkpoint_budget
         self.delete = delete
         self.splits = splits
+        self.commit = commit if commit is not None else self._append_and_fold
+        self.producer = producer
         self.trial_traces: dict[str, dict[str, str]] = {}  # trial id -> trace header of its latest submission
         projector.listeners.append(self._remember_trace)
 
@@ -88,26 +101,32 @@ class SchedulerService:
         if isinstance(event, TrialSubmitted) and event.trace:
             self.trial_traces[event.trial_id] = event.trace
 
-    def _append(self, decisions: list[Event], to_workers: bool = False) -> list[int]:
-        """Append decisions to the plan stream (one atomic batch; for workers also to the
-        dispatch stream, keyed by worker) and fold them; their plan-stream offsets."""
-        now = self.clock()
-        decisions = [d.model_copy(update={"ts": now}) for d in decisions]
+    def _append_and_fold(self, decisions: list[Event], to_workers: bool) -> list[bool]:
+        """Embedded: append decisions to the plan stream (one atomic batch; for workers also to
+        the dispatch stream, keyed by worker) and fold them; whether each was accepted."""
+        assert self.log is not None, "a SchedulerService without a log needs a `commit`"
         offsets = append_events(self.log, topics.PLAN, [(event_key(d), d) for d in decisions])
         if to_workers:
             append_events(self.log, topics.DISPATCH, [(d.worker_id, d) for d in decisions])  # type: ignore[attr-defined]
         self.projector.catch_up()
+        return [offset not in self.projector.state.rejected for offset in offsets]
+
+    def _append(self, decisions: list[Event], to_workers: bool = False) -> list[bool]:
+        """Stamp, commit and fold decisions; hand those for workers that were accepted to
+        ``deliver``. Whether each was accepted."""
+        now = self.clock()
+        decisions = [d.model_copy(update={"ts": now, "producer": self.producer}) for d in decisions]
+        accepted = self.commit(decisions, to_workers)
         if to_workers and self.deliver is not None:
-            for offset, decision in zip(offsets, decisions):
-                if offset not in self.projector.state.rejected:
+            for ok, decision in zip(accepted, decisions):
+                if ok:
                     self.deliver(decision)
-        return offsets
+        return accepted
 
     def run_pass(self) -> list[StageDispatched]:
         """Decide and append: decisions about running paths, then evictions and dispatches until
         no worker is idle or nothing is ready; returns the dispatches."""
-        state = self.projector.state
-        control = inflight_decisions(state, self.checkpoint_budget)
+        control = inflight_decisions(self.projector.state, self.checkpoint_budget)
         if not self.splits:
             control = [c for c in control if not isinstance(c, CheckpointRequested)]
         if control:
@@ -116,12 +135,13 @@ class SchedulerService:
         rejections = 0
         while True:
             if self.checkpoint_budget is not None:
-                evictions = evictions_for_dispatch(state, self.checkpoint_budget, self.policy)
+                evictions = evictions_for_dispatch(self.projector.state, self.checkpoint_budget, self.policy)
                 if evictions:
                     fault_point("before-eviction-event")
                     self._append(list(evictions))
                     fault_point("after-eviction-event")
                     self._delete_garbage([e.ref for e in evictions])
+            state = self.projector.state
             started_ns = time.time_ns()
             decision = decide(state, self.policy)
             if decision is None:
@@ -130,13 +150,11 @@ class SchedulerService:
                 path = best_path(state, self.policy)
                 if path is not None and not fits(state, self.checkpoint_budget, path):
                     return out  # no room even after evicting: wait for a running path to end
-            decision = decision.model_copy(update={"ts": self.clock()})
+            decision = decision.model_copy(update={"ts": self.clock(), "producer": self.producer})
             if tracing.enabled():
                 decision = self._traced(decision, started_ns)
-            (offset,) = append_events(self.log, topics.PLAN, [(decision.plan_key, decision)])
-            append_events(self.log, topics.DISPATCH, [(decision.worker_id, decision)])
-            self.projector.catch_up()
-            if offset in state.rejected:
+            (accepted,) = self.commit([decision], True)
+            if not accepted:
                 rejections += 1
                 if rejections >= self.max_rejections:
                     return out

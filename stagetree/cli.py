@@ -32,6 +32,7 @@ from events import topics, tracing
 from events.log import LogError, secret_from
 
 if TYPE_CHECKING:
+    from events.kafka_log import KafkaLog
     from stagetree.embedded import PrestartedWorkers
     from stagetree.tuners import Tuner, TunerResult
 from replay.commands import register
@@ -105,7 +106,7 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
     value = best.metrics.get(result.metric) if best else None
     best_metric = float(value) if value is not None else None
     runtime.append([StudyFinished(producer="cli", study_id=name, best_trial=best.trial_id if best else None,
-                                  best_metric=best_metric, end_to_end_seconds=e2e)])
+                                  best_metric=best_metric, end_to_end_seconds=e2e, plan_key=study.plan_key)])
     return build_summary(runtime.state, name, mode=mode, workers=args.workers,
                          best_trial=best.trial_id if best else None, best_metric=best_metric, end_to_end_seconds=e2e,
                          events=plan_events(log))
@@ -242,7 +243,6 @@ def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
 async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     """Kafka mode: submit through the SDK; with --workers N > 0 also run `stagetree serve` and N
     workers for the duration (a one-machine deployment on real Kafka)."""
-    from events.kafka_log import KafkaLog, security_from_env
     from stagetree.kafka_runtime import KafkaRuntime
 
     loaded = _study_file(args.file)
@@ -254,7 +254,7 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
         _check_device(args.device)
     mode = "trial" if args.no_merge else "merged"
     port = reserve(args.dashboard) if args.dashboard is not None else None
-    log = KafkaLog(args.bootstrap_servers, topic_prefix=args.topic_prefix, security=security_from_env())
+    log = _kafka_log(args)
     procs: list[subprocess.Popen[bytes]] = []
     runtime = KafkaRuntime(log)
     poller = asyncio.create_task(runtime.run())
@@ -265,7 +265,7 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
                 None, _start_dashboard, f"kafka://{args.bootstrap_servers}/{args.topic_prefix}", port,
                 secret_from(args.log_key), console)
         common = ["--bootstrap-servers", args.bootstrap_servers, "--topic-prefix", args.topic_prefix,
-                  "--otel-exporter", tracing.spec()]
+                  "--plan-partitions", str(args.plan_partitions), "--otel-exporter", tracing.spec()]
         workers = [f"w{i}" for i in range(args.workers)]
         if workers:
             out.mkdir(parents=True, exist_ok=True)
@@ -276,39 +276,39 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
             await runtime.ready(workers)
         summary = await _conduct(runtime, log, args, loaded, mode)
         if procs:  # the serve we started seals the chain: stop it only once the study's end is sealed
-            await _sealed(log, log.end_offset(topics.PLAN) - 1, console)
+            await _sealed(runtime, dict(runtime.last_record), console)
     finally:
         if dashboard is not None:
             dashboard.stop()
         poller.cancel()
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        runtime.close()
+        # The workers first (each leaves with a WorkerLost of its own), then the serve, whose
+        # last seal then covers their goodbyes too.
+        for group in (procs[1:], procs[:1]):
+            for proc in group:
+                proc.terminate()
+            for proc in group:
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
         log.close()
     return _write_summary(out, summary)
 
 
-async def _sealed(log: Any, offset: int, console: Console, timeout_s: float = 60.0) -> None:
-    """Wait until a LogSealed on the plan stream covers ``offset`` (the study's last record),
-    so that stopping the ``serve`` this command started leaves a stream ``replay verify`` finds
-    sealed to its end; after ``timeout_s`` seconds a warning says it is not."""
-    from events.codec import decode
-    from events.models import LogSealed
-
-    deadline, start = time.monotonic() + timeout_s, offset + 1
-    while time.monotonic() < deadline:
-        for record in log.read(topics.PLAN, start):
-            start = record.offset + 1
-            event = decode(record.value)
-            if isinstance(event, LogSealed) and event.offset >= offset:
-                return
+async def _sealed(runtime: Any, upto: dict[int, int], console: Console, timeout_s: float = 60.0) -> None:
+    """Wait until seals cover every partition of the plan stream up to ``upto[partition]`` (the
+    study's records as the runtime folded them), as the runtime folds them, so that stopping the
+    ``serve`` this command started leaves a stream ``replay verify`` finds sealed to its end;
+    after ``timeout_s`` seconds a warning says it is not."""
+    deadline = time.monotonic() + timeout_s
+    while runtime.unsealed(upto):
+        if time.monotonic() > deadline:
+            left = ", ".join(f"partition {p} through offset {o}" for p, o in sorted(runtime.unsealed(upto).items()))
+            console.print(f"[yellow]warning:[/yellow] the plan stream was not sealed ({left}) within {timeout_s:g} s; "
+                          "`replay verify` will report its last records as not sealed")
+            return
         await asyncio.sleep(0.1)
-    console.print(f"[yellow]warning:[/yellow] the plan stream was not sealed through offset {offset} within "
-                  f"{timeout_s:g} s; `replay verify` will report its last records as not sealed")
 
 
 def _print_summary(summary: dict[str, Any], console: Console) -> None:
@@ -413,6 +413,11 @@ def parser() -> argparse.ArgumentParser:
     srv.add_argument("--app-id", default=os.environ.get("STAGETREE_APP_ID", "stagetree"), help="faust app id")
     srv.add_argument("--heartbeat-timeout", type=float, default=10.0,
                      help="seconds of worker silence before it is declared lost (default 10)")
+    srv.add_argument("--session-timeout", type=float, default=float(os.environ.get("STAGETREE_SESSION_TIMEOUT", 8.0)),
+                     help="seconds after which the group gives a dead instance's partitions and role to "
+                          "another (default 8, or $STAGETREE_SESSION_TIMEOUT)")
+    srv.add_argument("--instance-id", default=os.environ.get("STAGETREE_INSTANCE_ID"),
+                     help="this instance's name in its decisions (default: host name and process id)")
     srv.add_argument("--log-key", help="HMAC secret of the plan stream's seals (default: $STAGETREE_LOG_KEY)")
     _budget_flag(srv)
     srv.add_argument("--checkpoint-store", default=os.environ.get("STAGETREE_CHECKPOINT_STORE"),
@@ -443,43 +448,59 @@ def _kafka_flags(p: argparse.ArgumentParser, required: bool = False) -> None:
                    help="Kafka HOST:PORT (default: $STAGETREE_BOOTSTRAP_SERVERS); embedded mode when unset")
     p.add_argument("--topic-prefix", default=os.environ.get("STAGETREE_TOPIC_PREFIX", ""),
                    help="prefix of every topic name (default: $STAGETREE_TOPIC_PREFIX)")
+    p.add_argument("--plan-partitions", type=_positive,
+                   default=int(os.environ.get("STAGETREE_PLAN_PARTITIONS", topics.DEFAULT_PLAN_PARTITIONS)),
+                   help="partitions of stagetree.plan when this command creates it (default "
+                        f"{topics.DEFAULT_PLAN_PARTITIONS}, or $STAGETREE_PLAN_PARTITIONS); an existing topic "
+                        "keeps its count")
+
+
+def _kafka_log(args: argparse.Namespace, client_id: str = "stagetree") -> KafkaLog:
+    from events.kafka_log import KafkaLog, security_from_env
+
+    return KafkaLog(args.bootstrap_servers, client_id=client_id, topic_prefix=args.topic_prefix,
+                    plan_partitions=args.plan_partitions, security=security_from_env())
 
 
 def cmd_serve(args: argparse.Namespace, console: Console) -> int:
-    from events.kafka_log import KafkaLog, security_from_env
     from gpu_worker.object_store import open_checkpoint_store
-    from stagetree.serve import serve
+    from stagetree.serve import default_instance, serve
 
     budget = args.checkpoint_budget if args.checkpoint_budget is not None else _budget_default()
     if budget is not None and not args.checkpoint_store:
         raise UsageError("--checkpoint-budget needs --checkpoint-store (or $STAGETREE_CHECKPOINT_STORE): evicted "
                          "checkpoints are deleted there")
     store = open_checkpoint_store(args.checkpoint_store) if budget is not None else None
-    log = KafkaLog(args.bootstrap_servers, topic_prefix=args.topic_prefix, security=security_from_env())
+    instance = args.instance_id or default_instance()
+    log = _kafka_log(args, f"stagetree-serve-{instance}")
+    role_log = _kafka_log(args, f"stagetree-serve-{instance}-role")
     try:
-        serve(log, Path(args.state_dir), app_id=args.app_id, heartbeat_timeout_s=args.heartbeat_timeout,
-              secret=secret_from(args.log_key), checkpoint_budget=budget, store=store)
+        serve(log, role_log, Path(args.state_dir), app_id=args.app_id, instance=instance,
+              heartbeat_timeout_s=args.heartbeat_timeout, secret=secret_from(args.log_key),
+              session_timeout_s=args.session_timeout, checkpoint_budget=budget, store=store)
     finally:
         log.close()
+        role_log.close()
     return 0
 
 
 def cmd_worker(args: argparse.Namespace, console: Console) -> int:
-    from events.kafka_log import KafkaLog, security_from_env
-    from gpu_worker.kafka_worker import KafkaWorker
+    from gpu_worker.kafka_worker import KafkaWorker, TrainingRunner
     from gpu_worker.object_store import open_checkpoint_store
 
     if not args.checkpoint_store:
         raise UsageError("--checkpoint-store (or $STAGETREE_CHECKPOINT_STORE) is required")
     worker_id = args.worker_id or f"{socket.gethostname()}-{args.device.replace(':', '')}"
+    topics.dispatch_stream(worker_id)  # a ValueError naming the id when it cannot name a topic
 
     def make_log() -> KafkaLog:
-        return KafkaLog(args.bootstrap_servers, topic_prefix=args.topic_prefix, security=security_from_env())
+        return _kafka_log(args, f"stagetree-worker-{worker_id}")
 
     tracing.configure(args.otel_exporter, f"stagetree-worker-{worker_id}")
-    worker = KafkaWorker(make_log, worker_id, open_checkpoint_store(args.checkpoint_store), args.device,
-                         study_file=args.study, heartbeat_s=args.heartbeat)
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
+    runner = TrainingRunner(make_log(), worker_id, open_checkpoint_store(args.checkpoint_store), args.device,
+                            study_file=args.study)
+    worker = KafkaWorker(make_log, worker_id, runner, heartbeat_s=args.heartbeat)
+    signal.signal(signal.SIGTERM, lambda *_: worker.drain())
     worker.run()
     return 0
 

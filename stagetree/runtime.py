@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 from events.models import Event
 from projections.state import State
@@ -44,6 +45,12 @@ class RuntimeBase:
     @property
     def state(self) -> State:
         return self.projector.state
+
+    def prefix(self, plan_key: str) -> dict[str, Any]:
+        """The prefix of the plan stream a decision about plan ``plan_key`` is taken from now,
+        as the fields of a :class:`~events.models.DecisionEvent`: ``decided_at``, the offset
+        of the last event folded (a partitioned runtime adds ``decided_at_partitions``)."""
+        return {"decided_at": self.state.offset}
 
     @staticmethod
     def stamp(events: list[Event]) -> list[Event]:

@@ -1,217 +1,226 @@
-"""``stagetree serve``: the stream processors of Kafka mode, as a faust-streaming app.
+"""``stagetree serve``: the stream processors of Kafka mode, as one faust-streaming app.
 
-Agents:
+Any number of ``stagetree serve`` processes with the same ``--app-id`` form one faust app (one
+consumer group). faust assigns each instance some partitions of the topics below, moves them
+when an instance joins or dies, and tells the instance (``on_partitions_assigned`` /
+``on_partitions_revoked``):
 
-* ``project`` consumes ``stagetree.plan``. The projection is the same pure reducer as embedded
-  mode, folded by :class:`projections.store.Projector` into a RocksDB store (rocksdict) that
-  commits state and offset in one batch. Faust delivers the records and wakes the agent; the
-  projector reads on from its *own* stored offset, so a record faust redelivers is skipped and
-  one faust skipped (its offsets are committed separately) is still folded: exactly once, in
-  order, whatever faust's consumer group did. After each fold the scheduler service appends
-  its decisions (StageDispatched to ``stagetree.plan`` and ``stagetree.dispatch``).
-* ``beats`` consumes ``stagetree.heartbeat``; a timer declares a worker lost (a WorkerLost
-  event, decided by this process's clock and recorded, so a replay never reads a clock) when
-  it has been silent for ``heartbeat_timeout_s``.
+* ``project`` consumes ``stagetree.plan`` (``--plan-partitions``, default 8; keyed by plan key,
+  so a partition holds the whole history of its plans). For every assigned partition the
+  instance opens a RocksDB projection store (``STATE_DIR/plan-<p>``: the same pure reducer as
+  embedded mode, state and offset committed in one batch), folds what the partition holds after
+  the store's offset, then folds every record the agent receives; revoked, the store is closed
+  (:class:`projections.partitions.PartitionStores`). Undecodable or rejected records are
+  dead-lettered with the reason.
+* ``beats`` consumes ``stagetree.heartbeat`` (one partition). The instance that owns it holds
+  the **scheduler role** (:mod:`scheduler.role`): it decides, for all plans at once, each idle
+  worker's critical path, declares silent workers lost, and seals every partition's hash chain,
+  all through one transactional producer (``<prefix>stagetree.scheduler``) that fences the
+  previous holder. Every instance keeps a hot standby of the role's input (an in-memory fold of
+  every plan partition, read ``read_committed``), so a take-over only fences and catches up.
 
-Sealing: this process is the one folder of the plan stream, so it keeps the stream's hash chain
-and appends LogSealed events (the chain after an offset, sha256 or HMAC with ``--log-key``),
-which ``replay verify kafka://...`` checks.
+faust's consumer is made ``read_committed`` (:class:`ServeApp`): records of an aborted
+transaction, e.g. a fenced zombie's decision, are never folded. Offsets then have gaps; every
+fold tracks the last offset it applied.
 
-Restart: the store in ``state_dir`` is loaded and the projector folds the log from its offset
-(DESIGN.md: state is a fold over the log), so the search plan is byte-identical after a
-restart.
+Restart: the stores in ``--state-dir`` are reloaded and each folds the log from its own offset
+(DESIGN.md: state is a fold over the log), so the projections are byte-identical after a
+restart; faust's committed group offsets only say where its consumer resumes, and a record
+delivered twice is skipped by the store's offset.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import time
-from collections.abc import Callable
+import os
+import socket
+import threading
 from pathlib import Path
 
 import faust
 import orjson
+from faust.transport.drivers import aiokafka as faust_aiokafka
 
 from events import topics
-from events.codec import encode
 from events.deadletter import dead_letter
 from events.kafka_log import KafkaLog
-from events.log import chain_algorithm
-from events.models import LogSealed, WorkerLost
+from events.log import Record
 from gpu_worker.checkpoint import CheckpointStore
-from projections.state import State
-from projections.store import ProjectionStore, Projector
-from scheduler.service import SchedulerService
+from projections.partitions import PartitionStores
+from scheduler.role import SchedulerRole
 
 log = logging.getLogger(__name__)
 
 
-class HeartbeatMonitor:
-    """Last beat per worker (monotonic seconds, this process's clock)."""
-
-    def __init__(self, timeout_s: float) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"`heartbeat_timeout_s` is {timeout_s!r}, but must be > 0")
-        self.timeout_s = timeout_s
-        self.last: dict[str, float] = {}
-
-    def beat(self, worker_id: str, now: float) -> None:
-        self.last[worker_id] = now
-
-    def silent(self, state: State, now: float) -> list[str]:
-        """Alive workers (in ``state``) silent for longer than the timeout; a worker never heard
-        from gets the timeout as grace from the first check."""
-        out = []
-        for worker_id, worker in sorted(state.workers.items()):
-            if not worker.alive:
-                self.last.pop(worker_id, None)
-                continue
-            seen = self.last.setdefault(worker_id, now)
-            if now - seen > self.timeout_s:
-                out.append(worker_id)
-                self.last.pop(worker_id)
-        return out
+# ----------------------------------------------------------------------------- read_committed faust
 
 
-class Service:
-    """The projector, scheduler service and heartbeat monitor of one serve process."""
+class _ReadCommittedThread(faust_aiokafka.AIOKafkaConsumerThread):
+    def _create_worker_consumer(self, transport):  # type: ignore[no-untyped-def]
+        consumer = super()._create_worker_consumer(transport)
+        # faust reads read_committed only with processing_guarantee="exactly_once", whose own
+        # per-partition transactions stagetree does not use (its decisions have their own).
+        consumer._isolation_level = "read_committed"
+        return consumer
 
-    def __init__(self, log: KafkaLog, state_dir: Path, heartbeat_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic, startup_grace_s: float = 20.0,
-                 secret: bytes | None = None, checkpoint_budget: int | None = None,
+
+class _ReadCommittedConsumer(faust_aiokafka.Consumer):
+    def _new_consumer_thread(self) -> _ReadCommittedThread:
+        return _ReadCommittedThread(self, loop=self.loop, beacon=self.beacon)
+
+
+class _ReadCommittedTransport(faust_aiokafka.Transport):
+    Consumer = _ReadCommittedConsumer
+
+
+class ServeApp(faust.App):
+    """A faust app whose consumer reads ``read_committed``."""
+
+    def _new_transport(self):  # type: ignore[no-untyped-def]
+        return _ReadCommittedTransport(self.conf.broker_consumer, self)
+
+
+# ----------------------------------------------------------------------------- the app
+
+
+def default_instance() -> str:
+    """This process's instance name: host name and process id."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def heartbeat_worker(value: bytes) -> str:
+    """The worker id of a beat ``{"worker_id": ..., "ts": ...}``.
+
+    Raises:
+        ValueError: the beat is not such an object (the reason names what is wrong).
+    """
+    try:
+        beat = orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(beat, dict):
+        raise ValueError(f"a beat must be a JSON object, got {type(beat).__name__}")
+    worker_id = beat.get("worker_id")
+    if not isinstance(worker_id, str) or not worker_id:
+        raise ValueError(f"`worker_id` is {worker_id!r}, but must be a non-empty string")
+    return worker_id
+
+
+class Serve:
+    """One serve instance: its partition stores, its scheduler role, and the faust app."""
+
+    def __init__(self, log: KafkaLog, role_log: KafkaLog, state_dir: Path, *, app_id: str, instance: str,
+                 heartbeat_timeout_s: float = 10.0, secret: bytes | None = None, policy: str = "critical-path",
+                 session_timeout_s: float = 8.0, checkpoint_budget: int | None = None,
                  store: CheckpointStore | None = None) -> None:
         self.log = log
-        self.projection_store = ProjectionStore(state_dir)
-        self.secret = secret
-        self.projector = Projector(log, store=self.projection_store, secret=secret)
-        self.sealed_through = -1  # the last record the last seal covers
-        self.last_seal = -1  # the offset of that seal itself
-        self.store = store
-        self.scheduler = SchedulerService(log, self.projector, checkpoint_budget=checkpoint_budget,
-                                          delete=self._delete if store is not None else None)
-        self.monitor = HeartbeatMonitor(heartbeat_timeout_s)
-        self.clock = clock
-        # No worker is judged before the heartbeat consumer had time to join its group and
-        # catch up: a restarted app must not declare every worker lost at once.
-        self.judging_from = clock() + startup_grace_s
+        self.state_dir = Path(state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.instance = instance
+        self.partitions = log.partition_count(topics.PLAN)
+        self.stores = PartitionStores(log, self.state_dir, secret=secret)
+        self.role = SchedulerRole(role_log, instance=instance, heartbeat_timeout_s=heartbeat_timeout_s,
+                                  secret=secret, policy=policy, checkpoint_budget=checkpoint_budget, store=store)
+        self._opening: dict[int, list[Record]] = {}
+        self.app = ServeApp(
+            app_id,
+            broker=f"kafka://{log.bootstrap_servers.split(',')[0]}",
+            store="memory://",
+            datadir=str(self.state_dir / "faust"),  # not the current directory
+            web_enabled=False,
+            topic_replication_factor=log.replication_factor,
+            topic_partitions=1,
+            producer_acks=-1,
+            consumer_auto_offset_reset="earliest",
+            # a dead instance's partitions (and role) move once its session expires
+            broker_session_timeout=session_timeout_s,
+            broker_heartbeat_interval=max(0.5, session_timeout_s / 4),
+            broker_rebalance_timeout=max(10.0, 2 * session_timeout_s),
+        )
+        self.plan_topic = log.topic(topics.PLAN)
+        self.heartbeat_topic = log.topic(topics.HEARTBEAT)
+        plan = self.app.topic(self.plan_topic, value_serializer="raw", key_serializer="raw",
+                              partitions=self.partitions)
+        heartbeat = self.app.topic(self.heartbeat_topic, value_serializer="raw", key_serializer="raw", partitions=1)
+        self.app.agent(plan, name="project")(self._project)
+        self.app.agent(heartbeat, name="beats")(self._beats)
+        self.app.on_partitions_assigned.connect(self._assigned)
+        self.app.on_partitions_revoked.connect(self._revoked)
+        self._role_thread = threading.Thread(target=self.role.run, name="scheduler-role", daemon=True)
 
-    def _delete(self, refs: list[str]) -> None:
-        assert self.store is not None
-        for ref in refs:
-            self.store.delete(ref)
-
-    def step(self) -> None:
-        """Fold what is new, schedule, and seal."""
-        self.projector.catch_up()
-        self.scheduler.run_pass()
-        self.seal()
-
-    def seal(self) -> None:
-        """Append a LogSealed with the plan stream's hash chain after the last folded record, if
-        anything was folded since the last seal (this process is the stream's one folder)."""
-        state = self.projector.state
-        if state.offset <= self.sealed_through or state.offset == self.last_seal == self.sealed_through + 1:
-            return  # nothing new, or nothing but the last seal itself (records between it and what
-            # it covers, appended while it was written, are sealed by the next one)
-        seal = LogSealed(producer="serve", ts=time.time(), stream=topics.PLAN, offset=state.offset, chain=state.chain,
-                         algorithm=chain_algorithm(self.secret))
-        # Not folded here: records appended meanwhile must reach a scheduling pass, which the
-        # agent runs when it sees the seal (or anything after it).
-        self.sealed_through = state.offset
-        self.last_seal = self.log.append(topics.PLAN, "seal", encode(seal))
-
-    def check_liveness(self) -> None:
-        self.seal()  # records folded by a pass that nobody triggered since
-        if self.clock() < self.judging_from:
-            return
-        lost = self.monitor.silent(self.projector.state, self.clock())
-        if lost:
-            self.log.append_many(topics.PLAN, [
-                (w, encode(WorkerLost(producer="serve", ts=time.time(), worker_id=w,
-                                      reason=f"no heartbeat for {self.monitor.timeout_s:g} s")))
-                for w in lost
-            ])
-            self.step()
-
-    def close(self) -> None:
-        self.projection_store.close()
-
-
-def build_app(log: KafkaLog, state_dir: Path, *, app_id: str, heartbeat_timeout_s: float = 10.0,
-              liveness_interval_s: float = 0.5, secret: bytes | None = None, checkpoint_budget: int | None = None,
-              store: CheckpointStore | None = None) -> tuple[faust.App, Service]:
-    """The faust app of ``stagetree serve`` over ``log``'s broker and topics.
-
-    Topics must exist before the app starts (the KafkaLog creates them on first append).
-    """
-    service = Service(log, state_dir, heartbeat_timeout_s, secret=secret, checkpoint_budget=checkpoint_budget,
-                      store=store)
-    app = faust.App(
-        app_id,
-        broker=f"kafka://{log.bootstrap_servers.split(',')[0]}",
-        store="memory://",
-        datadir=str(state_dir / "faust"),  # not the current directory
-        web_enabled=False,
-        topic_replication_factor=log.replication_factor,
-        topic_partitions=1,
-        producer_acks=-1,
-        consumer_auto_offset_reset="earliest",
-        # a restarted app takes over its partitions once the dead member's session expires
-        broker_session_timeout=10.0,
-        broker_heartbeat_interval=2.0,
-    )
-    plan = app.topic(log.topic(topics.PLAN), value_serializer="raw", key_serializer="raw", partitions=1)
-    heartbeat = app.topic(log.topic(topics.HEARTBEAT), value_serializer="raw", key_serializer="raw", partitions=1)
-
-    @app.agent(plan)
-    async def project(stream):  # type: ignore[no-untyped-def]
+    async def _project(self, stream):  # type: ignore[no-untyped-def]
         async for event in stream.events():
-            if event.message.offset > service.projector.state.offset:
-                service.step()
+            message = event.message
+            record = Record(topics.PLAN, message.offset, (message.key or b"").decode("utf-8", "replace"),
+                            message.value or b"", b"", message.partition)
+            if message.partition in self._opening:
+                self._opening[message.partition].append(record)
+            else:
+                self.stores.fold(record)
 
-    @app.agent(heartbeat)
-    async def beats(stream):  # type: ignore[no-untyped-def]
+    async def _beats(self, stream):  # type: ignore[no-untyped-def]
         async for event in stream.events():
-            value = event.value
+            message = event.message
             try:
-                worker_id = orjson.loads(value)["worker_id"]
-                if not isinstance(worker_id, str) or not worker_id:
-                    raise TypeError(f"`worker_id` is {worker_id!r}, but must be a non-empty string")
-            except (orjson.JSONDecodeError, KeyError, TypeError) as exc:  # dead-lettered, never skipped silently
-                reason = (f"not a heartbeat ({type(exc).__name__}: {exc}); "
-                          'a heartbeat is {"worker_id": ..., "ts": ...}')
-                letter = dead_letter(topics.HEARTBEAT, event.message.offset, bytes(value), reason, producer="serve")
-                service.log.append(topics.DEADLETTER, "heartbeat", encode(letter))
+                worker_id = heartbeat_worker(message.value or b"")
+            except ValueError as exc:  # dead-lettered by the role, never skipped silently
+                reason = f"not a heartbeat ({exc}); a heartbeat is {{\"worker_id\": ..., \"ts\": ...}}"
+                self.role.bad_beat(dead_letter(topics.HEARTBEAT, message.offset, bytes(message.value or b""), reason,
+                                               producer=f"serve:{self.instance}"))
                 continue
-            service.monitor.beat(worker_id, service.clock())
+            self.role.beat(worker_id)
 
-    @app.timer(interval=liveness_interval_s)
-    async def liveness() -> None:
-        service.check_liveness()
+    async def _assigned(self, app, assigned, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        plan = sorted(tp.partition for tp in assigned if tp.topic == self.plan_topic)
+        loop = asyncio.get_running_loop()
+        for partition in plan:
+            if partition in self.stores.owned:
+                continue
+            self._opening[partition] = []
+            try:
+                await loop.run_in_executor(None, self.stores.open, partition)
+            finally:
+                pending = self._opening.pop(partition)
+            for record in pending:
+                self.stores.fold(record)
+        if any(tp.topic == self.heartbeat_topic for tp in assigned):
+            self.role.grant()
+        log.info("serve %s: assigned plan partitions %s", self.instance, plan)
 
-    @app.task
-    async def start() -> None:
-        service.step()  # fold whatever the store has not seen yet, and schedule
+    async def _revoked(self, app, revoked, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        if any(tp.topic == self.heartbeat_topic for tp in revoked):
+            self.role.revoke()
+        for tp in revoked:
+            if tp.topic == self.plan_topic:
+                self.stores.close(tp.partition)
 
-    return app, service
+    def run(self) -> None:
+        """Run until SIGTERM / SIGINT."""
+        from faust.worker import Worker
+
+        self._role_thread.start()
+        try:
+            Worker(self.app, loglevel="warning", quiet=True).execute_from_commandline()
+        finally:
+            self.role.stop.set()
+            self._role_thread.join(timeout=30)
+            self.stores.close_all()
 
 
 def ensure_topics(log: KafkaLog) -> None:
-    """Create the stream topics (one partition each) if missing."""
+    """Create the deployment's topics if missing (the plan stream with its partitions)."""
     for stream in topics.ALL:
         log.ensure_topic(stream)
 
 
-def serve(log: KafkaLog, state_dir: Path, *, app_id: str, heartbeat_timeout_s: float = 10.0,
-          secret: bytes | None = None, checkpoint_budget: int | None = None,
-          store: CheckpointStore | None = None) -> None:
-    """Run the serve app until it is stopped (SIGTERM / SIGINT)."""
-    from faust.worker import Worker
-
+def serve(log: KafkaLog, role_log: KafkaLog, state_dir: Path, *, app_id: str, instance: str | None = None,
+          heartbeat_timeout_s: float = 10.0, secret: bytes | None = None, session_timeout_s: float = 8.0,
+          checkpoint_budget: int | None = None, store: CheckpointStore | None = None) -> None:
+    """Run a serve instance until it is stopped (SIGTERM / SIGINT). ``role_log`` is a second
+    transport, used by the scheduler role's thread alone; ``store`` is the checkpoint store the
+    role deletes evicted checkpoints from (under ``checkpoint_budget`` bytes)."""
     ensure_topics(log)
-    app, service = build_app(log, state_dir, app_id=app_id, heartbeat_timeout_s=heartbeat_timeout_s, secret=secret,
-                             checkpoint_budget=checkpoint_budget, store=store)
-    try:
-        Worker(app, loglevel="warning", quiet=True).execute_from_commandline()
-    finally:
-        service.close()
+    Serve(log, role_log, state_dir, app_id=app_id, instance=instance or default_instance(),
+          heartbeat_timeout_s=heartbeat_timeout_s, secret=secret, session_timeout_s=session_timeout_s,
+          checkpoint_budget=checkpoint_budget, store=store).run()

@@ -333,7 +333,7 @@ async def _simulate(trainer: Trainer, studies: list[SimStudy], workers: int, mer
             best_metric = float(value) if value is not None else None
             finished.append(StudyFinished(producer="simulator", study_id=s.name,
                                           best_trial=best.trial_id if best else None, best_metric=best_metric,
-                                          end_to_end_seconds=done_at[i]))
+                                          end_to_end_seconds=done_at[i], plan_key=sdk[i].plan_key))
         cluster.append(finished)
         for i, s in enumerate(studies):
             ev = finished[i]

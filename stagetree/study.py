@@ -37,6 +37,8 @@ class Runtime(Protocol):
 
     def watch(self, trial_id: str, steps: int) -> asyncio.Future[dict[str, float]]: ...
 
+    def prefix(self, plan_key: str) -> dict[str, Any]: ...
+
 
 def plan_key_of(trainer: Trainer, seed: int) -> str:
     """The plan key: sha256 of the trainer's fingerprint (name, version, constants, data order)
@@ -167,7 +169,8 @@ class Study:
         queued = any(isinstance(e, TrialSubmitted) and e.trial_id == trial_id for e in self._pending)
         if trial_id not in self.runtime.state.trials and not queued:
             raise ValueError(f"`hp` {dict(hp)!r} names no submitted trial of study {self.name!r}")
-        self._enqueue(TrialCancelled(producer=f"sdk:{self.name}", study_id=self.name, trial_id=trial_id))
+        self._enqueue(TrialCancelled(producer=f"sdk:{self.name}", study_id=self.name, trial_id=trial_id,
+                                     plan_key=self._plan_for(trial_id)))
 
     async def eval(self, hp: Mapping[str, Any], step: int) -> dict[str, float]:
         """Metrics of ``hp`` at ``step``: answered from stored metrics when the plan has them
@@ -192,8 +195,9 @@ class Study:
         A tuner decides only from results it was handed (no clocks, no unrecorded randomness),
         so ``replay verify --study`` recomputes each decision from the log prefix it records.
         """
-        event = TunerDecided(producer=f"sdk:{self.name}", study_id=self.name, tuner=tuner,
-                             decided_at=self.runtime.state.offset, decision=decision, released=self._released)
+        event = TunerDecided(producer=f"sdk:{self.name}", study_id=self.name, tuner=tuner, plan_key=self.plan_key,
+                             decision=decision, released=self._released,
+                             **self.runtime.prefix(self.plan_key))
         self._released = []
         self.decisions.append(decision)
         self._enqueue(event)

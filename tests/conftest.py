@@ -30,6 +30,34 @@ def infra_env() -> dict[str, str]:
     return env
 
 
+TINY = REPO / "tests" / "studies" / "tiny_sha.py"
+
+
+@pytest.fixture(scope="session")
+def embedded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/studies/tiny_sha.py run in embedded mode with 2 workers, once per session: the
+    reference every Kafka-mode run of it is compared with, trial by trial."""
+    import sys
+
+    out = tmp_path_factory.mktemp("embedded") / "run"
+    proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "run", str(TINY), "--workers", "2", "--out",
+                           str(out), "--quiet"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture
+def deployment(infra_env: dict[str, str]) -> dict[str, str]:
+    """Environment of a fresh Kafka deployment: its own topics and checkpoint prefix on the
+    shared services."""
+    import os
+    import uuid
+
+    tag = uuid.uuid4().hex[:10]
+    return {**os.environ, **infra_env, "STAGETREE_TOPIC_PREFIX": f"test-{tag}.",
+            "STAGETREE_CHECKPOINT_STORE": f"s3://stagetree/test-{tag}"}
+
+
 @pytest.fixture(scope="session")
 def wsd_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """``examples/wsd_cooldown.py`` at its test size (``WSD_SIZE=test``) run with ``stagetree run``

@@ -37,10 +37,13 @@ from typing import Any
 
 import orjson
 import pytest
+from partitioned import as_partitioned, separating
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 
+from events.codec import decode
 from events.hp import Constant, MultiStep
+from events.models import TrialSubmitted
 from gpu_worker.simulated import CostModel, FormulaCurve, SimulatedTrainer
 from projections.queries import study_decisions
 from replay.audit import export_log, open_source
@@ -530,6 +533,31 @@ def test_decisions_read_from_the_log_equal_the_tuners_own(tmp_path: Path) -> Non
     decision = {r["id"]: r["decision"] for r in view["trials"]}
     best = tuner.best.trial_id
     assert decision[best] == f"stopped at step {max(state.trials[best].results)}"
+
+
+def test_a_partitioned_plan_stream_shows_as_the_same_studies(tmp_path: Path) -> None:
+    """The plan stream of a Kafka deployment (several partitions, the worker events in each)
+    folds into the same views as the same events in one stream."""
+    trainer = SimulatedTrainer("toy", ("lr",), cost=CostModel(1.0))
+    space = GridSearchSpace({"lr": [Constant(0.1), MultiStep(0.1, (8,), 0.1), MultiStep(0.1, (16,), 0.5),
+                                    Constant(0.05)]})
+    simulate(trainer, [SimStudy("alpha", ASHA(space, "val_acc", min_steps=4, max_steps=32, reduction=2), seed=1),
+                       SimStudy("beta", GridSearch(space, 24, "val_acc"), seed=2)], workers=2,
+             run_dir=tmp_path / "run")
+    records = open_source(tmp_path / "run").streams["stagetree.plan"]
+    one, parts = LiveProjection(), LiveProjection()
+    one.fold(records)
+    keys = {e.plan_key for e in map(decode, (r.value for r in records)) if isinstance(e, TrialSubmitted)}
+    assert len(keys) == 2
+    spread = as_partitioned(records, separating(keys))  # the two plans in two partitions, the others empty
+    parts.fold(spread[:len(spread) // 2])  # in two polls, as a live source hands them out
+    parts.fold(spread[len(spread) // 2:])
+    assert sorted(e.event_id for _, e in parts.events) == sorted(e.event_id for _, e in one.events)
+    for study in ("alpha", "beta"):
+        view, again = study_view(one, study), study_view(parts, study)
+        assert {k: v for k, v in again.items() if k != "log"} == {k: v for k, v in view.items() if k != "log"}
+        assert again["trials"] and again["tree"] and again["gantt"]
+    assert any(row["decision"] for row in study_view(parts, "alpha")["trials"])  # ASHA's, from its partition
 
 
 # ----------------------------------------------------------------------------- studies, sorting, selecting, verify

@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 import pytest
+from partitioned import as_partitioned, separating
 
 from events import topics
 from events.codec import decode
@@ -378,3 +379,30 @@ def test_a_request_no_decision_makes_fails_verify_at_its_offset(runs: Any, tmp_p
     assert code == 1
     assert (f"tuner check failed at offset {rows[i]['offset'] + 1} (TrialSubmitted): trial "
             f"{forged['payload']['trial_id']}: a request for {forged['payload']['steps']} steps") in tuner_failure(out)
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "no-merge"])
+def test_decisions_recompute_from_a_partitioned_plan_stream(merge: bool, tmp_path: Path) -> None:
+    """On Kafka the plan stream has several partitions: a study and its decisions live in the
+    partition of its plan key (its ``--no-merge`` trials in their own plans' partitions), and a
+    decision records every partition's prefix. The decisions recompute from exactly those
+    prefixes, and a tuner that decides otherwise is still named at its first changed decision."""
+    trainer, s = study("asha")
+    simulate(trainer, [s], workers=3, merge=merge, run_dir=tmp_path / "run")
+    records = open_source(tmp_path / "run").streams[topics.PLAN]
+    events = [decode(r.value) for r in records]
+    keys = {e.plan_key for e in events if e.type in ("StudyStarted", "TrialSubmitted")}
+    spread = as_partitioned(records, separating(list(keys)[:4]))
+    assert len({r.partition for r in spread}) > 1
+    source = Source(tmp_path / "kafka", "kafka", {topics.PLAN: spread}, "sealed", None)
+    check = check_study(source, "asha", lambda: study("asha")[1].tuner, trainer)
+    assert check.ok, check.failure
+    assert check.checked == sum(e.type == "TunerDecided" for e in events) > 0
+
+    def other() -> Any:
+        tuner = study("asha")[1].tuner
+        tuner.mode = "min"
+        return tuner
+
+    failed = check_study(source, "asha", other, trainer).failure
+    assert failed is not None and "recorded " in failed.detail

@@ -1,75 +1,51 @@
 """Kafka mode end to end, on the real broker and MinIO: separate processes for the SDK, the faust
-serve app and the workers, equal to embedded mode bit for bit, through worker and app crashes
-and a corrupted checkpoint."""
+serve app (one or two instances) and the workers, equal to embedded mode bit for bit, through
+worker and serve crashes, a serve paused between deciding and committing (fenced), a failover
+to a standby serve, and a corrupted checkpoint."""
 
 from __future__ import annotations
 
 import asyncio
 import io
 import os
+import re
 import signal
 import subprocess
-import sys
 import time
-import uuid
 from pathlib import Path
 
 import orjson
 import pytest
 import torch
+from confluent_kafka import Consumer, TopicPartition
+from kafka_cluster import (
+    CLI,
+    STUDY,
+    Deployment,
+    assert_no_duplicate_or_conflicting_decisions,
+    assert_what_must_hold_after_faults,
+    decisions,
+    embedded_state,
+    kafka_state,
+    per_trial,
+    role_holder,
+    verify_deployment,
+    wait_for,
+)
 
 from events import topics
 from events.codec import decode
-from events.kafka_log import KafkaLog
-from events.models import CheckpointSaved, StageFailed, WorkerLost
+from events.kafka_log import KafkaLog, partition_for
+from events.models import CheckpointSaved, StageDispatched, StageFailed, WorkerLost
 from gpu_worker.loader import load_module, trainer_of
 from gpu_worker.object_store import open_checkpoint_store
 from gpu_worker.session import TrainingSession
-from projections.store import ProjectionStore, Projector, search_plan_records
+from projections.store import search_plan_records
+from scheduler.role import STALL_HOOK_ENV
 from stagetree.kafka_runtime import KafkaRuntime
 from stagetree.study import Study
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
-
-STUDY = Path(__file__).parent / "studies" / "tiny_sha.py"
-CLI = [sys.executable, "-m", "stagetree.cli"]
-
-
-def per_trial(summary: dict) -> dict:
-    return {t["trial_id"]: (t["steps"], t["metrics"]) for t in summary["trials"]}
-
-
-@pytest.fixture(scope="module")
-def embedded(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("embedded") / "run"
-    proc = subprocess.run([*CLI, "run", str(STUDY), "--workers", "2", "--out", str(out), "--quiet"],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    return out
-
-
-@pytest.fixture
-def deployment(infra_env: dict[str, str]) -> dict[str, str]:
-    """Environment of a fresh deployment: its own topics and checkpoint prefix on the shared services."""
-    tag = uuid.uuid4().hex[:10]
-    return {**os.environ, **infra_env, "STAGETREE_TOPIC_PREFIX": f"test-{tag}.",
-            "STAGETREE_CHECKPOINT_STORE": f"s3://stagetree/test-{tag}"}
-
-
-def kafka_state(env: dict[str, str]):
-    with KafkaLog(env["STAGETREE_BOOTSTRAP_SERVERS"], topic_prefix=env["STAGETREE_TOPIC_PREFIX"]) as log:
-        projector = Projector(log, dead_letters=False)
-        projector.catch_up()
-        events = [decode(r.value) for r in log.read(topics.PLAN)]
-    return projector.state, events
-
-
-def embedded_state(run: Path):
-    store = ProjectionStore(run / "state")
-    try:
-        return store.load()
-    finally:
-        store.close()
 
 
 def test_kafka_study_equals_embedded_bit_for_bit(embedded: Path, deployment: dict[str, str], tmp_path: Path) -> None:
@@ -107,80 +83,147 @@ def test_kafka_study_equals_embedded_bit_for_bit(embedded: Path, deployment: dic
     assert bad.returncode == 1 and "does not match its seal" in bad.stdout, bad.stdout
 
 
-def _spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-
-
-def _wait_for(predicate, what: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 def test_worker_kill_and_app_restart_finish_with_the_same_results(
         embedded: Path, deployment: dict[str, str], tmp_path: Path) -> None:
     env = deployment
-    kafka = ["--bootstrap-servers", env["STAGETREE_BOOTSTRAP_SERVERS"]]
-    serve_cmd = [*CLI, "serve", *kafka, "--state-dir", str(tmp_path / "serve-state"), "--app-id",
-                 f"stagetree-{env['STAGETREE_TOPIC_PREFIX'].strip('.')}", "--heartbeat-timeout", "3"]
-    procs: list[subprocess.Popen[bytes]] = []
+    cluster = Deployment(env, tmp_path)
     try:
-        serve = _spawn(serve_cmd, env)
-        workers = {w: _spawn([*CLI, "worker", *kafka, "--worker-id", w, "--study", str(STUDY), "--device", "cpu"], env)
-                   for w in ("w0", "w1")}
-        procs += [serve, *workers.values()]
-        _wait_for(lambda: {"w0", "w1"} <= {w for w, x in kafka_state(env)[0].workers.items() if x.alive},
-                  "both workers to join")
-        run = subprocess.Popen([*CLI, "run", str(STUDY), *kafka, "--workers", "0", "--out", str(tmp_path / "run"),
-                                "--quiet"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        procs.append(run)
-
-        def saved() -> int:
-            return sum(isinstance(e, CheckpointSaved) for e in kafka_state(env)[1])
-
-        _wait_for(lambda: saved() >= 3, "first checkpoints")
-        os.killpg(workers["w1"].pid, signal.SIGKILL)  # a worker dies mid-study
-        _wait_for(lambda: saved() >= 8, "more checkpoints")
+        serve = cluster.serve("A")
+        cluster.worker("w0", hold_in_path=4)
+        cluster.worker("w1", hold_in_path=2)
+        cluster.joined("w0", "w1")
+        run = cluster.run()
+        cluster.held("w1")
+        os.killpg(cluster.workers["w1"].pid, signal.SIGKILL)  # a worker dies in a path mid-study
+        cluster.held("w0")  # w0 alone goes on (w1's path is dispatched again once it is declared lost)
         os.killpg(serve.pid, signal.SIGKILL)  # the faust app dies...
         serve.wait()
-        time.sleep(1)
-        procs.append(_spawn(serve_cmd, env))  # ...and restarts on its state dir
-        _, err = run.communicate(timeout=900)
-        assert run.returncode == 0, err.decode()
+        cluster.serve("A")  # ...and restarts on its state dir
+        cluster.release("w0")
+        cluster.finish(run)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM) if p is not run else p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    result = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
-    assert per_trial(result) == per_trial(orjson.loads((embedded / "summary.json").read_bytes()))
+        cluster.close()
     state, events = kafka_state(env)
     assert any(isinstance(e, WorkerLost) and e.worker_id == "w1" for e in events)
-    assert search_plan_records(state) == search_plan_records(embedded_state(embedded))
-    store = open_checkpoint_store(env["STAGETREE_CHECKPOINT_STORE"], env)
-    refs = {e.ref for e in events if isinstance(e, CheckpointSaved)}
-    for ref in refs:
-        store.get(ref)  # exists and matches its sha256
-    # the restarted app's projection equals a fresh fold of the log
-    restarted = ProjectionStore(tmp_path / "serve-state")
+    assert_what_must_hold_after_faults(env, tmp_path / "run", embedded, [cluster.state_dir("A")])
+    assert_no_duplicate_or_conflicting_decisions(state, events)
+
+
+def _taken_over(cluster: Deployment, instance: str, after: float = 0.0) -> float | None:
+    """When ``instance`` last took the scheduler role over (epoch seconds, from its output)."""
+    times = [float(t) for t in re.findall(r"scheduler role taken over at ([0-9.]+)", cluster.output(instance))]
+    times = [t for t in times if t > after]
+    return times[-1] if times else None
+
+
+def _uncommitted(env: dict[str, str], topic: str, partition: int) -> list[bytes]:
+    """Every record value physically in a partition, aborted transactions' included."""
+    consumer = Consumer({"bootstrap.servers": env["STAGETREE_BOOTSTRAP_SERVERS"], "group.id": "x",
+                         "isolation.level": "read_uncommitted", "enable.partition.eof": True,
+                         "enable.auto.commit": False})
     try:
-        assert search_plan_records(restarted.load()) == search_plan_records(state)
+        consumer.assign([TopicPartition(topic, partition, 0)])
+        out = []
+        while True:
+            msg = consumer.poll(5)
+            assert msg is not None, f"no end of {topic}[{partition}] within 5 s"
+            if msg.error() is not None:
+                break  # the partition's end
+            out.append(msg.value())
+        return out
     finally:
-        restarted.close()
+        consumer.close()
+
+
+def test_a_serve_paused_between_deciding_and_committing_is_fenced(
+        embedded: Path, deployment: dict[str, str], tmp_path: Path) -> None:
+    """Serve A decides a dispatch, sends it in its transaction, and stops (SIGSTOP) before the
+    commit, as a long pause or a network partition would leave it. Serve B takes the scheduler
+    role over when A's group session expires, which fences A and aborts its open transaction;
+    A then resumes. The stale decision is never visible: not on the plan stream, not on the
+    worker's stream, not in any projection; and the study finishes as embedded mode does."""
+    env = deployment
+    stall = tmp_path / "stalled-decision.json"
+    cluster = Deployment(env, tmp_path)
+    try:
+        a = cluster.serve("A", extra_env={STALL_HOOK_ENV: str(stall)})
+        wait_for(lambda: _taken_over(cluster, "A") is not None, "serve A to hold the scheduler role", 120)
+        cluster.worker("w0")
+        cluster.worker("w1")
+        cluster.joined("w0", "w1")
+        run = cluster.run()
+        wait_for(stall.exists, "serve A to stall inside its first decision's transaction", 300)
+        stalled = decode(stall.read_bytes().splitlines()[0])
+        assert isinstance(stalled, StageDispatched)
+        cluster.serve("B")
+        wait_for(lambda: _taken_over(cluster, "B") is not None, "serve B to take the role over", 120)
+        wait_for(lambda: any(d.producer == "serve:B" for d in decisions(kafka_state(env)[1])),
+                 "serve B's first decision", 120)
+        os.kill(a.pid, signal.SIGCONT)  # the zombie wakes up and tries to commit
+        wait_for(lambda: "fenced by a successor" in cluster.output("A"), "serve A to learn it was fenced", 120)
+        cluster.finish(run)
+    finally:
+        cluster.close()
+    state, events = kafka_state(env)
+    landed = [e for e in events if e.event_id == stalled.event_id]
+    assert not landed, (f"the stalled decision landed: {landed}\n--- serve A ---\n{cluster.output('A')}"
+                        f"\n--- serve B ---\n{cluster.output('B')}")
+    with KafkaLog(env["STAGETREE_BOOTSTRAP_SERVERS"], topic_prefix=env["STAGETREE_TOPIC_PREFIX"]) as log:
+        plan_topic = log.topic(topics.PLAN)
+        partition = partition_for(stalled.plan_key, log.partition_count(topics.PLAN))
+        worker_stream = topics.dispatch_stream(stalled.worker_id)
+        assert stalled.event_id not in {decode(r.value).event_id for r in log.read(worker_stream)}
+        worker_topic = log.topic(worker_stream)
+    # it did reach the broker, in the transaction that B's take-over aborted
+    assert any(stalled.event_id.encode() in v for v in _uncommitted(env, plan_topic, partition))
+    assert any(stalled.event_id.encode() in v for v in _uncommitted(env, worker_topic, 0))
+    assert_no_duplicate_or_conflicting_decisions(state, events)
+    assert_what_must_hold_after_faults(env, tmp_path / "run", embedded,
+                                       [cluster.state_dir("A"), cluster.state_dir("B")])
+    verify_deployment(env)
+
+
+def test_failover_to_a_standby_serve_after_kill_9(embedded: Path, deployment: dict[str, str], tmp_path: Path) -> None:
+    """Two serve instances; kill -9 of the one holding the scheduler role mid-study: the other
+    takes it over and the study finishes as embedded mode does, with no decision duplicated or
+    conflicting, and the log verifies."""
+    env = deployment
+    cluster = Deployment(env, tmp_path)
+    try:
+        cluster.serve("A")
+        cluster.serve("B")
+        cluster.worker("w0", hold_in_path=2)
+        cluster.worker("w1", hold_in_path=2)
+        cluster.joined("w0", "w1")
+        run = cluster.run()
+        cluster.held("w0", "w1")  # mid-study: most decisions are still to be made
+        wait_for(lambda: role_holder(cluster) is not None, "one serve to hold the scheduler role", 120)
+        active = role_holder(cluster)
+        assert active is not None
+        standby = "B" if active == "A" else "A"
+        killed_at = time.time()
+        os.killpg(cluster.serves[active].pid, signal.SIGKILL)
+        cluster.release("w0", "w1")
+        cluster.finish(run)
+        took_over = _taken_over(cluster, standby, after=killed_at)
+    finally:
+        cluster.close()
+    assert took_over is not None, cluster.output(standby)
+    print(f"failover: serve {standby} took the scheduler role over {took_over - killed_at:.1f} s after "
+          f"kill -9 of serve {active}")
+    state, events = kafka_state(env)
+    assert any(d.producer == f"serve:{standby}" and d.ts > killed_at for d in decisions(events))
+    assert_no_duplicate_or_conflicting_decisions(state, events)
+    assert_what_must_hold_after_faults(env, tmp_path / "run", embedded,
+                                       [cluster.state_dir("A"), cluster.state_dir("B")])
+    verify_deployment(env)
 
 
 def test_a_corrupted_checkpoint_is_detected_and_recomputed(deployment: dict[str, str], tmp_path: Path) -> None:
     env = deployment
-    kafka = ["--bootstrap-servers", env["STAGETREE_BOOTSTRAP_SERVERS"]]
-    procs = [_spawn([*CLI, "serve", *kafka, "--state-dir", str(tmp_path / "serve"), "--app-id",
-                     f"stagetree-{env['STAGETREE_TOPIC_PREFIX'].strip('.')}"], env),
-             _spawn([*CLI, "worker", *kafka, "--worker-id", "w0", "--study", str(STUDY), "--device", "cpu"], env)]
+    cluster = Deployment(env, tmp_path)
+    cluster.serve("A")
+    cluster.worker("w0")
     module = load_module(STUDY)
     trainer = trainer_of(module, STUDY)
     hp = next(iter(module.space))
@@ -194,30 +237,25 @@ def test_a_corrupted_checkpoint_is_detected_and_recomputed(deployment: dict[str,
                 study = Study(runtime, "corrupt", trainer, module.seed)
                 first = await study.submit(hp, 40)
                 await runtime.drain()  # its checkpoint is saved after the metrics are reported
-                saved = [e for e in (decode(r.value) for r in log.read(topics.PLAN))
-                         if isinstance(e, CheckpointSaved) and e.step == 40]
+                saved = [e for e in kafka_state(env)[1] if isinstance(e, CheckpointSaved) and e.step == 40]
                 store = open_checkpoint_store(env["STAGETREE_CHECKPOINT_STORE"], env)
                 # overwrite the object behind the store's back, as a disk fault or a person would
                 store._client.put_object(store.bucket, store.key(saved[-1].ref), io.BytesIO(b"not a checkpoint"), 16)
                 # a fresh worker process (no weights in memory) must read it from the store
-                os.killpg(procs[1].pid, signal.SIGTERM)
-                procs[1].wait(timeout=60)
-                procs.append(_spawn([*CLI, "worker", *kafka, "--worker-id", "w1", "--study", str(STUDY),
-                                     "--device", "cpu"], env))
+                os.killpg(cluster.workers["w0"].pid, signal.SIGTERM)
+                cluster.workers["w0"].wait(timeout=60)
+                cluster.worker("w1")
                 await runtime.ready(["w1"])
                 second = await study.submit(hp, 60)  # resumes from the corrupted checkpoint at 40
                 return first, second
             finally:
                 poller.cancel()
+                runtime.close()
                 log.close()
 
         first, second = asyncio.run(main())
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            p.wait(timeout=30)
+        cluster.close()
     _, events = kafka_state(env)
     failed = [e for e in events if isinstance(e, StageFailed)]
     assert failed and failed[0].kind == "checkpoint_corrupt"

@@ -336,11 +336,14 @@ class RenamedStreams:
     def append_many(self, stream: str, items: Sequence[tuple[str, bytes]]) -> list[int]:
         return self.log.append_many(self.stream(stream), items)
 
-    def read(self, stream: str, start: int = 0, stop: int | None = None) -> Iterator[Record]:
-        return self.log.read(self.stream(stream), start, stop)
+    def read(self, stream: str, start: int = 0, stop: int | None = None, partition: int = 0) -> Iterator[Record]:
+        return self.log.read(self.stream(stream), start, stop, partition=partition)
 
-    def end_offset(self, stream: str) -> int:
-        return self.log.end_offset(self.stream(stream))
+    def end_offset(self, stream: str, partition: int = 0) -> int:
+        return self.log.end_offset(self.stream(stream), partition)
+
+    def partition_count(self, stream: str) -> int:
+        return self.log.partition_count(self.stream(stream))
 
     def close(self) -> None:
         self.log.close()
@@ -624,17 +627,37 @@ def partition_counts(bootstrap: str, topic: str) -> int:
 @INFRA_TIMEOUT
 class TestKafkaTransport:
     def test_topics_are_created_with_explicit_partition_counts(self, kafka: KafkaBackend) -> None:
-        from events.kafka_log import KafkaLog
+        from events.kafka_log import KafkaLog, partition_for
 
-        wide, plain = kafka.stream("wide"), kafka.stream(topics.PLAN)
+        wide, plain = kafka.stream("wide"), kafka.stream("plain")
         with KafkaLog(kafka.bootstrap_servers, partitions={wide: 3}) as log:
-            # Keys that would hash to different partitions all go to partition 0, in order.
-            assert log.append_many(wide, [(f"plan-{i}", b"%d" % i) for i in range(12)]) == list(range(12))
+            # Each key goes to its partition (Kafka's murmur2 partitioner), in order within it.
+            items = [(f"plan-{i % 4}", b"%d" % i) for i in range(12)]
+            offsets = log.append_many(wide, items)
             assert log.append(plain, "plan", b"x") == 0
             log.ensure_topic(plain)  # idempotent
-            assert [r.value for r in log.read(wide)] == [b"%d" % i for i in range(12)]
+            assert log.partition_count(wide) == 3 and log.partition_count(plain) == 1
+            for key in {k for k, _ in items}:
+                p = partition_for(key, 3)
+                mine = [v for k, v in items if k == key]
+                assert [r.value for r in log.read(wide, partition=p) if r.key == key] == mine
+                assert all(r.partition == p for r in log.read(wide, partition=p))
+            assert offsets == [sum(1 for k, _ in items[:i] if partition_for(k, 3) == partition_for(key, 3))
+                               for i, (key, _) in enumerate(items)]
         assert partition_counts(kafka.bootstrap_servers, wide) == 3
         assert partition_counts(kafka.bootstrap_servers, plain) == 1
+
+    def test_the_plan_stream_is_created_with_plan_partitions(self, kafka: KafkaBackend) -> None:
+        from events.kafka_log import KafkaLog
+
+        prefix = kafka.stream("deployment.")
+        with KafkaLog(kafka.bootstrap_servers, topic_prefix=prefix, plan_partitions=5) as log:
+            log.ensure_topic(topics.PLAN)
+            log.ensure_topic(topics.HEARTBEAT)
+        with KafkaLog(kafka.bootstrap_servers, topic_prefix=prefix, plan_partitions=2) as log:
+            assert log.partition_count(topics.PLAN) == 5  # an existing topic keeps its count
+        assert partition_counts(kafka.bootstrap_servers, prefix + topics.PLAN) == 5
+        assert partition_counts(kafka.bootstrap_servers, prefix + topics.HEARTBEAT) == 1
 
     def test_missing_topic_without_create_topics(self, kafka: KafkaBackend) -> None:
         from events.kafka_log import KafkaLog, KafkaLogError
@@ -757,7 +780,7 @@ def test_kafka_records_carry_the_events_trace_context_in_headers(kafka_bootstrap
     from confluent_kafka import Consumer, TopicPartition
 
     from events.codec import encode
-    from events.kafka_log import KafkaLog
+    from events.kafka_log import KafkaLog, partition_for
     from events.models import WorkerJoined
 
     prefix = f"headers-{uuid.uuid4().hex[:8]}."
@@ -769,7 +792,7 @@ def test_kafka_records_carry_the_events_trace_context_in_headers(kafka_bootstrap
         consumer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"headers-{uuid.uuid4().hex}",
                              "enable.auto.commit": False})
         try:
-            consumer.assign([TopicPartition(log.topic("stagetree.plan"), 0, 0)])
+            consumer.assign([TopicPartition(log.topic("stagetree.plan"), partition_for("w0", 8), 0)])
             msgs = []
             while len(msgs) < 2:
                 msgs += [m for m in consumer.consume(2, timeout=5) if m.error() is None]

@@ -9,6 +9,8 @@ deterministic; its log passes ``replay verify``; the papers' 448-trial study run
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,3 +101,12 @@ def test_simulate_bad_input_exits_2(tmp_path: Path) -> None:
     assert main(["simulate", str(bad)]) == 2
     with pytest.raises(SystemExit):
         main(["simulate", str(bad), "--policy", "random"])
+
+
+def test_a_simulated_worker_process_does_not_import_torch() -> None:
+    """benchmarks/cluster_load.py starts forty of them: the import chain stays torch-free."""
+    code = ("import sys, gpu_worker.simulated_worker; "
+            "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
+            "assert not bad, bad[:3]")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

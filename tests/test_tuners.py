@@ -97,6 +97,9 @@ class FormulaRuntime:
         self._waiters.setdefault((trial_id, steps), []).append(future)
         return future
 
+    def prefix(self, plan_key: str) -> dict[str, int]:
+        return {"decided_at": self.state.offset}
+
 
 def tune(tuner: Any, formula: Formula) -> tuple[TunerResult, FormulaRuntime, Study]:
     runtime = FormulaRuntime(formula)

@@ -14,8 +14,8 @@ and runs ``replay verify`` on demand (:meth:`DashboardSource.verify`):
 * an **export** (``EXPORT.jsonl``, ``stagetree log export``): read once;
 * a **Kafka deployment** (``kafka://BOOTSTRAP[/PREFIX]``): a plain consumer
   (:class:`events.kafka_log.KafkaLog` with ``read_only=True``: no producer, no group, no
-  commits) reading the plan topic from the last offset it saw. Credentials come from the
-  ``STAGETREE_KAFKA_*`` variables, never from the address.
+  commits) reading every partition of the plan topic, each from the last offset it saw there.
+  Credentials come from the ``STAGETREE_KAFKA_*`` variables, never from the address.
 
 The label a source shows the page (:attr:`DashboardSource.label`) never holds a secret.
 """
@@ -43,8 +43,8 @@ class DashboardSource(Protocol):
     live: bool  # whether records may still arrive
 
     def poll(self) -> list[Record]:
-        """The plan-stream records that arrived since the last poll, in offset order (I/O:
-        call it off the event loop)."""
+        """The plan-stream records that arrived since the last poll, in offset order within
+        each partition (I/O: call it off the event loop)."""
         ...
 
     def verify(self) -> dict[str, Any]:
@@ -140,8 +140,9 @@ class ExportSource:
 class KafkaSource:
     """A Kafka deployment's plan topic, read as a plain consumer (see the module docstring).
 
-    The plan topic is read from partition 0, which holds the whole plan stream as
-    :class:`events.kafka_log.KafkaLog` reads and writes it.
+    Every partition of the plan topic is read (as many as the cluster shows once the topic
+    exists); one partition holds the whole history of each plan keyed to it, and the page
+    folds each partition on its own.
     """
 
     kind = "kafka"
@@ -159,12 +160,15 @@ class KafkaSource:
         self._secret = secret
         self._log = KafkaLog(servers, client_id="stagetree-dashboard", topic_prefix=prefix,
                              security=security_from_env(), read_only=True, timeout_s=30.0)
-        self._next = 0
+        self._next: dict[int, int] = {}  # partition -> offset of the next record to read
 
     def poll(self) -> list[Record]:
-        records = list(self._log.read(topics.PLAN, self._next))
-        if records:
-            self._next = records[-1].offset + 1
+        records = []
+        for partition in range(self._log.partition_count(topics.PLAN)):
+            part = list(self._log.read(topics.PLAN, self._next.get(partition, 0), partition=partition))
+            if part:
+                self._next[partition] = part[-1].offset + 1
+            records += part
         return records
 
     def verify(self) -> dict[str, Any]:

@@ -18,12 +18,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from events.log import Record
+from events.log import Record, is_broadcast
 from events.models import Event, StudyStarted, TrialSubmitted
+from projections.partitions import merge
 from projections.queries import promotion, study_decisions, trial_path
 from projections.state import State, Trial
 from projections.store import fold_records
 from projections.summary import trial_based_estimate
+from replay.audit import by_partition
 from replay.report.html import idle_figures
 from replay.report.load import RunData, run_data, study_trials
 from replay.report.pictures import best_trial_id, curve_metric
@@ -37,34 +39,57 @@ class LiveProjection:
     """The plan stream folded so far: ``state`` (the one fold), the decoded ``events``
     (``(offset, event)`` in log order, those the reducer rejected included, as the report reads
     them), how many records could not be decoded, and ``version``, bumped by every fold that
-    brought records. Not thread-safe: fold and read from one thread (the server's loop)."""
+    brought records. Not thread-safe: fold and read from one thread (the server's loop).
+
+    A partitioned plan stream (Kafka) is folded partition by partition, each into a state of
+    its own, and ``state`` is their merged view (:func:`projections.partitions.merge`, as the
+    scheduler and the SDK see it); ``events`` holds one copy of the events written to every
+    partition (WorkerJoined, WorkerLost) and keeps each partition's order."""
 
     def __init__(self) -> None:
-        self.state = State()
+        self.parts: dict[int, State] = {}
+        self._view: State | None = None
+        self._broadcast: set[str] = set()  # event ids of the broadcast events in `events`
         self.events: list[tuple[int, Event]] = []
         self.promotions: dict[str, list[tuple[int, int]]] = {}  # trial id -> (from_step, to_steps), log order
         self.records = 0
         self.invalid_events = 0
         self.version = 0
 
+    @property
+    def state(self) -> State:
+        """The folded plan stream (the merged view of its partitions)."""
+        if self._view is None:
+            self._view = merge(self.parts) if self.parts else State()
+        return self._view
+
     def fold(self, records: Iterable[Record]) -> int:
-        """Fold ``records`` (the plan stream's, in offset order, after those folded before);
-        returns how many there were."""
+        """Fold ``records`` (the plan stream's, in offset order within each partition, after
+        those folded before); returns how many there were."""
         batch = list(records)
         if not batch:
             return 0
-        decoded = len(self.events)
+        decoded = 0
 
         def seen(record: Record, event: Event, state: State) -> None:
+            nonlocal decoded
+            decoded += 1
+            if is_broadcast(event):
+                if event.event_id in self._broadcast:
+                    return
+                self._broadcast.add(event.event_id)
             self.events.append((record.offset, event))
             if isinstance(event, TrialSubmitted):
                 promoted = promotion(state, event)
                 if promoted is not None:
                     self.promotions.setdefault(promoted[0], []).append((promoted[1], promoted[2]))
 
-        fold_records(self.state, batch, on_event=seen)
+        for partition, part in by_partition(batch).items():
+            if part:
+                fold_records(self.parts.setdefault(partition, State()), part, on_event=seen)
+        self._view = None
         self.records += len(batch)
-        self.invalid_events += len(batch) - (len(self.events) - decoded)
+        self.invalid_events += len(batch) - decoded
         self.version += 1
         return len(batch)
 

@@ -1,0 +1,438 @@
+"""The scheduler role of ``stagetree serve`` on Kafka: global decisions, fenced.
+
+Scheduling is global (Hippo §3.4, thesis §4.3: each idle worker gets the critical path over the
+stage trees of *all* plans), so one serve instance at a time decides. The role belongs to the
+instance that faust's group assigns the one partition of ``stagetree.heartbeat`` (it also
+receives every worker's beats, which the liveness decisions need). Every instance keeps a hot
+standby of what the role needs: a :class:`~projections.partitions.PartitionedFold` of every
+partition of ``stagetree.plan``, read ``read_committed`` as records arrive.
+
+Taking the role over (:meth:`DecisionAppender.take_over`): start the role's transactional
+producer (``<prefix>stagetree.scheduler``), which fences every earlier holder (a transaction it
+left open is aborted, its next one fails with :class:`~events.kafka_log.Fenced`), then fold every
+partition up to its end. Only then is anything decided, so the successor's fold includes every
+decision its predecessor committed, and the prefixes decisions record never go backwards.
+
+Every decision of the role goes through :class:`DecisionAppender`: one transaction per call, the
+decision(s) on the plan stream (broadcast types to every partition) with their copies (a
+dispatch to the worker's own stream), then folded before the next decision. A decision records
+its prefix (:class:`events.models.DecisionEvent`): the offset of every partition's last folded
+record. The role decides:
+
+* StageDispatched: :func:`scheduler.decide.decide` on the merged view, one at a time;
+* WorkerLost: a worker silent for ``heartbeat_timeout_s`` (this process's clock: the decision
+  is recorded, so a replay never reads a clock);
+* LogSealed: the hash chain of each partition after its last folded record, every
+  ``seal_interval_s`` when something new was folded (``replay verify`` checks the seals);
+* DeadLettered: a malformed heartbeat, with the reason.
+
+Other decision types (a tuner's decision, an eviction, a preemption) are appended the same way:
+``DecisionAppender.append([decision], copies)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from events import topics
+from events.codec import encode
+from events.kafka_log import Fenced, Follower, KafkaLog, KafkaLogError, TransactionalAppender, Write, event_writes
+from events.log import chain_algorithm
+from events.models import DeadLettered, DecisionEvent, Event, LogSealed, StageDispatched, WorkerLost
+from projections.partitions import PartitionedFold
+from projections.state import State
+from scheduler.service import SchedulerService
+
+log = logging.getLogger(__name__)
+
+STALL_HOOK_ENV = "STAGETREE_TEST_STALL_BEFORE_COMMIT"
+"""Fault injection for tests: a path. When set and the file does not exist yet, the role writes
+the StageDispatched it is appending into it and stops its own process (SIGSTOP) right there:
+decided, its records sent to the broker in an open transaction, not committed, as a long
+pause or a partition from the group would leave it."""
+
+
+def role_transactional_id(log: KafkaLog) -> str:
+    """The ``transactional.id`` of the scheduler role of the deployment of ``log``."""
+    return log.topic("stagetree.scheduler")
+
+
+class HeartbeatMonitor:
+    """Last beat per worker (monotonic seconds, this process's clock)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"`heartbeat_timeout_s` is {timeout_s!r}, but must be > 0")
+        self.timeout_s = timeout_s
+        self.last: dict[str, float] = {}
+
+    def beat(self, worker_id: str, now: float) -> None:
+        self.last[worker_id] = now
+
+    def silent(self, state: State, now: float) -> list[str]:
+        """Alive workers (in ``state``) silent for longer than the timeout; a worker never heard
+        from gets the timeout as grace from the first check."""
+        out = []
+        for worker_id, worker in sorted(state.workers.items()):
+            if not worker.alive:
+                self.last.pop(worker_id, None)
+                continue
+            seen = self.last.setdefault(worker_id, now)
+            if now - seen > self.timeout_s:
+                out.append(worker_id)
+                self.last.pop(worker_id)
+        return out
+
+
+def _stall_hook(events: Sequence[Event]) -> Callable[[], None] | None:
+    """The fault injection of :data:`STALL_HOOK_ENV` for a transaction of ``events``, or None."""
+    path = os.environ.get(STALL_HOOK_ENV)
+    if not path or Path(path).exists() or not any(isinstance(e, StageDispatched) for e in events):
+        return None
+
+    def stall() -> None:
+        Path(path).write_bytes(b"\n".join(encode(e) for e in events))
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    return stall
+
+
+class DecisionAppender:
+    """Appends a role's decisions: one Kafka transaction per :meth:`append`, with the role's
+    ``transactional.id``, then folds up to them.
+
+    Args:
+        log: the deployment's transport.
+        transactional_id: the role's id (:func:`role_transactional_id`).
+        fold: the role's fold of every plan partition, fed by ``follower``.
+        follower: reads every plan partition.
+    """
+
+    def __init__(self, log: KafkaLog, transactional_id: str, fold: PartitionedFold, follower: Follower) -> None:
+        self.log = log
+        self.fold = fold
+        self.follower = follower
+        self.partitions = len(fold.projectors)
+        self.transactions = TransactionalAppender(log, transactional_id)
+
+    def take_over(self) -> float:
+        """Fence every earlier holder of the role, then fold every partition to its end; returns
+        the seconds it took. Raises KafkaLogError when the cluster does not answer."""
+        started = time.monotonic()
+        self.transactions.start()
+        ends = self.follower.end_offsets()
+        while not self.follower.reached(ends):
+            self.fold.fold(self.follower.poll(0.05))
+        return time.monotonic() - started
+
+    def prefix(self) -> dict[str, object]:
+        """The fields a decision taken now from the fold records as its prefix."""
+        offsets = self.fold.offsets()
+        if self.partitions == 1:
+            return {"decided_at": offsets[0]}
+        return {"decided_at_partitions": offsets}
+
+    def append(self, decisions: Sequence[Event], copies: Sequence[Write] = ()) -> list[tuple[int, int]]:
+        """Append ``decisions`` to the plan stream (WorkerJoined/WorkerLost to every partition)
+        and ``copies`` (e.g. a dispatch on the worker's stream) in one transaction, then fold
+        until the fold has applied them; returns the ``(partition, offset)`` of each plan
+        record.
+
+        Raises:
+            Fenced: a successor holds the role now; nothing was appended.
+            TransactionAborted, KafkaLogError: nothing was appended; decide again and retry.
+        """
+        writes = event_writes(topics.PLAN, decisions, self.partitions)
+        positions = self.transactions.append([*writes, *copies], before_commit=_stall_hook(decisions))
+        plan = positions[: len(writes)]
+        self.wait_folded(plan)
+        return plan
+
+    def wait_folded(self, positions: Sequence[tuple[int, int]], timeout_s: float | None = None) -> None:
+        """Poll and fold until every ``(partition, offset)`` is folded.
+
+        Raises:
+            KafkaLogError: not within ``timeout_s`` (default: the log's timeout).
+        """
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.log.timeout_s)
+        projectors = self.fold.projectors
+        while any(projectors[p].state.offset < o for p, o in positions):
+            if time.monotonic() > deadline:
+                raise KafkaLogError(f"kafka: the role's own records {list(positions)} were not readable within "
+                                    f"{self.log.timeout_s:g} s")
+            self.fold.fold(self.follower.poll(0.02))
+
+    def close(self) -> None:
+        self.transactions.close()
+
+
+class SchedulerRole:
+    """The scheduler role's loop (run in a thread of its own by ``stagetree serve``).
+
+    Args:
+        log: a transport for this thread alone.
+        instance: this serve instance's name (the ``producer`` of its decisions: ``serve:<instance>``).
+        heartbeat_timeout_s: silence after which a worker is declared lost.
+        secret: HMAC key of the seals' chains (None: sha256).
+        policy: scheduling policy (``scheduler.decide.POLICIES``).
+        seal_interval_s: how often new records are sealed.
+        grace_s: after taking the role, how long no worker is judged (beats replayed to the new
+            holder's group member arrive first); default ``heartbeat_timeout_s``.
+        clock: monotonic seconds (the liveness clock).
+        checkpoint_budget: bytes of checkpoints the deployment may keep (None: unbounded);
+            evicted objects are deleted from ``store`` (a CheckpointStore) once their
+            CheckpointEvicted events are committed.
+
+    :meth:`grant` and :meth:`revoke` (faust's rebalance callbacks) and :meth:`beat` may be called
+    from other threads; everything else runs in :meth:`run`'s thread.
+    """
+
+    def __init__(self, log: KafkaLog, *, instance: str, heartbeat_timeout_s: float = 10.0,
+                 secret: bytes | None = None, policy: str = "critical-path", seal_interval_s: float = 0.5,
+                 grace_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 checkpoint_budget: int | None = None, store: Any = None) -> None:
+        self.log = log
+        self.instance = instance
+        self.producer = f"serve:{instance}"
+        self.secret = secret
+        self.policy = policy
+        self.seal_interval_s = seal_interval_s
+        self.grace_s = heartbeat_timeout_s if grace_s is None else grace_s
+        self.clock = clock
+        self.checkpoint_budget = checkpoint_budget
+        self.store = store
+        self.monitor = HeartbeatMonitor(heartbeat_timeout_s)
+        self.stop = threading.Event()
+        self._granted = 0  # generation of the latest grant; 0: not granted
+        self._held = 0  # the grant generation this instance holds the role under (0: none)
+        self._refused = 0  # a generation under which this instance was fenced
+        self._lock = threading.Lock()
+        self._beats: queue.SimpleQueue[tuple[str, float]] = queue.SimpleQueue()
+        self._bad_beats: queue.SimpleQueue[DeadLettered] = queue.SimpleQueue()
+        self.acquired_at: float | None = None  # epoch seconds of the latest take-over
+        self.judging_from = 0.0
+        self._fresh = False
+        self.ready = threading.Event()  # set once the standby fold has caught up the first time
+
+    # ------------------------------------------------------------------ called from faust's thread
+
+    def grant(self) -> None:
+        """This instance was assigned the heartbeat partition: it should hold the role."""
+        with self._lock:
+            self._granted = abs(self._granted) + 1
+
+    def revoke(self) -> None:
+        """The heartbeat partition was revoked: stop deciding."""
+        with self._lock:
+            self._granted = -abs(self._granted)
+
+    def beat(self, worker_id: str) -> None:
+        self._beats.put((worker_id, self.clock()))
+
+    def bad_beat(self, letter: DeadLettered) -> None:
+        self._bad_beats.put(letter)
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> None:
+        """Follow every plan partition until :attr:`stop`; decide while holding the role."""
+        partitions = self.log.partition_count(topics.PLAN)
+        self.fold = PartitionedFold(self.log, partitions, secret=self.secret)
+        self.unsealed = {p: False for p in range(partitions)}  # a record but a seal folded since the last seal made
+        self.last_seal = {p: -1 for p in range(partitions)}  # offset of the last seal folded
+        for p, projector in self.fold.projectors.items():
+            projector.listeners.append(lambda offset, event, p=p: self._saw(p, offset, event))
+        self.follower = Follower(self.log, {(topics.PLAN, p): 0 for p in range(partitions)}, wait_ms=10)
+        self.decisions = DecisionAppender(self.log, role_transactional_id(self.log), self.fold, self.follower)
+        self.scheduler = SchedulerService(None, self.fold, commit=self._commit, policy=self.policy,  # type: ignore[arg-type]
+                                          producer=self.producer, checkpoint_budget=self.checkpoint_budget,
+                                          delete=self._delete if self.store is not None else None)
+        ends = self.follower.end_offsets()
+        last_seal = last_pass = 0.0
+        try:
+            while not self.stop.is_set():
+                try:
+                    folded = self.fold.fold(self.follower.poll(0.05 if not self._held else 0.01))
+                    if not self.ready.is_set() and self.follower.reached(ends):
+                        self.ready.set()
+                    while not self._beats.empty():
+                        worker_id, at = self._beats.get()
+                        self.monitor.beat(worker_id, at)
+                    if not self._sync_role():
+                        continue
+                    self._dead_letters()
+                    self._liveness()
+                    now = time.monotonic()
+                    # A pass after anything new, and every second anyway (a pass that failed or
+                    # whose decision was rejected is retried without waiting for news).
+                    if folded or self._fresh or now - last_pass >= 1.0:
+                        self._fresh = False
+                        last_pass = now
+                        self.scheduler.run_pass()
+                    if now - last_seal >= self.seal_interval_s:
+                        last_seal = now
+                        self._seal()
+                except Fenced as exc:
+                    log.warning("serve %s: the scheduler role was taken over by another instance: %s",
+                                self.instance, exc)
+                    self._drop_role(fenced=True)
+                except KafkaLogError as exc:
+                    log.warning("serve %s: a decision was not appended (decided again next): %s", self.instance, exc)
+                    self._fresh = True
+                    self.stop.wait(0.5)
+                except Exception:  # never let the role die silently: log, wait, decide again
+                    log.exception("serve %s: the scheduler role failed; retrying", self.instance)
+                    self._fresh = True
+                    self.stop.wait(1.0)
+            if self._held:
+                self._last_seal()
+        finally:
+            self.decisions.close()
+            self.follower.close()
+
+    def _last_seal(self) -> None:
+        """Leaving while holding the role: fold what arrived (up to a few seconds) and seal it,
+        so a deployment shut down after its workers verifies to its end."""
+        try:
+            ends = self.follower.end_offsets()
+            deadline = time.monotonic() + 5
+            while not self.follower.reached(ends) and time.monotonic() < deadline:
+                self.fold.fold(self.follower.poll(0.05))
+            self._seal()
+        except KafkaLogError as exc:
+            log.warning("serve %s: the last seal was not appended: %s", self.instance, exc)
+
+    def _saw(self, partition: int, offset: int, event: Event) -> None:
+        if isinstance(event, LogSealed):  # seals need no seal; everything else does
+            self.last_seal[partition] = offset
+        else:
+            self.unsealed[partition] = True
+
+    def _sync_role(self) -> bool:
+        """Take the role over or drop it as the latest grant says; whether it is held now."""
+        with self._lock:
+            granted = self._granted
+        if granted <= 0 or granted == self._refused:
+            if self._held:
+                self._drop_role(fenced=False)
+            return False
+        if self._held == granted:
+            return True
+        seconds = self.decisions.take_over()
+        self._held = granted
+        self._fresh = True
+        self.acquired_at = time.time()
+        self.monitor = HeartbeatMonitor(self.monitor.timeout_s)
+        self.judging_from = self.clock() + self.grace_s
+        print(f"stagetree serve {self.instance}: scheduler role taken over at {self.acquired_at:.3f} "
+              f"(earlier holders fenced, {len(self.fold.projectors)} partitions caught up in {seconds:.2f} s)",
+              file=sys.stderr, flush=True)
+        return True
+
+    def _drop_role(self, *, fenced: bool) -> None:
+        if fenced:
+            self._refused = self._held
+        self._held = 0
+        self.decisions.close()
+        print(f"stagetree serve {self.instance}: scheduler role given up at {time.time():.3f}"
+              + (" (fenced by a successor)" if fenced else ""), file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ decisions
+
+    def _commit(self, decisions: list[Event], to_workers: bool) -> list[bool]:
+        """The scheduler service's commit: the decisions, stamped with the prefix they were
+        decided from, in one transaction with (``to_workers``) each one's copy on its worker's
+        stream; whether the reducer accepted each."""
+        prefix = self.decisions.prefix()
+        stamped = [d.model_copy(update=prefix) if isinstance(d, DecisionEvent) else d for d in decisions]
+        copies = [Write(topics.dispatch_stream(d.worker_id), d.worker_id, encode(d))  # type: ignore[attr-defined]
+                  for d in stamped] if to_workers else []
+        positions = self.decisions.append(stamped, copies)
+        return [offset not in self.fold.projectors[partition].state.rejected for partition, offset in positions]
+
+    def _delete(self, refs: list[str]) -> None:
+        for ref in refs:
+            self.store.delete(ref)
+
+    def _unreachable(self) -> list[str]:
+        """Alive workers whose id cannot name a dispatch stream (no ``stagetree worker`` joins
+        with one, but any producer may write a WorkerJoined): nothing can reach them."""
+        out = []
+        for worker_id, worker in sorted(self.fold.state.workers.items()):
+            if worker.alive:
+                try:
+                    topics.dispatch_stream(worker_id)
+                except ValueError:
+                    out.append(worker_id)
+        return out
+
+    def _liveness(self) -> None:
+        unreachable = self._unreachable()
+        if unreachable:
+            prefix = self.decisions.prefix()
+            self.decisions.append([WorkerLost(producer=self.producer, ts=time.time(), worker_id=w,
+                                              reason="its id cannot name a dispatch stream on Kafka",
+                                              **prefix)  # type: ignore[arg-type]
+                                   for w in unreachable])
+            self._fresh = True
+        if self.follower.last_error is not None:
+            # beats cannot have arrived while the cluster was unreachable: judge nobody on it
+            self.judging_from = max(self.judging_from, self.follower.last_error + self.grace_s)
+        if self.clock() < self.judging_from:
+            return
+        lost = self.monitor.silent(self.fold.state, self.clock())
+        if not lost:
+            return
+        prefix = self.decisions.prefix()
+        events: list[DecisionEvent] = [
+            WorkerLost(producer=self.producer, ts=time.time(), worker_id=w,
+                       reason=f"no heartbeat for {self.monitor.timeout_s:g} s", **prefix)  # type: ignore[arg-type]
+            for w in lost]
+        copies = [Write(topics.dispatch_stream(e.worker_id), e.worker_id, encode(e)) for e in events
+                  if isinstance(e, WorkerLost)]
+        self.decisions.append(events, copies)
+        self._fresh = True
+
+    def _dead_letters(self) -> None:
+        letters = []
+        while not self._bad_beats.empty():
+            letters.append(self._bad_beats.get())
+        if letters:
+            self.decisions.transactions.append([Write(topics.DEADLETTER, "heartbeat", encode(x)) for x in letters])
+
+    def _seal(self) -> None:
+        """Append a LogSealed per partition where a record other than a seal was folded since
+        its last seal was made, or anything (a rejected record) after the last seal folded: the
+        chain after its last folded record, all in one transaction.
+
+        What a seal covers is decided when it is made: records other processes append before
+        it lands are folded after it, so they are sealed by the next one (a seal that lands
+        after nothing but seals needs none)."""
+        algorithm = chain_algorithm(self.secret)
+        partitioned = len(self.fold.projectors) > 1
+        sealing = [p for p, projector in self.fold.projectors.items()
+                   if self.unsealed[p] or projector.state.offset > self.last_seal[p]]
+        writes = []
+        for p in sealing:
+            state = self.fold.projectors[p].state
+            seal = LogSealed(producer=self.producer, ts=time.time(), stream=topics.PLAN, offset=state.offset,
+                             chain=state.chain, algorithm=algorithm, partition=p if partitioned else None)
+            writes.append(Write(topics.PLAN, "seal", encode(seal), p))
+            self.unsealed[p] = False
+        if writes:
+            try:
+                positions = self.decisions.transactions.append(writes)
+            except BaseException:
+                for p in sealing:
+                    self.unsealed[p] = True
+                raise
+            self.decisions.wait_folded(positions)

@@ -1,0 +1,87 @@
+"""A Kafka broker of a test's own, which the test may stop and restart (the shared one on
+127.0.0.1:9092 serves everybody and is never stopped).
+
+It is started the way ``infra/up.sh`` starts the shared one: KRaft combined mode from the jars
+``infra/up.sh`` cached in ``.infra/cache/kafka/libs`` (so the ``infra_env`` fixture must have
+run), ``infra/kafka/server.properties`` with free loopback ports and a data directory under the
+test's temporary directory.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LIBS = REPO / ".infra" / "cache" / "kafka" / "libs"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class PrivateBroker:
+    """One KRaft broker+controller on two free loopback ports, data in ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        if not (LIBS / ".pom.sha256").exists():
+            raise RuntimeError(f"no Kafka jars in {LIBS}: infra/up.sh fetches them")
+        self.root = root
+        self.port, self.controller_port = _free_port(), _free_port()
+        self.bootstrap = f"127.0.0.1:{self.port}"
+        data = root / "data"
+        data.mkdir(parents=True)
+        text = (REPO / "infra" / "kafka" / "server.properties").read_text()
+        text = (text.replace("@KAFKA_DATA@", str(data))
+                .replace("127.0.0.1:9092", f"127.0.0.1:{self.port}")
+                .replace("127.0.0.1:9093", f"127.0.0.1:{self.controller_port}"))
+        self.config = root / "server.properties"
+        self.config.write_text(text)
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        subprocess.run(self._java("kafka.tools.StorageTool", "format", "--ignore-formatted", "-t", cluster_id,
+                                  "-c", str(self.config), tools=True),
+                       check=True, capture_output=True, timeout=120)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def _java(self, main: str, *args: str, tools: bool = False) -> list[str]:
+        log4j = "tools-log4j.properties" if tools else "log4j.properties"
+        return ["java", "-Xms128m", "-Xmx512m", "-XX:+UseSerialGC", "-Djava.awt.headless=true",
+                f"-Dlog4j.configuration=file:{REPO / 'infra' / 'kafka' / log4j}",
+                f"-Dkafka.logs.dir={self.root / 'logs'}", "-cp", f"{LIBS}/*", main, *args]
+
+    def start(self, timeout: float = 120) -> None:
+        """Start the broker and wait until it answers metadata requests."""
+        from confluent_kafka.admin import AdminClient
+
+        out = (self.root / "broker.log").open("ab")
+        self.proc = subprocess.Popen(self._java("kafka.Kafka", str(self.config)), stdout=out, stderr=out,
+                                     start_new_session=True)
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, (self.root / "broker.log").read_text()[-3000:]
+            try:
+                admin.list_topics(timeout=2)
+                return
+            except Exception:
+                assert time.monotonic() < deadline, f"the private broker did not answer in {timeout} s"
+                time.sleep(0.5)
+
+    def stop(self, timeout: float = 60) -> None:
+        """Stop the broker (SIGTERM: a clean shutdown) and wait until it has exited."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self.proc = None

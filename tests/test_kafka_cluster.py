@@ -1,0 +1,182 @@
+"""Kafka mode as a team runs it: workers that drain on SIGTERM and hand their path back, bad
+records dead-lettered instead of crashing anything, several studies at once on one deployment,
+and a broker restart in the middle of a study; each bit for bit equal to embedded mode, trial by
+trial."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kafka_cluster import (
+    CLI,
+    STUDIES,
+    Deployment,
+    assert_no_duplicate_or_conflicting_decisions,
+    assert_what_must_hold_after_faults,
+    kafka_log,
+    kafka_state,
+    per_trial,
+    summary_of,
+    verify_deployment,
+)
+from private_kafka import PrivateBroker
+
+from events import topics
+from events.codec import decode
+from events.models import CheckpointSaved, DeadLettered, StageDispatched, StageFinished, WorkerLost
+from gpu_worker.kafka_worker import SIGTERM_HOOK_ENV
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
+
+
+@pytest.fixture(scope="module")
+def embedded_others(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """tiny_sha_b.py, tiny_sha_c.py and tiny_grid.py, each run alone in embedded mode (the
+    references)."""
+    out = {}
+    for name in ("tiny_sha_b", "tiny_sha_c", "tiny_grid"):
+        run = tmp_path_factory.mktemp(name) / "run"
+        proc = subprocess.run([*CLI, "run", str(STUDIES / f"{name}.py"), "--workers", "2", "--out", str(run),
+                               "--quiet"], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        out[name] = run
+    return out
+
+
+def _dead_letters(env: dict[str, str]) -> list[DeadLettered]:
+    with kafka_log(env) as log:
+        return [decode(r.value) for r in log.read(topics.DEADLETTER)]  # type: ignore[misc]
+
+
+def test_a_draining_worker_hands_its_path_back_and_bad_records_are_dead_lettered(
+        embedded_others: dict[str, Path], deployment: dict[str, str], tmp_path: Path) -> None:
+    """tests/studies/tiny_grid.py's first path has three stages (a shared prefix checkpointed
+    at 30 and 60) and goes to w0, which gets SIGTERM as it starts training the first one: w0
+    finishes that stage, hands the rest back (WorkerLost "drained", written by itself) and exits
+    0; the rest is dispatched to w1 from the checkpoint w0 just saved. A malformed record on
+    w1's dispatch stream and a malformed heartbeat are dead-lettered with their reasons, and
+    nothing crashes; the study equals embedded mode's."""
+    env = deployment
+    study = STUDIES / "tiny_grid.py"
+    cluster = Deployment(env, tmp_path)
+    try:
+        cluster.serve("A")
+        w0 = cluster.worker_with_env("w0", {SIGTERM_HOOK_ENV: "1"}, study)
+        cluster.worker("w1", study)
+        cluster.joined("w0", "w1")
+        with kafka_log(env) as log:
+            log.append(topics.dispatch_stream("w1"), "w1", b"not an event")
+            log.append(topics.HEARTBEAT, "w9", b'{"ts": 1}')
+        run = cluster.run(study)
+        assert w0.wait(timeout=600) == 0, cluster.output("w0")
+        cluster.finish(run)
+    finally:
+        cluster.close()
+    state, events = kafka_state(env)
+    drained = [e for e in events if isinstance(e, WorkerLost) and e.worker_id == "w0"]
+    assert drained and drained[0].producer == "worker:w0" and "handed back" in drained[0].reason
+    handed = next(d for d in events if isinstance(d, StageDispatched) and d.worker_id == "w0")
+    assert len(handed.stages) == 3
+    first = handed.stages[0]
+    finished_by_w0 = [e for e in events if isinstance(e, StageFinished) and e.dispatch_id == handed.dispatch_id]
+    assert [(e.node_id, e.from_step, e.to_step) for e in finished_by_w0] == [(first.node_id, first.from_step,
+                                                                               first.to_step)]
+    assert state.dispatches[handed.dispatch_id].status == "lost"
+    (saved,) = [e for e in events if isinstance(e, CheckpointSaved) and e.dispatch_id == handed.dispatch_id]
+    rest = handed.stages[1]
+    again = [d for d in events if isinstance(d, StageDispatched) and d.worker_id == "w1"
+             and (d.stages[0].node_id, d.stages[0].from_step) == (rest.node_id, rest.from_step)]
+    assert again and again[0].source is not None and again[0].source.ref == saved.ref
+    letters = _dead_letters(env)
+    assert any(x.stream == topics.dispatch_stream("w1") and x.raw == "not an event" and "not JSON" in x.reason
+               for x in letters), letters
+    assert any(x.stream == topics.HEARTBEAT and "worker_id" in x.reason for x in letters), letters
+    assert_no_duplicate_or_conflicting_decisions(state, events)
+    assert_what_must_hold_after_faults(env, tmp_path / "run", embedded_others["tiny_grid"], [cluster.state_dir("A")])
+    verify_deployment(env)
+
+
+def test_studies_run_at_once_on_one_deployment(embedded: Path, embedded_others: dict[str, Path],
+                                              deployment: dict[str, str], tmp_path: Path) -> None:
+    """Three ``stagetree run --workers 0`` at once: "tiny" and "tiny-b" share a plan key and so
+    their work; "tiny-c" has another and runs beside them. Each summary counts its own study,
+    every trial equals embedded mode's, and no step is trained twice."""
+    env = deployment
+    cluster = Deployment(env, tmp_path)
+    try:
+        cluster.serve("A")
+        cluster.worker("w0")
+        cluster.worker("w1")
+        cluster.joined("w0", "w1")
+        names = ("tiny_sha", "tiny_sha_b", "tiny_sha_c")
+        runs = {name: cluster.run(STUDIES / f"{name}.py", out=name) for name in names}
+        for run in runs.values():
+            cluster.finish(run)
+    finally:
+        cluster.close()
+    references = {"tiny_sha": embedded, **embedded_others}
+    summaries = {name: summary_of(tmp_path / name) for name in runs}
+    for name, summary in summaries.items():
+        reference = summary_of(references[name])
+        assert per_trial(summary) == per_trial(reference), name
+        assert len(summary["trials"]) == len(reference["trials"])
+    assert summaries["tiny_sha"]["studies_sharing_plan"] == ["tiny", "tiny-b"]
+    assert summaries["tiny_sha_b"]["studies_sharing_plan"] == ["tiny", "tiny-b"]
+    assert summaries["tiny_sha_c"]["studies_sharing_plan"] == ["tiny-c"]
+    state, events = kafka_state(env)
+    assert len({p.plan_key for p in state.plans.values()}) == 2
+    trained: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for e in events:
+        if isinstance(e, StageFinished) and e.to_step > e.from_step:
+            ranges = trained.setdefault((e.plan_key, e.node_id), [])
+            assert all(e.to_step <= a or b <= e.from_step for a, b in ranges), (e, ranges)
+            ranges.append((e.from_step, e.to_step))
+    assert_no_duplicate_or_conflicting_decisions(state, events)
+    verify_deployment(env)
+
+
+@pytest.fixture
+def private_broker(infra_env: dict[str, str], tmp_path: Path) -> Iterator[PrivateBroker]:
+    """A Kafka broker of this test's own (it is stopped and restarted mid-study)."""
+    broker = PrivateBroker(tmp_path / "kafka")
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+def test_a_broker_restart_mid_study(embedded: Path, infra_env: dict[str, str], private_broker: PrivateBroker,
+                                    tmp_path: Path) -> None:
+    """The broker stops (cleanly) in the middle of a study and comes back a few seconds later:
+    the serve instance, the workers and the SDK reconnect by themselves, and the study finishes
+    with the same per-trial results as embedded mode; the log verifies."""
+    tag = uuid.uuid4().hex[:10]
+    env = {**os.environ, **infra_env, "STAGETREE_BOOTSTRAP_SERVERS": private_broker.bootstrap,
+           "STAGETREE_TOPIC_PREFIX": f"restart-{tag}.", "STAGETREE_CHECKPOINT_STORE": f"s3://stagetree/test-{tag}"}
+    cluster = Deployment(env, tmp_path)
+    try:
+        cluster.serve("A")
+        cluster.worker("w0", hold_in_path=2)
+        cluster.worker("w1", hold_in_path=2)
+        cluster.joined("w0", "w1")
+        run = cluster.run()
+        cluster.held("w0", "w1")  # mid-study, each in a path
+        private_broker.stop()
+        time.sleep(3)  # the broker stays away a while (not a synchronisation: any length will do)
+        private_broker.start()
+        cluster.release("w0", "w1")
+        cluster.finish(run)
+    finally:
+        cluster.close()
+    state, events = kafka_state(env)
+    assert per_trial(summary_of(tmp_path / "run")) == per_trial(summary_of(embedded))
+    assert_no_duplicate_or_conflicting_decisions(state, events)
+    assert_what_must_hold_after_faults(env, tmp_path / "run", embedded, [cluster.state_dir("A")])
+    verify_deployment(env)
