@@ -829,6 +829,13 @@ class Fenced(KafkaLogError):
     zombie and must stop writing for its role (nothing of the failed transaction is visible)."""
 
 
+class ProducerFailed(KafkaLogError):
+    """The transactional producer hit a fatal error that is not a fence (e.g. INVALID_TXN_STATE
+    when a transaction is ended across a broker restart): nothing of the transaction is visible,
+    and the next :meth:`TransactionalAppender.append` starts a new producer with the same
+    ``transactional.id`` (which fences any other holder of it)."""
+
+
 class TransactionAborted(KafkaLogError):
     """The transaction could not be committed and was aborted: nothing of it is visible to
     ``read_committed`` readers; the caller may decide again and retry."""
@@ -898,10 +905,14 @@ class TransactionalAppender:
 
     def _error(self, exc: KafkaException, what: str) -> KafkaLogError:
         err = exc.args[0]
-        if isinstance(err, KafkaError) and (err.code() in _FENCED_CODES or err.fatal()):
+        if isinstance(err, KafkaError) and err.code() in _FENCED_CODES:
             self._fenced = err
             return Fenced(f"kafka: {self!r} was fenced ({what}): another producer with this transactional.id "
                           f"started; nothing of this transaction is visible ({err})", error=err)
+        if isinstance(err, KafkaError) and err.fatal():
+            self.close()  # unusable: the next append starts a new producer
+            return ProducerFailed(f"kafka: {self!r}: fatal producer error ({what}): {err}; nothing of this "
+                                  "transaction is visible", error=err)
         return KafkaLogError(f"kafka: {self!r}: {what}: {err}", error=err)
 
     def append(self, writes: Sequence[Write], *, before_commit: Callable[[], None] | None = None
@@ -915,6 +926,8 @@ class TransactionalAppender:
             TypeError, KafkaLogError, ValueError: a bad write (named); nothing was appended.
             Fenced: a successor took this ``transactional_id`` over; nothing was appended, and
                 this appender is unusable (``start`` it again only to take the role back).
+            ProducerFailed: a fatal producer error that is not a fence; nothing was appended,
+                and the next call starts a new producer.
             TransactionAborted: the transaction failed and was aborted; nothing was appended.
         """
         if self._fenced is not None:

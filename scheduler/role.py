@@ -45,7 +45,16 @@ from typing import Any
 
 from events import topics
 from events.codec import encode
-from events.kafka_log import Fenced, Follower, KafkaLog, KafkaLogError, TransactionalAppender, Write, event_writes
+from events.kafka_log import (
+    Fenced,
+    Follower,
+    KafkaLog,
+    KafkaLogError,
+    ProducerFailed,
+    TransactionalAppender,
+    Write,
+    event_writes,
+)
 from events.log import chain_algorithm
 from events.models import DeadLettered, DecisionEvent, Event, LogSealed, StageDispatched, WorkerLost
 from projections.partitions import PartitionedFold
@@ -191,6 +200,12 @@ class SchedulerRole:
         checkpoint_budget: bytes of checkpoints the deployment may keep (None: unbounded);
             evicted objects are deleted from ``store`` (a CheckpointStore) once their
             CheckpointEvicted events are committed.
+        regrant_after_s: an instance fenced while the group still grants it the role waits this
+            long for the group to take the grant away (a zombie learns it was replaced when its
+            consumer rejoins); if the same grant still stands then, it takes the role over
+            again. Without this, a fence nobody follows up (a broker restart can end a
+            transaction that way) would leave the deployment with no scheduler. Default: twice
+            the group's session timeout (16 s).
 
     :meth:`grant` and :meth:`revoke` (faust's rebalance callbacks) and :meth:`beat` may be called
     from other threads; everything else runs in :meth:`run`'s thread.
@@ -199,8 +214,9 @@ class SchedulerRole:
     def __init__(self, log: KafkaLog, *, instance: str, heartbeat_timeout_s: float = 10.0,
                  secret: bytes | None = None, policy: str = "critical-path", seal_interval_s: float = 0.5,
                  grace_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-                 checkpoint_budget: int | None = None, store: Any = None) -> None:
+                 checkpoint_budget: int | None = None, store: Any = None, regrant_after_s: float = 16.0) -> None:
         self.log = log
+        self.regrant_after_s = regrant_after_s
         self.instance = instance
         self.producer = f"serve:{instance}"
         self.secret = secret
@@ -215,6 +231,7 @@ class SchedulerRole:
         self._granted = 0  # generation of the latest grant; 0: not granted
         self._held = 0  # the grant generation this instance holds the role under (0: none)
         self._refused = 0  # a generation under which this instance was fenced
+        self._refused_at = 0.0  # when (monotonic seconds)
         self._lock = threading.Lock()
         self._beats: queue.SimpleQueue[tuple[str, float]] = queue.SimpleQueue()
         self._bad_beats: queue.SimpleQueue[DeadLettered] = queue.SimpleQueue()
@@ -285,6 +302,11 @@ class SchedulerRole:
                     log.warning("serve %s: the scheduler role was taken over by another instance: %s",
                                 self.instance, exc)
                     self._drop_role(fenced=True)
+                except ProducerFailed as exc:  # not a successor: take the role over again if still granted
+                    log.warning("serve %s: the role's producer failed; taking the role over again: %s",
+                                self.instance, exc)
+                    self._drop_role(fenced=False)
+                    self.stop.wait(0.5)
                 except KafkaLogError as exc:
                     log.warning("serve %s: a decision was not appended (decided again next): %s", self.instance, exc)
                     self._fresh = True
@@ -321,6 +343,10 @@ class SchedulerRole:
         """Take the role over or drop it as the latest grant says; whether it is held now."""
         with self._lock:
             granted = self._granted
+        if granted == self._refused and time.monotonic() - self._refused_at > self.regrant_after_s:
+            log.warning("serve %s: fenced %g s ago, but the group still grants this instance the scheduler "
+                        "role: taking it over again", self.instance, self.regrant_after_s)
+            self._refused = 0
         if granted <= 0 or granted == self._refused:
             if self._held:
                 self._drop_role(fenced=False)
@@ -341,6 +367,7 @@ class SchedulerRole:
     def _drop_role(self, *, fenced: bool) -> None:
         if fenced:
             self._refused = self._held
+            self._refused_at = time.monotonic()
         self._held = 0
         self.decisions.close()
         print(f"stagetree serve {self.instance}: scheduler role given up at {time.time():.3f}"

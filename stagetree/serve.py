@@ -121,7 +121,8 @@ class Serve:
         self.partitions = log.partition_count(topics.PLAN)
         self.stores = PartitionStores(log, self.state_dir, secret=secret)
         self.role = SchedulerRole(role_log, instance=instance, heartbeat_timeout_s=heartbeat_timeout_s,
-                                  secret=secret, policy=policy, checkpoint_budget=checkpoint_budget, store=store)
+                                  secret=secret, policy=policy, checkpoint_budget=checkpoint_budget, store=store,
+                                  regrant_after_s=2 * session_timeout_s)
         self._opening: dict[int, list[Record]] = {}
         self.app = ServeApp(
             app_id,

@@ -1,0 +1,101 @@
+"""The scheduler role of ``stagetree serve`` on real Kafka: a fence that no successor follows up.
+
+A transaction coordinator that times out a transaction (a broker restart longer than the
+transaction timeout does that) fences its producer exactly as a successor would, and so does a
+successor that registers the role's ``transactional.id`` and dies before deciding anything. If
+the fenced instance then waited for a new grant that never comes (it is still the group's choice),
+the deployment would have no scheduler. The role takes itself over again once the group has had
+``regrant_after_s`` to take the grant away and has not.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+from kafka_cluster import kafka_log, plan_records, wait_for
+
+from events import topics
+from events.codec import decode
+from events.kafka_log import TransactionalAppender, event_writes
+from events.models import LogSealed, WorkerJoined
+from scheduler.role import SchedulerRole, role_transactional_id
+from stagetree.serve import ensure_topics
+
+
+def _seals_by(log, producer: str, after: float) -> list[LogSealed]:  # type: ignore[no-untyped-def]
+    return [e for records in plan_records(log).values() for e in map(decode, (r.value for r in records))
+            if isinstance(e, LogSealed) and e.producer == producer and e.ts > after]
+
+
+def test_a_fenced_role_still_granted_takes_the_role_over_again(deployment: dict[str, str],
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="scheduler.role")
+    log = kafka_log(deployment)
+    ensure_topics(log)
+    role = SchedulerRole(kafka_log(deployment), instance="X", heartbeat_timeout_s=600, seal_interval_s=0.2,
+                         regrant_after_s=2.0)
+    thread = threading.Thread(target=role.run, name="scheduler-role", daemon=True)
+    thread.start()
+    try:
+        role.grant()
+        wait_for(lambda: role.acquired_at is not None, "the role to be taken over", 60)
+        first = role.acquired_at
+        # a successor registers the role's transactional.id and is gone before deciding anything
+        successor = TransactionalAppender(log, role_transactional_id(log))
+        successor.start()
+        successor.close()
+        fenced_at = time.time()
+        # something to seal: the role's next transaction finds itself fenced
+        writer = TransactionalAppender(log, log.topic("test-writer"))
+        writer.append(event_writes(topics.PLAN, [WorkerJoined(producer="test", ts=time.time(), worker_id="w9",
+                                                              device="cpu")], log.partition_count(topics.PLAN)))
+        writer.close()
+        wait_for(lambda: "the scheduler role was taken over by another instance" in caplog.text,
+                 "the role to find itself fenced", 60)
+        wait_for(lambda: role.acquired_at != first, "the role to be taken over again", 60)
+        assert "still grants this instance the scheduler role" in caplog.text
+        assert role.acquired_at is not None and role.acquired_at - fenced_at >= 2.0  # not before regrant_after_s
+        wait_for(lambda: bool(_seals_by(log, "serve:X", role.acquired_at or 0.0)), "a seal after the take-over", 60)
+    finally:
+        role.stop.set()
+        thread.join(timeout=30)
+        log.close()
+    assert not thread.is_alive()
+
+
+def test_a_fenced_role_the_group_revoked_stays_out(deployment: dict[str, str],
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Fenced, and then revoked by the group (a zombie that learned it was replaced): it does not
+    take the role over again, however long it waits."""
+    caplog.set_level(logging.WARNING, logger="scheduler.role")
+    log = kafka_log(deployment)
+    ensure_topics(log)
+    role = SchedulerRole(kafka_log(deployment), instance="Z", heartbeat_timeout_s=600, seal_interval_s=0.2,
+                         regrant_after_s=4.0)
+    thread = threading.Thread(target=role.run, name="scheduler-role", daemon=True)
+    thread.start()
+    try:
+        role.grant()
+        wait_for(lambda: role.acquired_at is not None, "the role to be taken over", 60)
+        first = role.acquired_at
+        successor = TransactionalAppender(log, role_transactional_id(log))
+        successor.start()
+        writer = TransactionalAppender(log, log.topic("test-writer"))
+        writer.append(event_writes(topics.PLAN, [WorkerJoined(producer="test", ts=time.time(), worker_id="w9",
+                                                              device="cpu")], log.partition_count(topics.PLAN)))
+        writer.close()
+        wait_for(lambda: "the scheduler role was taken over by another instance" in caplog.text,
+                 "the role to find itself fenced", 60)
+        role.revoke()
+        time.sleep(5.0)  # past regrant_after_s: nothing may happen
+        assert role.acquired_at == first
+        assert "still grants this instance" not in caplog.text
+        successor.close()
+    finally:
+        role.stop.set()
+        thread.join(timeout=30)
+        log.close()
+    assert not thread.is_alive()
