@@ -302,11 +302,12 @@ class SchedulerRole:
                     log.warning("serve %s: the scheduler role was taken over by another instance: %s",
                                 self.instance, exc)
                     self._drop_role(fenced=True)
-                except ProducerFailed as exc:  # not a successor: take the role over again if still granted
-                    log.warning("serve %s: the role's producer failed; taking the role over again: %s",
+                except ProducerFailed as exc:
+                    # A zombie's commit can end this way too: treated as a fence (the grant is
+                    # refused until regrant_after_s shows the group still wants this instance).
+                    log.warning("serve %s: the role's producer failed; it is treated as fenced: %s",
                                 self.instance, exc)
-                    self._drop_role(fenced=False)
-                    self.stop.wait(0.5)
+                    self._drop_role(fenced=True)
                 except KafkaLogError as exc:
                     log.warning("serve %s: a decision was not appended (decided again next): %s", self.instance, exc)
                     self._fresh = True
@@ -370,8 +371,9 @@ class SchedulerRole:
             self._refused_at = time.monotonic()
         self._held = 0
         self.decisions.close()
-        print(f"stagetree serve {self.instance}: scheduler role given up at {time.time():.3f}"
-              + (" (fenced by a successor)" if fenced else ""), file=sys.stderr, flush=True)
+        why = " (fenced: a successor, or the transaction coordinator, ended its transaction)" if fenced else ""
+        print(f"stagetree serve {self.instance}: scheduler role given up at {time.time():.3f}{why}",
+              file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ decisions
 
