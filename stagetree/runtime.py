@@ -12,10 +12,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from events.models import Event
+from events.models import Event, MetricsReported, StageFailed, TrialCancelled, TrialSubmitted
+from projections.queries import running_dispatches
 from projections.state import State
 from projections.store import Projector
 from stagetree.errors import RuntimeError_, TrialFailed
+
+_ANSWERING = (TrialSubmitted, MetricsReported, StageFailed, TrialCancelled)
+"""The events whose fold can answer a trial (its metrics), fail it or cancel it."""
 
 
 async def settle() -> None:
@@ -41,6 +45,14 @@ class RuntimeBase:
         self.on_fold: list[Callable[[], None]] = []
         self._waiters: dict[tuple[str, int], list[asyncio.Future[dict[str, float]]]] = {}
         self._idle: asyncio.Event | None = None
+        self._answers_may_have_changed = True
+        projector.listeners.append(self._saw)
+
+    def _saw(self, offset: int, event: Event) -> None:
+        """Note a folded event that can answer, fail or cancel a trial (the only ones that
+        change what :meth:`_resolve` looks at), so that other folds skip the scan."""
+        if isinstance(event, _ANSWERING):
+            self._answers_may_have_changed = True
 
     @property
     def state(self) -> State:
@@ -65,12 +77,12 @@ class RuntimeBase:
             future.set_exception(self.failure_type(f"the runtime failed: {self.failure}"))
             return future
         self._waiters.setdefault((trial_id, steps), []).append(future)
-        self._resolve()
+        self._resolve([(trial_id, steps)])
         return future
 
     def busy(self) -> bool:
         """True while a dispatched path has not finished, failed or been lost."""
-        return any(d.status == "running" for d in self.state.dispatches.values())
+        return bool(running_dispatches(self.state))
 
     async def drain(self) -> None:
         """Wait until every dispatched path has reported its end (so totals are complete)."""
@@ -97,8 +109,15 @@ class RuntimeBase:
                     f.set_exception(exc)
         self._waiters.clear()
 
-    def _resolve(self) -> None:
-        for key in list(self._waiters):
+    def _resolve(self, keys: list[tuple[str, int]] | None = None) -> None:
+        """Resolve the futures of ``keys`` (default: every waiting one, after a fold that folded
+        an event able to answer, fail or cancel a trial) whose trial has its answer."""
+        if keys is None:
+            if not self._answers_may_have_changed:
+                return
+            self._answers_may_have_changed = False
+            keys = list(self._waiters)
+        for key in keys:
             trial_id, steps = key
             trial = self.state.trials.get(trial_id)
             if trial is None:
