@@ -465,6 +465,36 @@ while True:
 """
 
 
+def acknowledged_then_killed(code: str, args: Sequence[str], count: int, timeout_s: float = 60) -> list[str]:
+    """Run ``code`` with ``args`` in a fresh interpreter, read ``count`` lines it prints (each an
+    acknowledgement), kill it with SIGKILL, and return every line it printed (those it flushed
+    between the last read and the kill too)."""
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        assert proc.stdout is not None
+        while len(lines) < count:
+            line = proc.stdout.readline()
+            if not line:
+                pytest.fail(f"writer exited early: rc={proc.poll()} {proc.stderr.read() if proc.stderr else ''}")
+            lines.append(line)
+            assert time.monotonic() < deadline, "writer too slow"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        lines += proc.stdout.read().splitlines()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe:
+                pipe.close()
+    assert proc.returncode == -signal.SIGKILL
+    return [line for line in lines if line.strip()]
+
+
 def settled_end(log: EventLog, stream: str, quiet_s: float = 0.5, timeout_s: float = 30) -> int:
     """``end_offset(stream)`` once it has not moved for ``quiet_s`` (a killed Kafka producer's last
     request may still be in the broker's socket buffer; the embedded log settles at once)."""
@@ -484,33 +514,7 @@ class TestDurability:
         # Embedded: kill -9 of the process that owns the RocksDB log. Kafka: kill -9 of a producer
         # process; a fresh KafkaLog (a new connection) must read every acknowledged offset.
         s = stream("s")
-        proc = subprocess.Popen(
-            [sys.executable, "-c", WRITER, *backend.writer_args(s)],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        acked: list[int] = []
-        deadline = time.monotonic() + 60
-        try:
-            assert proc.stdout is not None
-            while len(acked) < 200:
-                line = proc.stdout.readline()
-                if not line:
-                    pytest.fail(f"writer exited early: rc={proc.poll()} {proc.stderr.read() if proc.stderr else ''}")
-                acked.append(int(line))
-                assert time.monotonic() < deadline, "writer too slow"
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-            # Lines flushed between our last read and the kill were acknowledged too.
-            acked += [int(x) for x in proc.stdout.read().split()]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            if proc.stdout:
-                proc.stdout.close()
-            if proc.stderr:
-                proc.stderr.close()
-        assert proc.returncode == -signal.SIGKILL
+        acked = [int(line) for line in acknowledged_then_killed(WRITER, backend.writer_args(s), 200)]
         assert acked == list(range(len(acked)))
 
         log = backend.open()
@@ -551,25 +555,8 @@ def test_one_write_on_two_streams_is_atomic_and_appends_without_fsync_survive_ki
     write (after a kill -9 both are there or neither), and records appended with
     ``durable=False`` before it are kept too (a kill -9 loses nothing written to the operating
     system); offsets stay dense per stream and the hash chain verifies."""
-    proc = subprocess.Popen([sys.executable, "-c", STREAMS_WRITER, str(tmp_path / "log")], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    acked = []
-    try:
-        assert proc.stdout is not None
-        while len(acked) < 100:
-            line = proc.stdout.readline()
-            if not line:
-                pytest.fail(f"writer exited early: rc={proc.poll()} {proc.stderr.read() if proc.stderr else ''}")
-            acked.append(tuple(int(x) for x in line.split()))
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pipe in (proc.stdout, proc.stderr):
-            if pipe:
-                pipe.close()
+    acked = [tuple(int(x) for x in line.split())
+             for line in acknowledged_then_killed(STREAMS_WRITER, [str(tmp_path / "log")], 100)]
     assert acked == [(2 * i, 2 * i + 1, i) for i in range(len(acked))]
     log = EmbeddedLog(tmp_path / "log")
     try:
