@@ -18,8 +18,8 @@ from projections.state import State
 from projections.store import Projector
 from stagetree.errors import RuntimeError_, TrialFailed
 
-_ANSWERING = (TrialSubmitted, MetricsReported, StageFailed, TrialCancelled)
-"""The events whose fold can answer a trial (its metrics), fail it or cancel it."""
+_ANSWERING = (TrialSubmitted, StageFailed, TrialCancelled)
+"""The events besides MetricsReported whose fold can answer a trial, fail it or cancel it."""
 
 
 async def settle() -> None:
@@ -45,14 +45,19 @@ class RuntimeBase:
         self.on_fold: list[Callable[[], None]] = []
         self._waiters: dict[tuple[str, int], list[asyncio.Future[dict[str, float]]]] = {}
         self._idle: asyncio.Event | None = None
-        self._answers_may_have_changed = True
+        self._scan_all = True  # a fold may have answered, failed or cancelled any waiting trial
+        self._reported: list[tuple[str, str, int]] = []  # (plan key, node, step) of metrics folded since
+        self._at: dict[tuple[str, str, int], set[tuple[str, int]]] = {}  # where a waiting request is answered
         projector.listeners.append(self._saw)
 
     def _saw(self, offset: int, event: Event) -> None:
-        """Note a folded event that can answer, fail or cancel a trial (the only ones that
-        change what :meth:`_resolve` looks at), so that other folds skip the scan."""
-        if isinstance(event, _ANSWERING):
-            self._answers_may_have_changed = True
+        """Note what a folded event can change for the futures (see :meth:`_resolve`): metrics at
+        a place answer the requests there; a submission (answered at once from stored metrics),
+        a failure or a cancellation can concern any waiting trial."""
+        if isinstance(event, MetricsReported):
+            self._reported.append((event.plan_key, event.node_id, event.step))
+        elif isinstance(event, _ANSWERING):
+            self._scan_all = True
 
     @property
     def state(self) -> State:
@@ -79,6 +84,13 @@ class RuntimeBase:
         self._waiters.setdefault((trial_id, steps), []).append(future)
         self._resolve([(trial_id, steps)])
         return future
+
+    def _index(self, key: tuple[str, int]) -> None:
+        """Note where the waiting ``(trial, steps)`` is answered (its request's node), once the
+        trial's request is in the plan (else a later full scan does it)."""
+        trial = self.state.trials.get(key[0])
+        if trial is not None and key[1] in trial.requests:
+            self._at.setdefault((trial.plan_key, trial.requests[key[1]], key[1]), set()).add(key)
 
     def busy(self) -> bool:
         """True while a dispatched path has not finished, failed or been lost."""
@@ -110,19 +122,25 @@ class RuntimeBase:
         self._waiters.clear()
 
     def _resolve(self, keys: list[tuple[str, int]] | None = None) -> None:
-        """Resolve the futures of ``keys`` (default: every waiting one, after a fold that folded
-        an event able to answer, fail or cancel a trial) whose trial has its answer."""
+        """Resolve the futures of ``keys`` whose trial has its answer (metrics at the steps, or a
+        failure, or a cancellation). Default: after folds, every waiting key when a submission,
+        failure or cancellation was folded, else those whose request (where :meth:`watch` found
+        it in the plan) got metrics; nothing when neither was folded."""
         if keys is None:
-            if not self._answers_may_have_changed:
-                return
-            self._answers_may_have_changed = False
-            keys = list(self._waiters)
+            if self._scan_all:
+                keys = list(self._waiters)
+            else:
+                keys = [key for place in self._reported for key in self._at.pop(place, ())]
+            self._scan_all = False
+            self._reported.clear()
         for key in keys:
             trial_id, steps = key
             trial = self.state.trials.get(trial_id)
-            if trial is None:
+            if key not in self._waiters:
                 continue
             futures = self._waiters[key]
+            if trial is None:
+                continue
             if steps in trial.results:
                 for f in futures:
                     if not f.done():
@@ -135,5 +153,6 @@ class RuntimeBase:
                 for f in futures:
                     f.cancel()
             else:
+                self._index(key)  # still waiting: answered where its request is
                 continue
             del self._waiters[key]
