@@ -544,8 +544,18 @@ class Incremental(Simulation):
             i for i, d in self.state.dispatches.items() if d.status == "running")
 
 
+busy_op = st.one_of(
+    op,
+    st.tuples(st.just("submit"), st.integers(0, len(LR_FAMILY) - 1), st.integers(0, len(BS_FAMILY) - 1),
+              st.integers(1, 30), st.sampled_from(["p", "p", "q"])),
+    st.tuples(st.just("dispatch"), st.sampled_from(POLICIES)),
+    st.tuples(st.just("execute")),
+)
+"""Like ``op``, with submissions, dispatches and executions more frequent (work gets done)."""
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(op, min_size=1, max_size=60), st.integers(1, 3),
+@given(st.lists(busy_op, min_size=10, max_size=80), st.integers(1, 3),
        st.lists(st.sampled_from([0.0, 1e-7, 0.1, 0.3, 1.0, 2.5, 7.0]), min_size=1, max_size=6))
 def test_the_incremental_stage_tree_decides_as_the_whole_tree_after_every_event(program, workers, seconds) -> None:
     """Random submissions (several roots and plans, chains of stages), dispatches, executions
