@@ -120,6 +120,14 @@ def append_events(log: EventLog, stream: str, items: Sequence[tuple[str, Event]]
     return log.append_many(stream, [(key, encode(ev)) for key, ev in items])
 
 
+def append_event_streams(log: EmbeddedLog, batches: Sequence[tuple[str, Sequence[tuple[str, Event]]]], *,
+                         durable: bool = True) -> list[list[int]]:
+    """Encode and append ``(stream, [(key, event)])`` batches in one atomic write
+    (:meth:`EmbeddedLog.append_streams`); returns each batch's offsets."""
+    return log.append_streams([(stream, [(key, encode(ev)) for key, ev in items]) for stream, items in batches],
+                              durable=durable)
+
+
 _OFFSET = struct.Struct(">Q")
 _KEYLEN = struct.Struct(">I")
 
@@ -167,7 +175,11 @@ class EmbeddedLog:
 
     Layout: key ``b"r" + stream + b"\\0" + offset (8 bytes, big-endian)`` -> ``len(key) (4 bytes)
     + key + chain (32 bytes) + value``. Every append is one WriteBatch written with
-    ``sync=True``, so an acknowledged record survives a kill -9 of the process and a power loss.
+    ``sync=True``, so an acknowledged record survives a kill -9 of the process and a power loss;
+    :meth:`append_streams` writes records of several streams in one such batch, and with
+    ``durable=False`` leaves the fsync to the next durable append (or :meth:`sync`): such records
+    survive a kill -9 (they are in the operating system's hands) and, on a power loss, only a
+    tail of them after the last durable append can be lost (the write-ahead log keeps order).
     The log is the one writer of its streams, so it also writes each stream's hash chain
     (:func:`chain_next`), keyed with ``secret`` when given; the algorithm is recorded in the
     database and the same secret is needed to append again.
@@ -225,6 +237,8 @@ class EmbeddedLog:
                 raise
         self._wopts = WriteOptions()
         self._wopts.sync = sync
+        self._lazy = WriteOptions()  # appends with durable=False: the next durable write syncs them
+        self._lazy.sync = False
         self._lock = threading.Lock()
         self._ends: dict[str, int] = {}
         self._heads: dict[str, bytes] = {}
@@ -308,17 +322,43 @@ class EmbeddedLog:
             TypeError: a key is not a str or a value not bytes (the item is named; nothing is
                 appended).
         """
+        return self.append_streams([(stream, items)])[0]
+
+    def append_streams(self, batches: Sequence[tuple[str, Sequence[tuple[str, bytes]]]], *,
+                       durable: bool = True) -> list[list[int]]:
+        """Append ``(stream, items)`` batches atomically (all or none) in one write: each
+        stream's items in order after its earlier records; returns each batch's offsets.
+        ``durable``: fsync before returning (the log's ``sync`` setting); False leaves it to the
+        next durable append or :meth:`sync` (see the class docstring).
+
+        Raises:
+            TypeError: a key is not a str or a value not bytes (the item is named; nothing is
+                appended).
+        """
         if self.read_only:
             raise LogError(f"the log at {self.path} was opened read-only")
-        check_items(stream, items)
+        for stream, items in batches:
+            check_items(stream, items)
         with self._lock:
-            start = self.end_offset(stream)
-            head = self.head(stream)
-            chained = []
-            for i, (key, value) in enumerate(items):
-                head = chain_next(head, stream, start + i, key, value, self.secret)
-                chained.append((key, value, head))
-            return self._write(stream, start, chained)
+            ends: dict[str, int] = {}
+            heads: dict[str, bytes] = {}
+            chained: list[tuple[str, int, list[tuple[str, bytes, bytes]]]] = []
+            for stream, items in batches:
+                start = ends.get(stream, self.end_offset(stream))
+                head = heads.get(stream, self.head(stream))
+                records = []
+                for i, (key, value) in enumerate(items):
+                    head = chain_next(head, stream, start + i, key, value, self.secret)
+                    records.append((key, value, head))
+                chained.append((stream, start, records))
+                ends[stream], heads[stream] = start + len(records), head
+            return self._write(chained, durable)
+
+    def sync(self) -> None:
+        """Make every record appended so far durable (fsync the write-ahead log)."""
+        if not self.read_only:
+            with self._lock:
+                self._db.flush_wal(True)
 
     def import_records(self, stream: str, records: Sequence[tuple[str, bytes, bytes]]) -> list[int]:
         """Append ``(key, value, chain)`` records keeping the given chain values (log import):
@@ -326,20 +366,25 @@ class EmbeddedLog:
         if self.read_only:
             raise LogError(f"the log at {self.path} was opened read-only")
         with self._lock:
-            return self._write(stream, self.end_offset(stream), list(records))
+            return self._write([(stream, self.end_offset(stream), list(records))])[0]
 
-    def _write(self, stream: str, start: int, records: list[tuple[str, bytes, bytes]]) -> list[int]:
+    def _write(self, chained: list[tuple[str, int, list[tuple[str, bytes, bytes]]]], durable: bool = True
+               ) -> list[list[int]]:
+        """Write ``(stream, start offset, [(key, value, chain)])`` batches as one WriteBatch."""
         batch = WriteBatch(raw_mode=True)
-        for i, (key, value, chain) in enumerate(records):
-            if len(chain) != 32:
-                raise ValueError(f"`chain` of record {start + i} has {len(chain)} bytes, but must have 32")
-            kb = key.encode()
-            batch.put(_record_key(stream, start + i), _KEYLEN.pack(len(kb)) + kb + chain + value)
-        if records:
-            self._db.write(batch, self._wopts)
-            self._ends[stream] = start + len(records)
-            self._heads[stream] = records[-1][2]
-        return list(range(start, start + len(records)))
+        for stream, start, records in chained:
+            for i, (key, value, chain) in enumerate(records):
+                if len(chain) != 32:
+                    raise ValueError(f"`chain` of record {start + i} has {len(chain)} bytes, but must have 32")
+                kb = key.encode()
+                batch.put(_record_key(stream, start + i), _KEYLEN.pack(len(kb)) + kb + chain + value)
+        if any(records for _, _, records in chained):
+            self._db.write(batch, self._wopts if durable else self._lazy)
+            for stream, start, records in chained:
+                if records:
+                    self._ends[stream] = start + len(records)
+                    self._heads[stream] = records[-1][2]
+        return [list(range(start, start + len(records))) for _, start, records in chained]
 
     def streams(self) -> list[str]:
         """Names of the streams that hold records, sorted."""

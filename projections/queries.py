@@ -17,11 +17,12 @@ so step ``s`` of a node is the same prefix for every trial through it).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from itertools import islice
 from typing import NamedTuple
 
 from events.hp import first_divergence
 from events.models import TrialSubmitted
-from projections.state import Checkpoint, Decided, Node, Plan, State, Trial
+from projections.state import Checkpoint, Decided, Dispatch, Node, Plan, State, Trial
 
 
 class Segment(NamedTuple):
@@ -43,6 +44,27 @@ def node_number(node_id: str) -> int:
     if not node_id.startswith("n") or not node_id[1:].isdigit():
         raise ValueError(f"`node_id` is {node_id!r}, but node ids are n<number>")
     return int(node_id[1:])
+
+
+_RUNNING = "queries.running"  # state.cache key: (dispatches seen, ids of those running then)
+
+
+def running_dispatches(state: State) -> list[Dispatch]:
+    """The dispatches whose status is "running", by dispatch id (as strings sort).
+
+    Kept in ``state.cache`` and brought up to date from what changed: dispatches are only ever
+    added, and a status only ever leaves "running", so the earlier running ones still running
+    and the dispatches added since are all there is to look at (not every dispatch of the run).
+    """
+    seen, running = state.cache.get(_RUNNING, (0, []))
+    if seen > len(state.dispatches):
+        seen, running = 0, []
+    dispatches = state.dispatches
+    still = [i for i in running if dispatches[i].status == "running"]
+    added = [i for i in islice(dispatches, seen, None) if dispatches[i].status == "running"]
+    running = sorted(still + added) if added else still
+    state.cache[_RUNNING] = (len(dispatches), running)
+    return [dispatches[i] for i in running]
 
 
 def ancestors(plan: Plan, node: Node) -> Iterator[Node]:

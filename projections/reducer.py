@@ -81,11 +81,17 @@ def apply(state: State, event: Event, offset: int) -> set[Key]:
 
 def _bump_revisions(state: State, touched: set[Key]) -> None:
     """Bump :attr:`Plan.revision` of every plan with a touched plan or node record, so what the
-    scheduler memoised for the plan's previous revision is never reused."""
+    scheduler memoised for the plan's previous revision is never reused, and note the touched
+    nodes in :attr:`Plan.changed` (what the scheduler's stage-tree index rebuilds)."""
     for plan_key in {key[1] for key in touched if key[0] in ("plan", "node")}:
         plan = state.plans.get(plan_key)
         if plan is not None:
             plan.revision += 1
+    for key in touched:
+        if key[0] == "node":
+            plan = state.plans.get(key[1])
+            if plan is not None:
+                plan.changed.add(key[2])
 
 
 # ----------------------------------------------------------------------------- studies
@@ -338,6 +344,7 @@ def _stage_finished(state: State, ev: StageFinished, touched: set[Key]) -> None:
     if steps:
         node.profile_steps += steps
         node.profile_seconds += ev.train_seconds
+        plan.profile_revision += 1
     entry = (ev.dispatch_id, ev.from_step, ev.to_step)
     if entry in node.running:
         node.running.remove(entry)
@@ -365,6 +372,7 @@ def _stage_stopped(state: State, ev: StageStopped, touched: set[Key]) -> None:
     if steps:
         node.profile_steps += steps
         node.profile_seconds += ev.train_seconds
+        plan.profile_revision += 1
     touched |= {("stats",), ("plan", plan.plan_key), node_key(node)}
     if dispatch.status == "running":
         _release(state, dispatch, touched, "preempted")

@@ -29,7 +29,7 @@ class Placement:
 
 
 _CHILDREN = "search_plan.children"
-"""Key of the child index in :attr:`Plan.cache`: parent node id -> ``[children indexed, {(start
+"""Key of the child index in :attr:`Plan.cache`: parent node id (None: the roots) -> ``[children indexed, {(start
 step, values at start) -> first such child}]``, or None for a parent whose children cannot all
 be indexed (a value overflows)."""
 
@@ -47,28 +47,30 @@ def _values_at(hp: HPConfig, step: int) -> Values | None:
         return None
 
 
-def _child_index(plan: Plan, node: Node) -> dict[tuple[int, Values], str] | None:
-    """Children of ``node`` by (start step, values there), first child in ``children`` order
-    winning, or None when some child's values cannot be computed.
+def _child_index(plan: Plan, node: Node | None) -> dict[tuple[int, Values], str] | None:
+    """Children of ``node`` (None: the plan's roots) by (start step, values there), first child
+    in ``children`` (``roots``) order winning, or None when some child's values cannot be computed.
 
     Kept in ``plan.cache`` and extended when children were appended since (children are
     append-only, so the count tells what is new); a plan rebuilt from its records starts
     with no index.
     """
     index = plan.cache.setdefault(_CHILDREN, {})
-    entry = index.get(node.node_id)
-    if entry is None or entry[0] > len(node.children):
-        entry = index[node.node_id] = [0, {}]
-    if entry[1] is not None and entry[0] < len(node.children):
+    owner = None if node is None else node.node_id
+    children = plan.roots if node is None else node.children
+    entry = index.get(owner)
+    if entry is None or entry[0] > len(children):
+        entry = index[owner] = [0, {}]
+    if entry[1] is not None and entry[0] < len(children):
         by_values = entry[1]
-        for child_id in node.children[entry[0]:]:
+        for child_id in children[entry[0]:]:
             child = plan.nodes[child_id]
             values = _values_at(child.hp, child.start_step)
             if values is None:
                 by_values = None
                 break
             by_values.setdefault((child.start_step, values), child_id)
-        entry[0], entry[1] = len(node.children), by_values
+        entry[0], entry[1] = len(children), by_values
     return entry[1]
 
 
@@ -76,19 +78,26 @@ def place(plan: Plan, hp: HPConfig, steps: int) -> Placement:
     """Find the node serving ``(hp, steps)`` in ``plan``, or where a new one must be appended.
 
     Pure: the search plan is not modified (only the child index in ``plan.cache`` may grow).
-    Cost: one divergence scan per node on the trial's path; at each branch point the child that
-    starts there with the trial's values is looked up in an index (Hippo §3.2: the child edge
-    ``(start, hp_config)``), so siblings are not scanned.
+    Cost: one divergence scan per node on the trial's path; the root, and at each branch point
+    the child that starts there, with the trial's values is looked up in an index (Hippo §3.2:
+    the child edge ``(start, hp_config)``), so roots and siblings are not scanned.
 
     Raises:
         ValueError: ``hp`` names different hyper-parameters than the plan's nodes.
     """
     current: Node | None = None
-    for root_id in plan.roots:
-        root = plan.nodes[root_id]
-        if first_divergence(root.hp, hp, 0, steps) > 0:
-            current = root
-            break
+    roots = _child_index(plan, None) if plan.roots and steps > 0 else None
+    values = _values_at(hp, 0) if roots is not None else None
+    if roots is not None and values is not None:
+        # Equal values at 0 <=> first_divergence(root.hp, hp, 0, steps) > 0 (as 0 < steps).
+        root_id = roots.get((0, values))
+        current = plan.nodes[root_id] if root_id is not None else None
+    else:
+        for root_id in plan.roots:
+            root = plan.nodes[root_id]
+            if first_divergence(root.hp, hp, 0, steps) > 0:
+                current = root
+                break
     if current is None:
         return Placement(None, None, 0)
     while True:

@@ -104,7 +104,15 @@ class Plan:
     from its records starts again at 0 with an empty :attr:`cache`."""
     cache: dict[Any, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
     """Derived data memoised per plan object (the scheduler's choice per :attr:`revision`, the
-    child index of ``search_plan.place``); never persisted, never part of equality."""
+    child index of ``search_plan.place``, the scheduler's stage-tree index); never persisted,
+    never part of equality."""
+    changed: set[str] = field(default_factory=set, init=False, compare=False, repr=False)
+    """Ids of the nodes the reducer touched since the scheduler's stage-tree index last read
+    them (``scheduler.stage_index``, which empties it). Not persisted. Code that mutates a node
+    outside the reducer must add its id here (or clear :attr:`cache`)."""
+    profile_revision: int = field(default=0, init=False, compare=False, repr=False)
+    """Bumped by the reducer whenever a node's measured profile changes (``profile_steps``,
+    ``profile_seconds``), so the plan's totals are summed again only then. Not persisted."""
 
     def meta_json(self) -> dict[str, Any]:
         return {"plan_key": self.plan_key, "seed": self.seed, "roots": list(self.roots),
@@ -328,6 +336,9 @@ class State:
     """When this state is the merged view of a partitioned plan stream
     (:func:`projections.partitions.merge`): the offset of every partition's last folded record,
     the prefix a decision taken from it records; None for the fold of one stream. Not persisted."""
+    cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    """Derived data memoised per state object (``projections.queries.running_dispatches``); never
+    persisted, never part of equality."""
 
     def node(self, plan_key: str, node_id: str) -> Node | None:
         plan = self.plans.get(plan_key)

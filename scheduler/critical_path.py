@@ -15,6 +15,7 @@ the same walk.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler.stage_tree import Stage, StageKey, StageTree
@@ -38,8 +39,13 @@ Length = tuple[float, int]
 estimated time (no measurement yet, or steps measured at 0 s) are told apart by their steps."""
 
 
-def _stage_length(stage: Stage) -> Length:
-    return (stage.est_seconds, max(stage.steps, 1))
+Price = Callable[[Stage], float]
+"""Estimated seconds of a stage, where they differ from its ``est_seconds`` (the stage index
+prices stages of unmeasured nodes at the plan's current mean seconds per step)."""
+
+
+def _stage_length(stage: Stage, price: Price | None = None) -> Length:
+    return (stage.est_seconds if price is None else price(stage), max(stage.steps, 1))
 
 
 def top_down(tree: StageTree) -> list[StageKey]:
@@ -53,14 +59,16 @@ def top_down(tree: StageTree) -> list[StageKey]:
     return order
 
 
-def _longest(tree: StageTree, order: list[StageKey] | None = None) -> dict[StageKey, Length]:
-    """Longest :data:`Length` from each stage down to a leaf (the stage included).
+def longest(tree: StageTree, order: list[StageKey] | None = None, price: Price | None = None
+            ) -> dict[StageKey, Length]:
+    """Longest :data:`Length` from each stage down to a leaf (the stage included), each stage
+    costing its ``est_seconds`` (or ``price(stage)``).
 
     Linear: children are visited before their parent by walking :func:`top_down` backwards.
     """
     memo: dict[StageKey, Length] = {}
     for key in reversed(top_down(tree) if order is None else order):
-        seconds, steps = _stage_length(tree.stages[key])
+        seconds, steps = _stage_length(tree.stages[key], price)
         below = max((memo[c] for c in tree.children.get(key, [])), default=(0.0, 0))
         memo[key] = (seconds + below[0], steps + below[1])
     return memo
@@ -88,11 +96,8 @@ def critical_path(tree: StageTree) -> Path | None:
     when nothing can start. Equal lengths go to the smaller stage key."""
     if not tree.stages:
         return None
-    longest = _longest(tree)
-    best: Stage | None = None
-    for root in tree.roots():
-        if root.source in READY and (best is None or longest[root.key] > longest[best.key]):
-            best = root
+    lengths = longest(tree)
+    best = longest_ready_root(tree, lengths)
     if best is None:
         return None
     chain = [best]
@@ -102,7 +107,17 @@ def critical_path(tree: StageTree) -> Path | None:
             break
         nxt = kids[0]
         for k in kids[1:]:
-            if longest[k] > longest[nxt]:
+            if lengths[k] > lengths[nxt]:
                 nxt = k
         chain.append(tree.stages[nxt])
-    return Path(tree.plan_key, tuple(chain), longest[best.key][0], longest[best.key][1])
+    return Path(tree.plan_key, tuple(chain), lengths[best.key][0], lengths[best.key][1])
+
+
+def longest_ready_root(tree: StageTree, lengths: dict[StageKey, Length]) -> Stage | None:
+    """The ready root stage with the largest ``lengths`` (:func:`longest`), equal lengths going
+    to the smaller stage key; None when no root is ready."""
+    best: Stage | None = None
+    for root in tree.roots():
+        if root.source in READY and (best is None or lengths[root.key] > lengths[best.key]):
+            best = root
+    return best

@@ -25,10 +25,12 @@ Policies (the thesis's scheduler ablation, §6.3 / HIPPO_SPEC §3.7), named in
   most descendant stages in the stage tree first; ties as for ``"bfs"``.
 
 Memoisation: a plan's choice depends on that plan alone, so it is kept in ``plan.cache`` per
-(policy, ``plan.revision``); the reducer bumps the revision whenever the plan changes, so a
-pass only rebuilds the stage trees of plans that changed since the last pass. The result is
-the same, bit for bit, as without the memo (a plan object rebuilt from records starts with an
-empty cache).
+(policy, ``plan.revision``); the reducer bumps the revision whenever the plan changes. Within a
+plan that changed, only the parts of its stage tree under the search-plan roots the reducer
+touched are rebuilt (``scheduler.stage_index``), so a pass costs what changed, not the number
+of pending requests. The result is the same, bit for bit, as building the whole stage tree from
+scratch (:func:`choice_from_scratch`; a plan object rebuilt from records starts with an empty
+cache).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from typing import Literal, get_args
 from events.models import CheckpointSource, StageDispatched, StageSpec
 from projections.state import Plan, State
 from scheduler.critical_path import Path, critical_path, descendants, ready_stages, top_down
-from scheduler.stage_tree import COLD_SEC_PER_STEP, build_stage_tree, measured_profile
+from scheduler.stage_index import index_of
+from scheduler.stage_tree import COLD_SEC_PER_STEP, StageTree, build_stage_tree, measured_profile
 
 Policy = Literal["critical-path", "bfs", "most-children"]
 POLICIES: tuple[Policy, ...] = get_args(Policy)
@@ -68,9 +71,8 @@ def check_policy(policy: str) -> Policy:
     return policy  # type: ignore[return-value]
 
 
-def _choose(plan: Plan, policy: Policy, fallback: float) -> Choice | None:
-    """The plan's candidate under ``policy`` from a fresh stage tree, or None if nothing is ready."""
-    tree = build_stage_tree(plan, fallback)
+def _choose(tree: StageTree, policy: Policy) -> Choice | None:
+    """The candidate under ``policy`` in ``tree``, or None if nothing is ready."""
     if policy == "critical-path":
         path = critical_path(tree)
         return None if path is None else Choice(path, (-path.est_seconds, -path.steps))
@@ -84,24 +86,34 @@ def _choose(plan: Plan, policy: Policy, fallback: float) -> Choice | None:
         count = descendants(tree, top_down(tree))
         stage = min(ready, key=lambda s: (-count[s.key], s.from_step, s.key))
         rank = (-count[stage.key], stage.from_step)
-    return Choice(Path(plan.plan_key, (stage,), stage.est_seconds), rank)
+    return Choice(Path(tree.plan_key, (stage,), stage.est_seconds), rank)
+
+
+def choice_from_scratch(plan: Plan, policy: Policy = "critical-path", fallback: float = COLD_SEC_PER_STEP
+                        ) -> Choice | None:
+    """The plan's candidate under ``policy`` from the whole stage tree built afresh (Algorithm 1
+    over every pending request, as Hippo does at every pass): what :func:`plan_choice` computes
+    incrementally, kept as its reference."""
+    return _choose(build_stage_tree(plan, fallback), policy)
 
 
 def plan_choice(plan: Plan, policy: Policy = "critical-path", fallback: float = COLD_SEC_PER_STEP) -> Choice | None:
     """The plan's candidate under ``policy``, memoised in ``plan.cache`` per (policy,
     ``plan.revision``, and ``fallback`` while the plan has no measurement of its own).
 
-    Hippo rebuilds the transient stage tree for every pass (§3.4); so does this, but only for
-    a plan that changed since its last pass: an unchanged revision means an unchanged plan,
-    hence the same tree and the same candidate. A plan mutated outside the reducer must bump
-    ``plan.revision`` itself.
+    Hippo rebuilds the transient stage tree for every pass (§3.4); this rebuilds only the parts
+    of it under search-plan roots whose nodes changed since the last pass
+    (:class:`scheduler.stage_index.StageTreeIndex`), and nothing for a plan whose revision did
+    not change. Equal, bit for bit, to :func:`choice_from_scratch`. A plan mutated outside the
+    reducer must bump ``plan.revision`` and note the nodes in ``plan.changed`` itself.
     """
     uses_fallback = measured_profile(plan)[0] == 0
     stamp = (plan.revision, fallback if uses_fallback else None)
     memo = plan.cache.get((_MEMO, policy))
     if memo is not None and memo[0] == stamp:
         return memo[1]
-    choice = _choose(plan, policy, fallback)
+    tree = index_of(plan).choose(policy, fallback)
+    choice = None if tree is None else _choose(tree, policy)
     plan.cache[(_MEMO, policy)] = (stamp, choice)
     return choice
 

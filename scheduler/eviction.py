@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from events.models import CheckpointEvicted
-from projections.queries import ancestors, node_number
+from projections.queries import ancestors, node_number, running_dispatches
 from projections.state import Node, Plan, State
 from projections.summary import base_plan_key
 from scheduler.critical_path import Path
@@ -70,9 +70,7 @@ def reserved_bytes(state: State) -> int:
     preemption point of a preempted one) and the checkpoints they were asked to save inside
     their stages and have not saved yet."""
     total = 0
-    for d in state.dispatches.values():
-        if d.status != "running":
-            continue
+    for d in running_dispatches(state):
         last = len(d.stages) - 1 if d.until is None else max(d.until[0], 0)
         count = sum(1 for node_id, a, b in d.stages[d.finished:last + 1] if b > a)
         plan = state.plans[d.plan_key]
@@ -83,7 +81,7 @@ def reserved_bytes(state: State) -> int:
 
 def pinned_refs(state: State, path: Path | None = None) -> set[str]:
     """Checkpoints that must stay: the sources of running paths and of ``path``."""
-    refs = {d.source for d in state.dispatches.values() if d.status == "running" and d.source is not None}
+    refs = {d.source for d in running_dispatches(state) if d.source is not None}
     if path is not None and path.stages[0].ckpt is not None:
         refs.add(path.stages[0].ckpt[2])
     return refs
@@ -222,8 +220,7 @@ def fits(state: State, budget: int, path: Path) -> bool:
     reserved, or nothing runs (then nothing would ever free room: the path goes ahead, the one
     case where a budget smaller than a path's checkpoints is exceeded). Before any checkpoint
     was saved their size is unknown: one path runs alone until its first one is."""
-    running = any(d.status == "running" for d in state.dispatches.values())
-    if not running:
+    if not running_dispatches(state):
         return True
     if checkpoint_size(state, path.plan_key) == 0:
         return False  # no checkpoint saved yet: its size is unknown until the running path saves one

@@ -16,27 +16,30 @@ decision and recorded in the log with the prefix they were decided from (DESIGN.
   trains the branch from the nearest checkpoint, as before. Under a checkpoint budget a save is
   requested only while its bytes fit next to the bytes kept and reserved.
 
-Needs are read from :func:`projections.queries.needed` over the pending requests: a node is
-needed up to the largest step any pending request's path trains on it.
+Needs are :func:`projections.queries.needed` over the pending requests (a node is needed up to
+the largest step any pending request's path trains on it), read from the plan's stage-tree
+index (``scheduler.stage_index``) in time proportional to the nodes asked about.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from events.models import CheckpointRequested, Event, PathPreempted
-from projections.queries import needed
+from projections.queries import running_dispatches
 from projections.state import Dispatch, Plan, State
 from scheduler.eviction import checkpoint_size, reserved_bytes
+from scheduler.stage_index import index_of
 
 
-def pending_needs(plan: Plan) -> dict[str, tuple[int, int]]:
+def pending_needs(plan: Plan) -> Mapping[str, tuple[int, int]]:
     """``node_id -> (start, end)``: the steps of each node the plan's pending requests (waiters,
-    no metrics yet) need trained."""
-    targets = [(node.node_id, step) for node in plan.nodes.values()
-               for step, waiters in node.requests.items() if waiters and step not in node.metrics]
-    return needed(plan, targets)
+    no metrics yet) need trained (:func:`projections.queries.needed` over them), read from the
+    plan's stage-tree index (``scheduler.stage_index.Needs``)."""
+    return index_of(plan).needs()
 
 
-def _last_needed(d: Dispatch, needs: dict[str, tuple[int, int]], plan: Plan) -> tuple[int, int] | None:
+def _last_needed(d: Dispatch, needs: Mapping[str, tuple[int, int]], plan: Plan) -> tuple[int, int] | None:
     """``(stage index, step)``: how far the path ``d`` must still train for its plan's pending
     requests, or None when none of it is needed."""
     last = None
@@ -55,10 +58,9 @@ def preemptions(state: State, budget: int | None = None) -> list[PathPreempted]:
     """A PathPreempted for each running, not yet preempted dispatch of which some tail (or all)
     is needed by no pending request (``budget``: recorded, the pass's checkpoint budget)."""
     out = []
-    needs_of: dict[str, dict[str, tuple[int, int]]] = {}
-    for dispatch_id in sorted(state.dispatches):
-        d = state.dispatches[dispatch_id]
-        if d.status != "running" or d.until is not None:
+    needs_of: dict[str, Mapping[str, tuple[int, int]]] = {}
+    for d in running_dispatches(state):
+        if d.until is not None:
             continue
         plan = state.plans[d.plan_key]
         needs = needs_of.get(d.plan_key)
@@ -89,11 +91,8 @@ def split_requests(state: State, budget: int | None = None) -> list[CheckpointRe
     step."""
     out = []
     spare = None if budget is None else budget - state.stats.checkpoint_bytes - reserved_bytes(state)
-    needs_of: dict[str, dict[str, tuple[int, int]]] = {}
-    for dispatch_id in sorted(state.dispatches):
-        d = state.dispatches[dispatch_id]
-        if d.status != "running":
-            continue
+    needs_of: dict[str, Mapping[str, tuple[int, int]]] = {}
+    for d in running_dispatches(state):
         plan = state.plans[d.plan_key]
         needs = needs_of.get(d.plan_key)
         if needs is None:

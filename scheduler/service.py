@@ -20,7 +20,7 @@ from opentelemetry.trace import SpanKind
 
 from events import topics, tracing
 from events.faults import fault_point
-from events.log import EventLog, append_events, event_key
+from events.log import EmbeddedLog, append_event_streams, event_key
 from events.models import CheckpointRequested, Event, StageDispatched, TrialSubmitted
 from projections.store import Projector
 from scheduler.decide import best_path, check_policy, decide
@@ -49,7 +49,7 @@ class SchedulerService:
        itself (``scheduler.decide``).
 
     Args:
-        log: where decisions are appended (the projector's log).
+        log: where decisions are appended (the projector's embedded log; None with ``commit``).
         projector: folds the plan stream; its listeners also see the decisions.
         deliver: optional callback per decision addressed to a worker (the embedded
             coordinator's pipes, the simulator's workers).
@@ -75,7 +75,7 @@ class SchedulerService:
             a positive int.
     """
 
-    def __init__(self, log: EventLog | None, projector: Projector, deliver: Deliver | None = None,
+    def __init__(self, log: EmbeddedLog | None, projector: Projector, deliver: Deliver | None = None,
                  max_rejections: int = 3, policy: str = "critical-path",
                  clock: Callable[[], float] = time.time, checkpoint_budget: int | None = None,
                  delete: Delete | None = None, splits: bool = True, commit: Commit | None = None,
@@ -102,12 +102,15 @@ class SchedulerService:
             self.trial_traces[event.trial_id] = event.trace
 
     def _append_and_fold(self, decisions: list[Event], to_workers: bool) -> list[bool]:
-        """Embedded: append decisions to the plan stream (one atomic batch; for workers also to
-        the dispatch stream, keyed by worker) and fold them; whether each was accepted."""
+        """Embedded: append decisions to the plan stream and, for workers, to the dispatch stream
+        (keyed by worker), in one atomic durable write (it also makes durable what was appended
+        before without an fsync: the workers' reports), and fold them; whether each was
+        accepted."""
         assert self.log is not None, "a SchedulerService without a log needs a `commit`"
-        offsets = append_events(self.log, topics.PLAN, [(event_key(d), d) for d in decisions])
+        batches: list[tuple[str, list[tuple[str, Event]]]] = [(topics.PLAN, [(event_key(d), d) for d in decisions])]
         if to_workers:
-            append_events(self.log, topics.DISPATCH, [(d.worker_id, d) for d in decisions])  # type: ignore[attr-defined]
+            batches.append((topics.DISPATCH, [(d.worker_id, d) for d in decisions]))  # type: ignore[attr-defined]
+        offsets = append_event_streams(self.log, batches)[0]
         self.projector.catch_up()
         return [offset not in self.projector.state.rejected for offset in offsets]
 

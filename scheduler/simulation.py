@@ -27,8 +27,9 @@ def fake_ref(plan_key: str, node_id: str, step: int) -> str:
 
 
 class _Instant:
-    """A :class:`~events.execution.PathBackend` that trains nothing: a step takes one second of
-    a virtual clock, a checkpoint is :func:`fake_ref`, the metrics are ``{"step": step}``."""
+    """A :class:`~events.execution.PathBackend` that trains nothing: a step of a node takes
+    ``sim.step_seconds(plan_key, node_id)`` seconds of a virtual clock (default one), a
+    checkpoint is :func:`fake_ref`, the metrics are ``{"step": step}``."""
 
     def __init__(self, sim: Simulation, dispatch: StageDispatched) -> None:
         self.sim, self.d = sim, dispatch
@@ -42,7 +43,8 @@ class _Instant:
 
     def train(self, spec: StageSpec, until: int, interrupt: Callable[[], bool]) -> None:
         self.sim.trained.append((self.d.plan_key, spec.node_id, self.at, until))
-        self.clock += until - self.at
+        seconds = 1.0 if self.sim.step_seconds is None else self.sim.step_seconds(self.d.plan_key, spec.node_id)
+        self.clock += (until - self.at) * seconds
         self.stored = self.stored and until == self.at
         self.at, self.node = until, spec.node_id
 
@@ -69,12 +71,14 @@ class Simulation:
     Attributes:
         trained: every ``(plan_key, node_id, from_step, to_step)`` range trained, in order.
         events: every event applied, in log order.
+        step_seconds: seconds a step of ``(plan_key, node_id)`` takes (None: one second).
     """
 
     workers: int = 2
     state: State = field(default_factory=State)
     trained: list[tuple[str, str, int, int]] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
+    step_seconds: Callable[[str, str], float] | None = None
 
     def __post_init__(self) -> None:
         for i in range(self.workers):

@@ -1,8 +1,12 @@
 """Algorithm 1 (BuildStageTree / FindLatestCheckpoint) with the fixes of HIPPO_SPEC §2.2.
 
-The stage tree is transient: it is derived from the search plan for every scheduling decision
-and then dropped (Hippo §3.4). For every pending request ``(node, step)`` (trials waiting, no
-metrics yet, not covered by an in-flight stage) we look for the nearest source below it:
+The stage tree is transient: it is derived from the search plan, never stored in the log or the
+projection (Hippo §3.4); between passes the scheduler keeps the part of it under each
+search-plan root and rebuilds only the parts whose nodes changed (``scheduler.stage_index``,
+which calls :func:`build_stage_tree` restricted to those nodes).
+
+For every pending request ``(node, step)`` (trials waiting, no metrics yet, not covered by an
+in-flight stage) we look for the nearest source below it:
 
 * an existing checkpoint of the node in ``[start_step, step]`` (inclusive scan, fix 3), where
   the parent's checkpoint at ``start_step`` counts too (same weights);
@@ -24,6 +28,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_right
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -119,17 +124,17 @@ def _anchor(plan: Plan, node: Node, step: int, ckpt_steps: dict[str, list[int]])
     return best
 
 
-_PROFILE = "stage_tree.profile"  # plan.cache key: (revision, steps, seconds) measured on the plan
+_PROFILE = "stage_tree.profile"  # plan.cache key: (profile revision, steps, seconds) measured on the plan
 
 
 def measured_profile(plan: Plan) -> tuple[int, float]:
-    """``(steps, seconds)`` of training measured on the plan's nodes, memoised per
-    :attr:`Plan.revision` (a pass over many plans reads each unchanged plan's totals at once)."""
+    """``(steps, seconds)`` of training measured on the plan's nodes (summed in node order),
+    memoised per :attr:`Plan.profile_revision`: summed again only when a measurement changed."""
     memo = plan.cache.get(_PROFILE)
-    if memo is None or memo[0] != plan.revision:
+    if memo is None or memo[0] != plan.profile_revision:
         steps = sum(n.profile_steps for n in plan.nodes.values())
         seconds = sum(n.profile_seconds for n in plan.nodes.values())
-        memo = plan.cache[_PROFILE] = (plan.revision, steps, seconds)
+        memo = plan.cache[_PROFILE] = (plan.profile_revision, steps, seconds)
     return memo[1], memo[2]
 
 
@@ -153,20 +158,25 @@ def sec_per_step(plan: Plan, node: Node, mean: float | None = None) -> float:
     return mean_sec_per_step(plan) if mean is None else mean
 
 
-def build_stage_tree(plan: Plan, fallback: float = COLD_SEC_PER_STEP) -> StageTree:
+def build_stage_tree(plan: Plan, fallback: float = COLD_SEC_PER_STEP, nodes: Iterable[str] | None = None
+                     ) -> StageTree:
     """Algorithm 1 of the Hippo paper with the fixes of HIPPO_SPEC §2.2 (see module doc).
 
     Returns every stage needed to answer the plan's pending requests, each step range of each
     node at most once. ``fallback``: seconds per step of a plan with no measurement yet (the
-    scheduler passes the mean over all plans). Pure: ``plan`` is not modified.
+    scheduler passes the mean over all plans). ``nodes``: the ids of the nodes whose requests to
+    answer (default: every node); the stages of their ancestors that they need come too, so the
+    pending nodes under one search-plan root give exactly that root's share of the whole tree
+    (``scheduler.stage_index``). Pure: ``plan`` is not modified.
 
-    Cost: one pass over the nodes to collect pending requests, then work proportional to the
-    nodes with pending endpoints (and their ancestors), O(s log s) for s stages.
+    Cost: one pass over the nodes (or ``nodes``) to collect pending requests, then work
+    proportional to the nodes with pending endpoints (and their ancestors), O(s log s) for s
+    stages.
     """
     endpoints: dict[str, set[int]] = defaultdict(set)
     requested: dict[str, set[int]] = defaultdict(set)
     ckpt_steps: dict[str, list[int]] = {}
-    for node in plan.nodes.values():
+    for node in plan.nodes.values() if nodes is None else (plan.nodes[n] for n in nodes):
         if not node.requests:
             continue
         for step, waiters in node.requests.items():

@@ -6,7 +6,16 @@ projector, and after every fold asks the scheduler for decisions, appending each
 StageDispatched (to ``stagetree.plan`` and ``stagetree.dispatch``) before sending it to the
 worker's pipe. Everything runs on one asyncio loop; worker pipes are read by one thread each,
 which only hands raw bytes to the loop. A worker's batch of events is appended atomically; a
-message that cannot be decoded is dead-lettered. A worker process that exits unexpectedly (at
+message that cannot be decoded is dead-lettered.
+
+Durability: what the SDK submits and every decision is appended with an fsync before anything
+depends on it (the answer to the SDK, the message to a worker, the deletion of an evicted
+object). The workers' reports are appended without one: the next decision's write (one per
+dispatch, its plan and dispatch records together) makes them durable before its worker hears
+of it, and so does :meth:`EmbeddedCoordinator.stop`. A kill -9 of the coordinator loses none of
+them (they are written to the operating system); a power loss can lose only reports after the
+last durable write, which nothing outside the coordinator acted on (their worker is dispatched
+again on resume). A worker process that exits unexpectedly (at
 start-up or later) is declared lost, its path is dispatched again, and its slot gets a new
 process, up to ``max_restarts`` times.
 """
@@ -27,7 +36,7 @@ from pathlib import Path
 from events import topics, tracing
 from events.codec import InvalidEvent, decode_batch, encode
 from events.deadletter import dead_letter
-from events.log import EmbeddedLog, append_events, event_key
+from events.log import EmbeddedLog, append_event_streams, event_key
 from events.models import DeadLettered, Event, StageDispatched, WorkerJoined, WorkerLost
 from gpu_worker.boot import STOP, embedded_worker_main, prestarted_worker_main
 from gpu_worker.checkpoint import LocalCheckpointStore
@@ -219,6 +228,7 @@ class EmbeddedCoordinator(RuntimeBase):
                     slot.process.kill()
         if self._pump_task is not None:
             self._pump_task.cancel()
+        self.log.sync()
         self.log.close()
         self.store.close()
 
@@ -267,7 +277,7 @@ class EmbeddedCoordinator(RuntimeBase):
                 self.log.append_many(topics.DEADLETTER, [(letter.stream, encode(letter)) for letter in dead])
             if events:
                 try:
-                    self.append(events)
+                    self.append(events, durable=False)  # see "Durability" in the module docstring
                 except Exception:  # append() handed the failure to every waiting future
                     return
 
@@ -300,13 +310,15 @@ class EmbeddedCoordinator(RuntimeBase):
 
     # ------------------------------------------------------------------ the Runtime protocol
 
-    def append(self, events: list[Event]) -> None:
+    def append(self, events: list[Event], durable: bool = True) -> None:
         """Stamp and append events to the plan stream (atomically), fold, schedule, and resolve
-        futures."""
+        futures. ``durable=False`` (the workers' reports) leaves the fsync to the next decision
+        (see "Durability" in the module docstring)."""
         if self.failure is not None:
             raise CoordinatorError(f"the coordinator failed: {self.failure}")
         try:
-            append_events(self.log, topics.PLAN, [(event_key(e), e) for e in self.stamp(events)])
+            append_event_streams(self.log, [(topics.PLAN, [(event_key(e), e) for e in self.stamp(events)])],
+                                 durable=durable)
             self._fold()
             if not self._stopping and all(slot.gave_up for slot in self._slots.values()):
                 raise CoordinatorError("every worker process has exited and was given up: "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from rich.console import Group
@@ -51,6 +52,7 @@ class Progress:
         self._state_of = state_of
         self.title = title
         self.live = Live(render(state_of(), title), refresh_per_second=4, transient=False) if enabled else None
+        self._due = 0.0  # time.monotonic() of the next snapshot
 
     def __enter__(self) -> Progress:
         if self.live is not None:
@@ -63,5 +65,10 @@ class Progress:
             self.live.__exit__(*exc)
 
     def on_fold(self) -> None:
+        """Render the state again when the display is due to refresh (4 times a second): a fold
+        is milliseconds, and the snapshot is a pass over every trial and dispatch."""
         if self.live is not None:
-            self.live.update(render(self._state_of(), self.title))
+            now = time.monotonic()
+            if now >= self._due:
+                self._due = now + 0.25
+                self.live.update(render(self._state_of(), self.title))

@@ -12,10 +12,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from events.models import Event
+from events.models import Event, MetricsReported, StageFailed, TrialCancelled, TrialSubmitted
+from projections.queries import running_dispatches
 from projections.state import State
 from projections.store import Projector
 from stagetree.errors import RuntimeError_, TrialFailed
+
+_ANSWERING = (TrialSubmitted, StageFailed, TrialCancelled)
+"""The events besides MetricsReported whose fold can answer a trial, fail it or cancel it."""
 
 
 async def settle() -> None:
@@ -41,6 +45,19 @@ class RuntimeBase:
         self.on_fold: list[Callable[[], None]] = []
         self._waiters: dict[tuple[str, int], list[asyncio.Future[dict[str, float]]]] = {}
         self._idle: asyncio.Event | None = None
+        self._scan_all = True  # a fold may have answered, failed or cancelled any waiting trial
+        self._reported: list[tuple[str, str, int]] = []  # (plan key, node, step) of metrics folded since
+        self._at: dict[tuple[str, str, int], set[tuple[str, int]]] = {}  # where a waiting request is answered
+        projector.listeners.append(self._saw)
+
+    def _saw(self, offset: int, event: Event) -> None:
+        """Note what a folded event can change for the futures (see :meth:`_resolve`): metrics at
+        a place answer the requests there; a submission (answered at once from stored metrics),
+        a failure or a cancellation can concern any waiting trial."""
+        if isinstance(event, MetricsReported):
+            self._reported.append((event.plan_key, event.node_id, event.step))
+        elif isinstance(event, _ANSWERING):
+            self._scan_all = True
 
     @property
     def state(self) -> State:
@@ -65,12 +82,19 @@ class RuntimeBase:
             future.set_exception(self.failure_type(f"the runtime failed: {self.failure}"))
             return future
         self._waiters.setdefault((trial_id, steps), []).append(future)
-        self._resolve()
+        self._resolve([(trial_id, steps)])
         return future
+
+    def _index(self, key: tuple[str, int]) -> None:
+        """Note where the waiting ``(trial, steps)`` is answered (its request's node), once the
+        trial's request is in the plan (else a later full scan does it)."""
+        trial = self.state.trials.get(key[0])
+        if trial is not None and key[1] in trial.requests:
+            self._at.setdefault((trial.plan_key, trial.requests[key[1]], key[1]), set()).add(key)
 
     def busy(self) -> bool:
         """True while a dispatched path has not finished, failed or been lost."""
-        return any(d.status == "running" for d in self.state.dispatches.values())
+        return bool(running_dispatches(self.state))
 
     async def drain(self) -> None:
         """Wait until every dispatched path has reported its end (so totals are complete)."""
@@ -97,13 +121,26 @@ class RuntimeBase:
                     f.set_exception(exc)
         self._waiters.clear()
 
-    def _resolve(self) -> None:
-        for key in list(self._waiters):
+    def _resolve(self, keys: list[tuple[str, int]] | None = None) -> None:
+        """Resolve the futures of ``keys`` whose trial has its answer (metrics at the steps, or a
+        failure, or a cancellation). Default: after folds, every waiting key when a submission,
+        failure or cancellation was folded, else those whose request (where :meth:`watch` found
+        it in the plan) got metrics; nothing when neither was folded."""
+        if keys is None:
+            if self._scan_all:
+                keys = list(self._waiters)
+            else:
+                keys = [key for place in self._reported for key in self._at.pop(place, ())]
+            self._scan_all = False
+            self._reported.clear()
+        for key in keys:
             trial_id, steps = key
             trial = self.state.trials.get(trial_id)
-            if trial is None:
+            if key not in self._waiters:
                 continue
             futures = self._waiters[key]
+            if trial is None:
+                continue
             if steps in trial.results:
                 for f in futures:
                     if not f.done():
@@ -116,5 +153,6 @@ class RuntimeBase:
                 for f in futures:
                     f.cancel()
             else:
+                self._index(key)  # still waiting: answered where its request is
                 continue
             del self._waiters[key]

@@ -33,7 +33,7 @@ import pytest
 from events import topics
 from events.codec import encode
 from events.hp import Constant
-from events.log import EmbeddedLog, EventLog, LogError, LogLocked, Record, event_key
+from events.log import CHAIN_START, EmbeddedLog, EventLog, LogError, LogLocked, Record, chain_next, event_key
 from events.models import StudyStarted
 from projections.store import ProjectionStore, Projector, snapshot
 from scheduler.simulation import Simulation
@@ -465,6 +465,36 @@ while True:
 """
 
 
+def acknowledged_then_killed(code: str, args: Sequence[str], count: int, timeout_s: float = 60) -> list[str]:
+    """Run ``code`` with ``args`` in a fresh interpreter, read ``count`` lines it prints (each an
+    acknowledgement), kill it with SIGKILL, and return every line it printed (those it flushed
+    between the last read and the kill too)."""
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        assert proc.stdout is not None
+        while len(lines) < count:
+            line = proc.stdout.readline()
+            if not line:
+                pytest.fail(f"writer exited early: rc={proc.poll()} {proc.stderr.read() if proc.stderr else ''}")
+            lines.append(line)
+            assert time.monotonic() < deadline, "writer too slow"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        lines += proc.stdout.read().splitlines()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe:
+                pipe.close()
+    assert proc.returncode == -signal.SIGKILL
+    return [line for line in lines if line.strip()]
+
+
 def settled_end(log: EventLog, stream: str, quiet_s: float = 0.5, timeout_s: float = 30) -> int:
     """``end_offset(stream)`` once it has not moved for ``quiet_s`` (a killed Kafka producer's last
     request may still be in the broker's socket buffer; the embedded log settles at once)."""
@@ -484,33 +514,7 @@ class TestDurability:
         # Embedded: kill -9 of the process that owns the RocksDB log. Kafka: kill -9 of a producer
         # process; a fresh KafkaLog (a new connection) must read every acknowledged offset.
         s = stream("s")
-        proc = subprocess.Popen(
-            [sys.executable, "-c", WRITER, *backend.writer_args(s)],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        acked: list[int] = []
-        deadline = time.monotonic() + 60
-        try:
-            assert proc.stdout is not None
-            while len(acked) < 200:
-                line = proc.stdout.readline()
-                if not line:
-                    pytest.fail(f"writer exited early: rc={proc.poll()} {proc.stderr.read() if proc.stderr else ''}")
-                acked.append(int(line))
-                assert time.monotonic() < deadline, "writer too slow"
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-            # Lines flushed between our last read and the kill were acknowledged too.
-            acked += [int(x) for x in proc.stdout.read().split()]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            if proc.stdout:
-                proc.stdout.close()
-            if proc.stderr:
-                proc.stderr.close()
-        assert proc.returncode == -signal.SIGKILL
+        acked = [int(line) for line in acknowledged_then_killed(WRITER, backend.writer_args(s), 200)]
         assert acked == list(range(len(acked)))
 
         log = backend.open()
@@ -528,6 +532,48 @@ class TestDurability:
             assert log.append(s, "k", b"after-crash") == end
         finally:
             log.close()
+
+
+STREAMS_WRITER = """
+import sys
+from events.log import EmbeddedLog
+log = EmbeddedLog(sys.argv[1])
+i = 0
+while True:
+    # Worker reports without an fsync, then a decision on two streams with one (the coordinator's pattern).
+    (offs,) = log.append_streams([("plan", [("k%d" % i, b"report-%d" % i)])], durable=False)
+    plan, dispatch = log.append_streams([("plan", [("k%d" % i, b"decision-%d" % i)]),
+                                         ("dispatch", [("w", b"decision-%d" % i)])])
+    sys.stdout.write("%d %d %d\\n" % (offs[0], plan[0], dispatch[0]))
+    sys.stdout.flush()
+    i += 1
+"""
+
+
+def test_one_write_on_two_streams_is_atomic_and_appends_without_fsync_survive_kill_9(tmp_path: Path) -> None:
+    """The embedded log's ``append_streams``: a decision's plan and dispatch records are one
+    write (after a kill -9 both are there or neither), and records appended with
+    ``durable=False`` before it are kept too (a kill -9 loses nothing written to the operating
+    system); offsets stay dense per stream and the hash chain verifies."""
+    acked = [tuple(int(x) for x in line.split())
+             for line in acknowledged_then_killed(STREAMS_WRITER, [str(tmp_path / "log")], 100)]
+    assert acked == [(2 * i, 2 * i + 1, i) for i in range(len(acked))]
+    log = EmbeddedLog(tmp_path / "log")
+    try:
+        plan, dispatch = list(log.read("plan")), list(log.read("dispatch"))
+        assert [r.offset for r in plan] == list(range(len(plan))) and len(plan) >= 2 * len(acked)
+        decisions = [r.value for r in plan if r.value.startswith(b"decision")]
+        assert decisions == [r.value for r in dispatch]  # a decision is on both streams or on neither
+        assert [r.value for r in plan[: 2 * len(acked)]] == [
+            b"%s-%d" % (kind, i) for i in range(len(acked)) for kind in (b"report", b"decision")]
+        for stream, records in (("plan", plan), ("dispatch", dispatch)):
+            head = CHAIN_START
+            for r in records:
+                head = chain_next(head, stream, r.offset, r.key, r.value)
+                assert r.chain == head
+        assert log.append("plan", "k", b"after") == len(plan)  # the log continues after what survived
+    finally:
+        log.close()
 
 
 class TestFollower:

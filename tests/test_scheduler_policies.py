@@ -36,13 +36,15 @@ from events.models import (
     WorkerLost,
 )
 from projections import search_plan
+from projections.queries import needed, node_number, running_dispatches
 from projections.reducer import apply
 from projections.state import Plan, State
 from projections.store import ProjectionStore, Projector, all_keys, snapshot
 from replay.audit import open_source, verify
 from scheduler.critical_path import READY, critical_path
 from scheduler.critical_path import Path as StagePath
-from scheduler.decide import POLICIES, decide
+from scheduler.decide import POLICIES, choice_from_scratch, decide, fallback_sec_per_step, plan_choice
+from scheduler.inflight import pending_needs
 from scheduler.service import SchedulerService
 from scheduler.simulation import Simulation, fake_ref
 from scheduler.stage_tree import Stage, StageTree, build_stage_tree, covers, mean_sec_per_step
@@ -519,6 +521,126 @@ def test_memoised_decisions_equal_fresh_ones_after_every_event(program, workers,
     run(sim, policy)
     for trial in sim.state.trials.values():
         assert trial.status in ("done", "cancelled"), trial
+
+
+class Incremental(Simulation):
+    """A simulation that, after every event, checks each plan's incremental choice (the stage-tree
+    index, ``scheduler.stage_index``) against the whole stage tree built from scratch, for every
+    policy, and the index's needs against :func:`projections.queries.needed`."""
+
+    def emit(self, event: Event) -> None:
+        super().emit(event)
+        fallback = fallback_sec_per_step(self.state)
+        for plan in self.state.plans.values():
+            for policy in POLICIES:
+                assert plan_choice(plan, policy, fallback) == choice_from_scratch(plan, policy, fallback), policy
+            targets = [(n.node_id, s) for n in plan.nodes.values() for s, w in n.requests.items()
+                       if w and s not in n.metrics]
+            expected = needed(plan, targets)
+            needs = pending_needs(plan)
+            assert dict(needs) == expected
+            assert all((node_id in needs) == (node_id in expected) for node_id in plan.nodes)
+        assert [d.dispatch_id for d in running_dispatches(self.state)] == sorted(
+            i for i, d in self.state.dispatches.items() if d.status == "running")
+
+
+busy_op = st.one_of(
+    op,
+    st.tuples(st.just("submit"), st.integers(0, len(LR_FAMILY) - 1), st.integers(0, len(BS_FAMILY) - 1),
+              st.integers(1, 30), st.sampled_from(["p", "p", "q"])),
+    st.tuples(st.just("dispatch"), st.sampled_from(POLICIES)),
+    st.tuples(st.just("execute")),
+)
+"""Like ``op``, with submissions, dispatches and executions more frequent (work gets done)."""
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(busy_op, min_size=10, max_size=80), st.integers(1, 3),
+       st.lists(st.sampled_from([0.0, 1e-7, 0.1, 0.3, 1.0, 2.5, 7.0]), min_size=1, max_size=6))
+def test_the_incremental_stage_tree_decides_as_the_whole_tree_after_every_event(program, workers, seconds) -> None:
+    """Random submissions (several roots and plans, chains of stages), dispatches, executions
+    with per-node step times (0 s and rounding-prone values included, so the plans' mean moves),
+    cancellations and lost workers: after each event every plan's choice under every policy, as
+    the index keeps it, equals the whole tree's, bit for bit (estimates included)."""
+    sim = Incremental(workers=workers, step_seconds=lambda plan_key, node_id: seconds[
+        (node_number(node_id) + len(plan_key)) % len(seconds)])
+    queue: list[StageDispatched] = []
+    submitted: list[str] = []
+    for op_ in program:
+        if op_[0] == "submit":
+            _, a, b, steps, plan_key = op_
+            trial_id = f"t{len(submitted)}"
+            submitted.append(trial_id)
+            sim.submit(trial_id, {"lr": LR_FAMILY[a], "bs": BS_FAMILY[b]}, steps, plan_key=plan_key)
+        elif op_[0] == "dispatch":
+            queue.extend(dispatch_all(sim, op_[1]))
+        elif op_[0] == "execute" and queue:
+            sim.execute(queue.pop(0))
+        elif op_[0] == "cancel" and op_[1] < len(submitted):
+            if sim.state.trials[submitted[op_[1]]].status == "pending":
+                sim.emit(TrialCancelled(study_id="sim", trial_id=submitted[op_[1]]))
+        elif op_[0] == "lose" and op_[1] < workers:
+            sim.emit(WorkerLost(worker_id=f"w{op_[1]}", reason="test"))
+            sim.emit(WorkerJoined(worker_id=f"w{op_[1]}", device="sim"))
+            queue = [d for d in queue if d.worker_id != f"w{op_[1]}"]
+    while queue:
+        sim.execute(queue.pop(0))
+    run(sim, "critical-path")
+
+
+def test_many_one_stage_roots_are_ranked_by_steps_whatever_the_mean() -> None:
+    """Pending one-stage trials on roots of their own (the many-trivial-trials case) are ranked
+    by their steps without pricing each (``stage_index``); with measured nodes beside them, the
+    choice still equals the whole tree's, and the longest unmeasured one goes first."""
+    sim = Incremental(workers=1, step_seconds=lambda plan_key, node_id: 0.3 if node_id == "n0" else 0.1)
+    for i in range(12):
+        sim.submit(f"t{i}", lr(0.01 * (i + 1)), 1 + (i * 7) % 5)
+    order = []
+    while (decision := decide(sim.state)) is not None:
+        sim.emit(decision)
+        order.append(stages_of(decision))
+        sim.execute(decision)
+    assert len(order) == 12
+    # cold (1 s/step), then every unmeasured stage priced at the plan's mean: longest first,
+    # equal steps to the smaller stage key
+    assert [s[0][2] - s[0][1] for s in order] == sorted((1 + (i * 7) % 5 for i in range(12)), reverse=True)
+
+
+def test_a_chain_on_unmeasured_nodes_is_priced_again_when_the_mean_moves() -> None:
+    """A component of two unmeasured stages is ranked at the plan's mean seconds per step; when
+    a stage elsewhere in the plan moves the mean (nothing in that component changed), it is
+    priced again and overtakes a measured path it lost to before."""
+    sim = Incremental(workers=2, step_seconds=lambda plan_key, node_id: 10.0 if node_id == "n1" else 1.0)
+    sim.submit("t0", lr(0.1), 10)  # n0, 1 s/step
+    sim.submit("t3", lr(0.9), 1)  # n1, 10 s/step
+    first, second = dispatch_all(sim, "critical-path")
+    sim.execute(first)  # n0 measured: mean 1 s/step
+    sim.submit("t1", lr(0.1), 20)  # n0[10, 20): 10 s, measured
+    sim.submit("t2", lr(0.5), 3)  # n2[0, 3) -> n3[3, 6): 6 steps at the mean
+    sim.submit("t4", lr(0.5, 3, 0.6), 6)
+    before = decide(sim.state)
+    assert before is not None and stages_of(before) == [("n0", 10, 20)]  # 10 s > 6 x 1 s
+    sim.execute(second)  # n1 measured at 10 s/step: mean (10 + 10) / 11 s/step
+    after = decide(sim.state)
+    assert after is not None and stages_of(after) == [("n2", 0, 3), ("n3", 3, 6)]  # 6 x 20/11 s > 10 s
+
+
+def test_equal_estimates_go_to_more_steps_across_measured_and_unmeasured_stages() -> None:
+    """Steps measured at 0 s: every estimate is 0 s, so the stage with more steps goes first,
+    whether it is on a measured node (ranked once) or an unmeasured one (ranked by steps)."""
+    sim = Incremental(workers=1, step_seconds=lambda plan_key, node_id: 0.0)
+    sim.submit("t0", lr(0.1), 2)
+    (first,) = dispatch_all(sim, "critical-path")
+    sim.execute(first)
+    sim.submit("t0", lr(0.1), 5)  # n0[2, 5): 3 steps, measured at 0 s
+    sim.submit("t1", lr(0.2), 4)  # n1[0, 4): 4 steps at the mean, 0 s
+    decision = decide(sim.state)
+    assert decision is not None and stages_of(decision) == [("n1", 0, 4)]
+    sim.submit("t2", lr(0.3), 2)  # n2[0, 2): 2 steps at the mean: the measured 3 steps go first
+    sim.emit(decision)
+    sim.execute(decision)
+    decision = decide(sim.state)
+    assert decision is not None and stages_of(decision) == [("n0", 2, 5)]
 
 
 trial_sets = st.lists(
