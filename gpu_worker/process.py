@@ -96,12 +96,20 @@ class PipeControl:
         return self.conn.poll(0)
 
     def poll(self) -> list[Event]:
+        """Decisions about the running path that arrived on the pipe (others wait in the backlog).
+
+        Raises:
+            SystemExit: the coordinator closed the pipe (it died): nobody is left to take the
+                path's results, so the worker leaves at this step boundary instead of training
+                on (the coordinator's restart dispatches the path again from its checkpoints).
+        """
         out: list[Event] = []
         while self.conn.poll(0):
             try:
                 msg = self.conn.recv_bytes()
             except EOFError:
-                break
+                raise SystemExit(f"stagetree worker {self.worker_id}: the coordinator closed the pipe; "
+                                 "leaving the path") from None
             event = None if msg == STOP else _decode(msg, self.worker_id, self.emit)
             if isinstance(event, (PathPreempted, CheckpointRequested)):
                 out.append(event)
