@@ -33,8 +33,8 @@ from __future__ import annotations
 import math
 from abc import abstractmethod
 from bisect import bisect_right
-from functools import cached_property
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from numbers import Integral, Real
 from operator import index
 from typing import Annotated, Any, Literal
