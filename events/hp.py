@@ -34,6 +34,7 @@ import math
 from abc import abstractmethod
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from numbers import Integral, Real
 from operator import index
 from typing import Annotated, Any, Literal
@@ -49,6 +50,8 @@ from pydantic import (
     TypeAdapter,
     ValidationError,
     ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
     field_validator,
     model_validator,
 )
@@ -341,8 +344,20 @@ class HPFunction(BaseModel):
     def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
         """The key of the piece holding ``step`` and the step where it ends (None: never)."""
 
-    def _canonical_bytes(self) -> bytes:
+    @cached_property
+    def canonical(self) -> bytes:
+        """:func:`hp_to_json` as orjson bytes with sorted keys (equal sequences, equal bytes);
+        computed once per object (it is frozen)."""
         return orjson.dumps(hp_to_json(self), option=orjson.OPT_SORT_KEYS)
+
+    def _canonical_bytes(self) -> bytes:
+        return self.canonical
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Any:
+        """A copy; with ``update``, its :attr:`canonical` bytes are computed again (not copied)."""
+        copy = super().model_copy(update=update, deep=deep)
+        copy.__dict__.pop("canonical", None)
+        return copy
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, HPFunction):
@@ -674,11 +689,44 @@ class Piecewise(HPFunction):
         return _shift(key, offset), stop
 
 
+_PARSED: dict[bytes, HPFunction] = {}
+_PARSED_LIMIT = 4096
+"""Sequences kept by :func:`_parse_once` (the whole memo is dropped when it is full)."""
+
+
+def _parse_once(data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """Validate ``data`` into a sequence, returning the very object parsed before from the same
+    JSON: a log names the same few sequences in thousands of events (every request and dispatch
+    of a trial), and a sequence is frozen, so equal JSON can share one object.
+
+    Only a JSON object (dict) whose canonical bytes (orjson, sorted keys) are exactly those of the
+    sequence it validated into is kept, so a hit returns what validation would; anything else
+    (invalid data, non-canonical input such as a tuple, NaN written as null) is validated as
+    usual, with the same errors.
+    """
+    if type(data) is not dict:
+        return handler(data)
+    try:
+        key = orjson.dumps(data, option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # not JSON data (an int beyond 64 bits, an object): no key
+        return handler(data)
+    fn = _PARSED.get(key)
+    if fn is None:
+        fn = handler(data)
+        if isinstance(fn, HPFunction) and fn.canonical == key:
+            if len(_PARSED) >= _PARSED_LIMIT:
+                _PARSED.clear()
+            _PARSED[key] = fn
+    return fn
+
+
 HP = Annotated[
     Constant | MultiStep | Exponential | Linear | Cosine | Warmup | CyclicLR | Piecewise | PowerRamp,
     Field(discriminator="kind"),
+    WrapValidator(_parse_once),
 ]
-"""Any hyper-parameter sequence; JSON objects are told apart by their ``kind``."""
+"""Any hyper-parameter sequence; JSON objects are told apart by their ``kind`` (parsed once per
+distinct JSON: :func:`_parse_once`)."""
 
 Warmup.model_rebuild()
 Piecewise.model_rebuild()

@@ -11,7 +11,6 @@ Returns the set of touched keys so the store persists only what changed.
 
 from __future__ import annotations
 
-from events.hp import canonical_json
 from events.models import (
     CheckpointEvicted,
     CheckpointRequested,
@@ -132,7 +131,7 @@ def _study_finished(state: State, ev: StudyFinished, touched: set[Key]) -> None:
 def _trial_submitted(state: State, ev: TrialSubmitted, touched: set[Key]) -> None:
     trial = state.trials.get(ev.trial_id)
     if trial is not None:
-        if trial.plan_key != ev.plan_key or canonical_json(trial.hp) != canonical_json(ev.hp):
+        if trial.plan_key != ev.plan_key or trial.hp != ev.hp:  # sequences compare by canonical JSON
             raise Rejected(f"trial {ev.trial_id!r} was submitted before with another plan or hp")
         if trial.status == "cancelled":
             raise Rejected(f"trial {ev.trial_id!r} was cancelled")
@@ -176,7 +175,7 @@ def _deliver(state: State, trial: Trial, steps: int, metrics: dict[str, float], 
     state.stats.answers += 1
     trial.answered[steps] = state.stats.answers  # the order answers came in (tuners replay it)
     touched.add(("stats",))
-    if trial.status == "pending" and all(s in trial.results for s in trial.requests):
+    if trial.status == "pending" and trial.results.keys() >= trial.requests.keys():
         trial.status = "done"  # every step asked is answered (an earlier one may come last)
 
 

@@ -12,8 +12,9 @@ sharing rule of DESIGN.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from events.hp import HPConfig, first_divergence, value_key
+from events.hp import HPConfig, HPFunction, first_divergence, value_key
 from projections.queries import unique_steps
 from projections.state import Node, Plan
 
@@ -34,6 +35,55 @@ step, values at start) -> first such child}]``, or None for a parent whose child
 be indexed (a value overflows)."""
 
 Values = tuple[tuple[str, tuple[object, ...]], ...]
+
+_DIVERGENCE = "search_plan.divergence"
+"""Key of the divergence memo in :attr:`Plan.cache`: ``(node id, start step, configuration) ->
+(step, diverged)``: ``first_divergence(node.hp, configuration, start step, stop)`` is ``step``
+for every stop above it when ``diverged``, else nothing diverges before ``step``."""
+_VALUES = "search_plan.values"
+"""Key of the memo of :func:`_values_at` in :attr:`Plan.cache`: ``(configuration, step) -> values``."""
+_MEMO_LIMIT = 1 << 16
+"""Entries a memo keeps before it is dropped and started again (it is only a cache)."""
+
+Config = tuple[tuple[str, HPFunction], ...]
+"""A configuration as a hashable key: ``(name, sequence)`` sorted by name (sequences hash and
+compare by their canonical JSON)."""
+
+
+def _memo(plan: Plan, name: str) -> dict[Any, Any]:
+    memo = plan.cache.get(name)
+    if memo is None or len(memo) >= _MEMO_LIMIT:
+        memo = plan.cache[name] = {}
+    return memo
+
+
+def _divergence(plan: Plan, node: Node, hp: HPConfig, config: Config, start: int, stop: int) -> int:
+    """``first_divergence(node.hp, hp, start, stop)``, memoised per (node, start, configuration)
+    in ``plan.cache``: a trial extended by successive requests walks the same path again, and
+    only the steps past what was scanned before are scanned (a node's configuration never
+    changes). Raises ValueError as :func:`events.hp.first_divergence`."""
+    memo = _memo(plan, _DIVERGENCE)
+    key = (node.node_id, start, config)
+    entry = memo.get(key)
+    scan_from = start
+    if entry is not None:
+        step, diverged = entry
+        if diverged or stop <= step:
+            return min(step, stop)
+        scan_from = max(step, start)
+    d = first_divergence(node.hp, hp, scan_from, stop)
+    memo[key] = (d, d < stop)
+    return d
+
+
+def _values_memo(plan: Plan, hp: HPConfig, config: Config, step: int) -> Values | None:
+    """:func:`_values_at`, memoised per (configuration, step) in ``plan.cache``."""
+    memo = _memo(plan, _VALUES)
+    key = (config, step)
+    if key not in memo:
+        memo[key] = _values_at(hp, step)
+    values: Values | None = memo[key]
+    return values
 
 
 def _values_at(hp: HPConfig, step: int) -> Values | None:
@@ -78,16 +128,18 @@ def place(plan: Plan, hp: HPConfig, steps: int) -> Placement:
     """Find the node serving ``(hp, steps)`` in ``plan``, or where a new one must be appended.
 
     Pure: the search plan is not modified (only the child index in ``plan.cache`` may grow).
-    Cost: one divergence scan per node on the trial's path; the root, and at each branch point
-    the child that starts there, with the trial's values is looked up in an index (Hippo §3.2:
-    the child edge ``(start, hp_config)``), so roots and siblings are not scanned.
+    Cost: one divergence scan per node on the trial's path (memoised: a configuration placed
+    again with more steps scans only the new steps, :func:`_divergence`); the root, and at each
+    branch point the child that starts there, with the trial's values is looked up in an index
+    (Hippo §3.2: the child edge ``(start, hp_config)``), so roots and siblings are not scanned.
 
     Raises:
         ValueError: ``hp`` names different hyper-parameters than the plan's nodes.
     """
+    config: Config = tuple(sorted(hp.items()))
     current: Node | None = None
     roots = _child_index(plan, None) if plan.roots and steps > 0 else None
-    values = _values_at(hp, 0) if roots is not None else None
+    values = _values_memo(plan, hp, config, 0) if roots is not None else None
     if roots is not None and values is not None:
         # Equal values at 0 <=> first_divergence(root.hp, hp, 0, steps) > 0 (as 0 < steps).
         root_id = roots.get((0, values))
@@ -95,18 +147,18 @@ def place(plan: Plan, hp: HPConfig, steps: int) -> Placement:
     else:
         for root_id in plan.roots:
             root = plan.nodes[root_id]
-            if first_divergence(root.hp, hp, 0, steps) > 0:
+            if _divergence(plan, root, hp, config, 0, steps) > 0:
                 current = root
                 break
     if current is None:
         return Placement(None, None, 0)
     while True:
-        d = first_divergence(current.hp, hp, current.start_step, steps)
+        d = _divergence(plan, current, hp, config, current.start_step, steps)
         if d >= steps:
             return Placement(current.node_id)
         follow = None
         index = _child_index(plan, current) if current.children else None
-        values = _values_at(hp, d) if index is not None else None
+        values = _values_memo(plan, hp, config, d) if index is not None else None
         if index is not None and values is not None:
             # Equal values at d <=> first_divergence(child.hp, hp, d, steps) > d (as d < steps).
             child_id = index.get((d, values))

@@ -219,6 +219,10 @@ class ProjectionStore:
 
 Listener = Callable[[int, Event], None]
 
+READ_BATCH = 1000
+"""Records a reader that streams a log (``replay verify``, :func:`replay.audit.fold`) reads and
+folds at a time: what it holds at once, whatever the log's length."""
+
 
 @dataclass
 class Folded:

@@ -29,8 +29,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ from events.log import (  # noqa: F401 (KEY_ENV, secret_from: re-exported from t
 from events.models import CheckpointSaved, LogSealed
 from projections.partitions import merge
 from projections.state import State
-from projections.store import ProjectionStore, all_keys, fold_records, snapshot
+from projections.store import READ_BATCH, ProjectionStore, all_keys, fold_records, snapshot
 from replay.decisions import DecisionCheck, replay_partitioned
 
 EXPORT_FORMAT = "stagetree-log"
@@ -72,14 +73,80 @@ def projection_digest(records: dict[bytes, bytes]) -> str:
     return h.hexdigest()
 
 
+class Stream:
+    """One stream of a source, read from the source again each time it is iterated, never held
+    whole in memory (``replay verify`` of a long log holds a bounded number of records).
+
+    Iterating gives every partition's records in turn (partition 0 first), each in the order the
+    source holds them (offset order for a run directory and Kafka; line order for an export).
+    :meth:`partition` is one partition's records, as a re-iterable view. ``len()`` counts the
+    records (a pass over those not counted yet; a pass that reads a partition to its end counts
+    it). ``read(partition)`` yields a partition's records.
+    """
+
+    def __init__(self, name: str, partitions: Iterable[int], read: Callable[[int], Iterator[Record]]) -> None:
+        self.name = name
+        self.partitions = tuple(sorted(set(partitions)))
+        self._read = read
+        self._counts: dict[int, int] = {}
+
+    def partition(self, partition: int) -> Iterable[Record]:
+        """The records of ``partition`` (none when the stream has no such partition)."""
+        return _PartitionView(self, partition)
+
+    def _records(self, partition: int) -> Iterator[Record]:
+        if partition not in self.partitions:
+            return
+        n = 0
+        for record in self._read(partition):
+            n += 1
+            yield record
+        self._counts[partition] = n
+
+    def __iter__(self) -> Iterator[Record]:
+        for partition in self.partitions:
+            yield from self._records(partition)
+
+    def __len__(self) -> int:
+        for partition in self.partitions:
+            if partition not in self._counts:
+                for _ in self._records(partition):
+                    pass
+        return sum(self._counts.values())
+
+    def __bool__(self) -> bool:
+        return any(True for _ in self)
+
+
+@dataclass(frozen=True)
+class _PartitionView:
+    stream: Stream
+    number: int
+
+    def __iter__(self) -> Iterator[Record]:
+        return self.stream._records(self.number)
+
+
+def _embedded_reader(path: Path, name: str, stop: int) -> Callable[[int], Iterator[Record]]:
+    """Reads ``name`` of the embedded log at ``path`` below offset ``stop`` (opened read-only for
+    each pass, without the lock: a running coordinator may hold it)."""
+    def read(partition: int) -> Iterator[Record]:
+        log = EmbeddedLog(path, read_only=True)
+        try:
+            yield from log.read(name, 0, stop, partition=partition)
+        finally:
+            log.close()
+    return read
+
+
 @dataclass
 class Source:
-    """An opened source: its records per stream, the chain algorithm it claims, where its
-    checkpoints are, and the projection to compare with."""
+    """An opened source: its streams (read lazily, :class:`Stream`; records in memory work too),
+    the chain algorithm it claims, where its checkpoints are, and the projection to compare with."""
 
     path: Path
-    kind: str  # "run" | "export"
-    streams: dict[str, list[Record]]
+    kind: str  # "run" | "export" | "kafka"
+    streams: dict[str, Stream | list[Record]]
     chain: str
     checkpoints: str | None  # a directory or s3://BUCKET/PREFIX
     stored_projection: dict[bytes, bytes] | None = None
@@ -111,45 +178,67 @@ def open_run(path: Path, secret: bytes | None, *, as_of_projection: bool = False
         stored = {}  # a projection directory without a database: nothing was stored
     log = EmbeddedLog(path / "log", read_only=True)
     try:
-        streams = {name: list(log.read(name)) for name in log.streams()}
+        ends = {name: log.end_offset(name) for name in log.streams()}  # later appends are not read
         chain = log.chain
     finally:
         log.close()
     left_out = 0
     meta = stored.get(b"meta") if stored is not None else None
-    if as_of_projection and meta is not None and topics.PLAN in streams:
+    if as_of_projection and meta is not None and topics.PLAN in ends:
         upto = orjson.loads(meta)["offset"]
-        plan = streams[topics.PLAN]
-        streams[topics.PLAN] = [r for r in plan if r.offset <= upto]
-        left_out = len(plan) - len(streams[topics.PLAN])
+        left_out = max(0, ends[topics.PLAN] - (upto + 1))
+        ends[topics.PLAN] = min(ends[topics.PLAN], upto + 1)
+    streams: dict[str, Stream | list[Record]] = {
+        name: Stream(name, (0,), _embedded_reader(path / "log", name, end)) for name, end in ends.items()}
     ckpts = path / "checkpoints"
     return Source(path, "run", streams, chain, str(ckpts) if ckpts.is_dir() else None, stored, left_out=left_out)
 
 
+def _export_records(path: Path) -> Iterator[Record]:
+    """The records of the export at ``path``, line by line (the header skipped). Raises
+    AuditError naming the line of a malformed record."""
+    with path.open("rb") as f:
+        next(f, None)
+        for n, line in enumerate(f, start=2):
+            try:
+                o = orjson.loads(line)
+                value = base64.b64decode(o["value_b64"], validate=True) if "value_b64" in o else o["value"].encode()
+                record = Record(o["stream"], int(o["offset"]), o["key"], value, bytes.fromhex(o["chain"]),
+                                int(o.get("partition", 0)))
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise AuditError(f"{str(path)!r} line {n}: malformed record ({type(exc).__name__}: {exc})") from None
+            yield record
+
+
 def open_export(path: Path, checkpoints: str | None = None) -> Source:
-    """Read a JSONL export. Raises AuditError naming the line of a malformed record."""
-    lines = path.read_bytes().splitlines()
-    if not lines:
+    """Open a JSONL export: every line is checked here (a pass that keeps only the streams and
+    partitions it names); the records are read again, line by line, whenever a stream is
+    iterated. Raises AuditError naming the line of a malformed record."""
+    with path.open("rb") as f:
+        raw = f.readline()
+    if not raw:
         raise AuditError(f"{str(path)!r} is empty")
+    first = raw.rstrip(b"\r\n")
     try:
-        header = orjson.loads(lines[0])
+        header = orjson.loads(first)
     except orjson.JSONDecodeError as exc:
         raise AuditError(f"{str(path)!r} line 1: not JSON ({exc})") from None
     if not isinstance(header, dict) or header.get("format") != EXPORT_FORMAT:
-        raise AuditError(f"{str(path)!r} is not a stagetree log export (line 1: {lines[0][:80]!r})")
-    streams: dict[str, list[Record]] = {}
+        raise AuditError(f"{str(path)!r} is not a stagetree log export (line 1: {first[:80]!r})")
     if header.get("version", 1) > EXPORT_VERSION:
         raise AuditError(f"{str(path)!r} is a version {header.get('version')!r} export; this stagetree reads "
                          f"versions 1 to {EXPORT_VERSION}")
-    for n, line in enumerate(lines[1:], start=2):
-        try:
-            o = orjson.loads(line)
-            value = base64.b64decode(o["value_b64"], validate=True) if "value_b64" in o else o["value"].encode()
-            record = Record(o["stream"], int(o["offset"]), o["key"], value, bytes.fromhex(o["chain"]),
-                            int(o.get("partition", 0)))
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise AuditError(f"{str(path)!r} line {n}: malformed record ({type(exc).__name__}: {exc})") from None
-        streams.setdefault(record.stream, []).append(record)
+    partitions: dict[str, set[int]] = {}
+    for record in _export_records(path):
+        partitions.setdefault(record.stream, set()).add(record.partition)
+
+    def reader(name: str) -> Callable[[int], Iterator[Record]]:
+        def read(partition: int) -> Iterator[Record]:
+            return (r for r in _export_records(path) if r.stream == name and r.partition == partition)
+        return read
+
+    streams: dict[str, Stream | list[Record]] = {name: Stream(name, parts, reader(name))
+                                                  for name, parts in partitions.items()}
     return Source(path, "export", streams, header.get("chain", "sha256"), checkpoints,
                   projection_sha256=header.get("projection_sha256"), header=header)
 
@@ -184,11 +273,20 @@ def open_kafka(url: str, checkpoints: str | Path | None = None) -> Source:
     from events.kafka_log import KafkaLog, security_from_env
 
     servers, prefix = kafka_location(url)
-    with KafkaLog(servers, topic_prefix=prefix, security=security_from_env(), read_only=True) as log:
-        streams = {name: [r for p in range(log.partition_count(name)) for r in log.read(name, partition=p)]
-                   for name in (topics.PLAN, topics.DEADLETTER)}
-    return Source(Path(url), "kafka", {k: v for k, v in streams.items() if v}, "sealed",
-                  str(checkpoints) if checkpoints else None)
+    security = security_from_env()
+    with KafkaLog(servers, topic_prefix=prefix, security=security, read_only=True) as log:
+        ends = {name: {p: log.end_offset(name, p) for p in range(log.partition_count(name))}
+                for name in (topics.PLAN, topics.DEADLETTER)}
+
+    def reader(name: str) -> Callable[[int], Iterator[Record]]:
+        def read(partition: int) -> Iterator[Record]:  # up to the end when opened, in batches
+            with KafkaLog(servers, topic_prefix=prefix, security=security, read_only=True) as log:
+                yield from log.read(name, 0, ends[name][partition], partition=partition)
+        return read
+
+    streams: dict[str, Stream | list[Record]] = {name: Stream(name, parts, reader(name))
+                                                  for name, parts in ends.items() if any(parts.values())}
+    return Source(Path(url), "kafka", streams, "sealed", str(checkpoints) if checkpoints else None)
 
 
 def open_source(path: str | Path, secret: bytes | None = None, checkpoints: str | Path | None = None, *,
@@ -281,25 +379,37 @@ def fold(records: Iterable[Record], on_event: Callable[[Record, Any, State], Non
     (:func:`projections.store.fold_records`); ``on_event``/``after`` as there. ``after(-1, state)``
     runs first, on the empty state. Records of several partitions are folded partition by
     partition and their states merged (:func:`projections.partitions.merge`); ``after`` then
-    sees each record's partition's state."""
+    sees each record's partition's state. A :class:`Stream` is read and folded in batches of
+    :data:`projections.store.READ_BATCH` records (what is held at once)."""
     states = {}
     for partition, recs in by_partition(records).items():
         state = states[partition] = State()
         if after is not None and partition == 0:
             after(-1, state)
-        fold_records(state, recs, secret=secret, on_event=on_event, after=after)
+        for batch in batches(recs):
+            fold_records(state, batch, secret=secret, on_event=on_event, after=after)
     return merge(states)
 
 
-def by_partition(records: Iterable[Record]) -> dict[int, list[Record]]:
+def batches(records: Iterable[Record], size: int = READ_BATCH) -> Iterator[list[Record]]:
+    """``records`` in lists of ``size`` (the last one shorter), read as they are needed."""
+    it = iter(records)
+    while batch := list(islice(it, size)):
+        yield batch
+
+
+def by_partition(records: Iterable[Record]) -> dict[int, Iterable[Record]]:
     """Plan-stream records grouped by partition, in offset order within each (partition 0 is
-    always there: an unpartitioned stream is partition 0)."""
+    always there: an unpartitioned stream is partition 0). A :class:`Stream` is not read here:
+    its partitions come as views that read the source when iterated (in the source's order)."""
+    if isinstance(records, Stream):
+        return {p: records.partition(p) for p in sorted({0, *records.partitions})}
     parts: dict[int, list[Record]] = {0: []}
     for r in records:
         parts.setdefault(r.partition, []).append(r)
     for recs in parts.values():
         recs.sort(key=lambda r: r.offset)
-    return parts
+    return dict(parts)
 
 
 def plan_snapshot(records: Iterable[Record], secret: bytes | None = None) -> dict[bytes, bytes]:
@@ -310,7 +420,8 @@ def plan_snapshot(records: Iterable[Record], secret: bytes | None = None) -> dic
     out = {}
     for partition, recs in parts.items():
         state = State()
-        fold_records(state, recs, secret=secret)
+        for batch in batches(recs):
+            fold_records(state, batch, secret=secret)
         if set(parts) == {0}:
             return snapshot(state)
         out.update({f"p{partition}/".encode() + k: v for k, v in snapshot(state).items()})
@@ -360,46 +471,61 @@ def _event_name(record: Record) -> str:
         return "undecodable"
 
 
+def _seal(record: Record) -> LogSealed | None:
+    """The LogSealed event ``record`` holds, or None."""
+    if b'"LogSealed"' not in record.value:
+        return None
+    try:
+        seal = decode(record.value)
+    except InvalidEvent:
+        return None
+    return seal if isinstance(seal, LogSealed) else None
+
+
 def check_seals(source: Source, secret: bytes | None) -> Failure | None:
     """A sealed plan stream (Kafka): recompute each partition's chain and check every LogSealed
     record in it. Offsets increase but may have gaps (transaction markers take offsets and are
     never read); the chain covers every record that is there, so a deleted, inserted or edited
-    record still breaks it at the next seal."""
+    record still breaks it at the next seal.
+
+    Two passes over each partition, holding no records: the first notes the offsets the seals
+    name, the second keeps the chain only at those offsets."""
     algorithm = chain_algorithm(secret)
     for partition, records in sorted(by_partition(source.streams.get(topics.PLAN, [])).items()):
         where = f"stream {topics.PLAN}" + (f" partition {partition}" if partition else "")
-        head, sealed, previous = CHAIN_START, -1, -1
+        named = {seal.offset for seal in map(_seal, records) if seal is not None}
+        head, previous = CHAIN_START, -1
         chain_after: dict[int, bytes] = {}
-        seals: set[int] = set()
+        last_named = max(named, default=-1)  # once every seal is checked: the last offset sealed
+        unsealed: list[int] = []  # the first record after it (not a seal)
+        count_unsealed = 0
         for r in records:
             if r.offset <= previous:
                 return Failure("chain", r.offset, None, f"{where}: offset {r.offset} comes after offset {previous}")
             previous = r.offset
-            if b'"LogSealed"' in r.value:
-                try:
-                    seal = decode(r.value)
-                except InvalidEvent:
-                    seal = None
-                if isinstance(seal, LogSealed):
-                    seals.add(r.offset)
-                    if (seal.partition or 0) != partition:
-                        return Failure("chain", r.offset, seal.type, f"{where}: the seal names partition "
-                                                                      f"{seal.partition or 0}")
-                    if seal.algorithm != algorithm:
-                        return Failure("chain", r.offset, seal.type, f"sealed with {seal.algorithm}, but verification "
-                                                                      f"was given {'a' if secret else 'no'} secret")
-                    if seal.offset >= r.offset:
-                        return Failure("chain", r.offset, seal.type, f"seals offset {seal.offset}, not before itself")
-                    if (chain_after.get(seal.offset) or b"").hex() != seal.chain:
-                        return Failure("chain", r.offset, seal.type,
-                                       f"{where}: the chain up to offset {seal.offset} does not match its seal (a "
-                                       f"record at or before it was edited, inserted, deleted or moved)")
-                    sealed = max(sealed, seal.offset)
+            seal = _seal(r)
+            if seal is not None:
+                if (seal.partition or 0) != partition:
+                    return Failure("chain", r.offset, seal.type, f"{where}: the seal names partition "
+                                                                  f"{seal.partition or 0}")
+                if seal.algorithm != algorithm:
+                    return Failure("chain", r.offset, seal.type, f"sealed with {seal.algorithm}, but verification "
+                                                                  f"was given {'a' if secret else 'no'} secret")
+                if seal.offset >= r.offset:
+                    return Failure("chain", r.offset, seal.type, f"seals offset {seal.offset}, not before itself")
+                if (chain_after.get(seal.offset) or b"").hex() != seal.chain:
+                    return Failure("chain", r.offset, seal.type,
+                                   f"{where}: the chain up to offset {seal.offset} does not match its seal (a "
+                                   f"record at or before it was edited, inserted, deleted or moved)")
+            elif r.offset > last_named:
+                count_unsealed += 1
+                if not unsealed:
+                    unsealed.append(r.offset)
             head = chain_next(head, topics.PLAN, r.offset, r.key, r.value, secret)
-            chain_after[r.offset] = head
-        unsealed = [r.offset for r in records if r.offset > sealed and r.offset not in seals]
+            if r.offset in named:
+                chain_after[r.offset] = head
         if unsealed:
-            return Failure("chain", unsealed[0], None, f"{where}: {len(unsealed)} records from offset {unsealed[0]} "
+            return Failure("chain", unsealed[0], None, f"{where}: {count_unsealed} records from offset {unsealed[0]} "
                                                        "on are not sealed (a study still running, or a truncated seal)")
     return None
 
@@ -426,22 +552,28 @@ def check_chain(source: Source, secret: bytes | None) -> Failure | None:
 
 
 def verify(source: Source, secret: bytes | None = None, progress: Callable[[int], None] | None = None) -> AuditResult:
-    """Run every check on ``source``; see the module docstring. Never raises for a mismatch."""
+    """Run every check on ``source``; see the module docstring. Never raises for a mismatch.
+
+    Memory is flat in the log's length: each check reads the streams again (:class:`Stream`),
+    and the fold holds :data:`projections.store.READ_BATCH` records at a time. What is kept
+    besides the projection: the decision prefixes still to visit and the recomputed decision
+    groups not yet matched (:class:`replay.decisions.DecisionCheck`), the offsets the seals
+    name, and one entry per checkpoint object (not per CheckpointSaved)."""
     result = AuditResult()
     plan = source.streams.get(topics.PLAN, [])
-    result.events = sum(len(v) for v in source.streams.values())
     failure = check_chain(source, secret)
+    result.events = sum(len(v) for v in source.streams.values())  # counted by the chain's pass
     result.add("chain", failure, f"{result.events} records in {len(source.streams)} streams chain correctly "
                                  f"({source.chain})")
 
-    saved: list[tuple[Record, CheckpointSaved]] = []
+    saved: dict[str, tuple[int, str, str, int]] = {}  # checkpoint ref -> (offset, type, node, step) of its first save
     parts = by_partition(plan)
 
     def on_saved(r: Record, event: Any, state: State) -> None:
         if progress is not None:
             progress(1)
-        if isinstance(event, CheckpointSaved):
-            saved.append((r, event))
+        if isinstance(event, CheckpointSaved) and event.ref not in saved:
+            saved[event.ref] = (r.offset, event.type, event.node_id, event.step)
 
     if set(parts) == {0}:
         # A decision records the offset of the last event its decider had folded
@@ -493,16 +625,16 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
         store = open_checkpoint_store(source.checkpoints)
         seen: set[str] = set()
         gone = {ref for ref, obj in state.objects.items() if obj.references == 0}  # evicted or dropped: deleted
-        for r, ev in saved:
-            if ev.ref in seen or ev.ref in gone:
+        for ref, (offset, etype, node_id, step) in saved.items():
+            if ref in gone:
                 continue
-            seen.add(ev.ref)
+            seen.add(ref)
             try:
-                store.get(ev.ref)  # re-hashes the object
+                store.get(ref)  # re-hashes the object
             except (CheckpointMissing, CheckpointCorrupt) as exc:
                 why = "is missing" if isinstance(exc, CheckpointMissing) else "does not match its sha256"
-                failure = Failure("checkpoint", r.offset, ev.type,
-                                  f"checkpoint {ev.ref} of node {ev.node_id} at step {ev.step} {why}")
+                failure = Failure("checkpoint", offset, etype,
+                                  f"checkpoint {ref} of node {node_id} at step {step} {why}")
                 break
         result.add("checkpoint", failure, f"{len(seen)} checkpoint objects exist and match their sha256"
                                           + (f"; {len(gone)} evicted ones are expected missing" if gone else ""))

@@ -21,7 +21,7 @@ is the study file's tuner, run again over the log (``replay verify --study``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,7 @@ from events.models import (
 )
 from projections.partitions import merge
 from projections.state import State
+from projections.store import READ_BATCH
 from scheduler.decide import decide
 from scheduler.eviction import evictions_for_dispatch
 from scheduler.inflight import inflight_decisions
@@ -113,6 +114,8 @@ class DecisionCheck:
     expected: dict[tuple[int, str, Params], list[Event]] = field(default_factory=dict)
     seen: dict[tuple[int, str, Params], int] = field(default_factory=dict)
     where: dict[tuple[int, str, Params], int] = field(default_factory=dict)
+    matched: dict[tuple[int, str, Params], int] = field(default_factory=dict)
+    """Groups recorded in full: their size (their recomputed events are dropped)."""
     checked: dict[str, int] = field(default_factory=dict)
     mismatch: Mismatch | None = None
 
@@ -130,7 +133,7 @@ class DecisionCheck:
                 self.wanted.setdefault(event.decided_at, set()).add(key)  # type: ignore[attr-defined]
 
     def after(self, offset: int, state: State) -> None:
-        for name, params in sorted(self.wanted.get(offset, ()), key=repr):
+        for name, params in sorted(self.wanted.pop(offset, ()), key=repr):
             decider = next(d for d in DECIDERS if d.name == name)
             self.expected[(offset, name, params)] = decider.recompute(state, params)
 
@@ -141,20 +144,23 @@ class DecisionCheck:
         prefix = event.decided_at  # type: ignore[attr-defined]
         key = (prefix, decider.name, decider.params(event))
         self.checked[decider.name] = self.checked.get(decider.name, 0) + 1
-        if key not in self.expected:
+        if key not in self.expected and key not in self.matched:
             self.mismatch = Mismatch(record.offset, event.type,
                                      f"decided at offset {prefix}, which is not before it")
             return
-        index = self.seen.get(key, 0)
+        expected = self.expected.get(key, [])
+        index = self.seen.get(key, self.matched.get(key, 0))
         self.seen[key] = index + 1
         self.where.setdefault(key, record.offset)
-        expected = self.expected[key]
         again = expected[index] if index < len(expected) else None
         if again is None or not same_decision(again, event):
             what = "nothing more" if again is None else decider.describe(again)
             self.mismatch = Mismatch(record.offset, event.type,
                                      f"recorded {decider.describe(event)}; the {decider.name} decider computes {what} "
                                      f"from the prefix up to offset {prefix} (decision {index + 1} of that prefix)")
+        elif index + 1 == len(expected):  # the group is complete: keep its size only
+            self.matched[key] = len(self.expected.pop(key))
+            del self.seen[key], self.where[key]
 
     def finish(self) -> Mismatch | None:
         """The first mismatch, including recorded groups shorter than what is recomputed (a
@@ -197,12 +203,13 @@ def prefix_of(event: DecisionEvent) -> dict[int, int] | None:
     return None if event.decided_at_partitions is None else dict(event.decided_at_partitions)
 
 
-def replay_partitioned(parts: dict[int, list[Record]], fold: Callable[[State, list[Record]], None]
+def replay_partitioned(parts: Mapping[int, Iterable[Record]], fold: Callable[[State, list[Record]], object]
                        ) -> tuple[Mismatch | None, dict[str, int], dict[int, State]]:
     """Recompute the decisions of a partitioned plan stream (``parts``: each partition's
-    records in offset order): ``(first mismatch, decisions checked per decider, each partition's
-    final state)``. ``fold(state, records)`` folds records into a partition's state (the one
-    fold, with the caller's hooks).
+    records in offset order, iterable twice: a first pass notes the decisions, the second folds
+    in batches of at most :data:`projections.store.READ_BATCH` records): ``(first mismatch,
+    decisions checked per decider, each partition's final state)``. ``fold(state, records)``
+    folds records into a partition's state (the one fold, with the caller's hooks).
 
     A decision records the offset of every partition's last folded record
     (``decided_at_partitions``). The decisions of one decider at one prefix form a group,
@@ -213,7 +220,7 @@ def replay_partitioned(parts: dict[int, list[Record]], fold: Callable[[State, li
     (two deciders at once, or one that had not folded its predecessor's decisions) is a
     mismatch too.
     """
-    groups: dict[tuple[tuple[tuple[int, int], ...], str, Params], list[tuple[Record, Event]]] = {}
+    groups: dict[tuple[tuple[tuple[int, int], ...], str, Params], list[tuple[_At, Event]]] = {}
     mismatch: Mismatch | None = None
     for records in parts.values():
         for r in records:
@@ -233,26 +240,36 @@ def replay_partitioned(parts: dict[int, list[Record]], fold: Callable[[State, li
                                                                           "records no prefix of every partition")
                 continue
             key = (tuple(sorted(prefix.items())), decider.name, decider.params(event))
-            groups.setdefault(key, []).append((r, event))
+            groups.setdefault(key, []).append((_At(r.partition, r.offset), event))
     states = {p: State() for p in parts}
-    cursor = {p: 0 for p in parts}
+    readers = {p: iter(records) for p, records in parts.items()}
+    ahead: dict[int, Record] = {}  # per partition, the record read past the last prefix folded to
 
     def advance(partition: int, upto: int) -> None:
-        records, state = parts.get(partition, []), states.setdefault(partition, State())
-        start = i = cursor.setdefault(partition, 0)
-        while i < len(records) and records[i].offset <= upto:
-            i += 1
-        if i > start:
-            fold(state, records[start:i])
-        cursor[partition] = i
+        state, reader = states.setdefault(partition, State()), readers.get(partition)
+        batch: list[Record] = []
+        while reader is not None:
+            r = ahead.pop(partition, None) or next(reader, None)
+            if r is None:
+                readers.pop(partition)
+                break
+            if r.offset > upto:
+                ahead[partition] = r
+                break
+            batch.append(r)
+            if len(batch) == READ_BATCH:
+                fold(state, batch)
+                batch = []
+        if batch:
+            fold(state, batch)
 
     checked: dict[str, int] = {}
     for key in sorted(groups, key=lambda k: (sum(o for _, o in k[0]), k[0], k[1], repr(k[2]))):
         if mismatch is not None:
             break
         prefix, name, params = dict(key[0]), key[1], key[2]
-        recorded = sorted(groups[key], key=lambda x: (x[0].partition, x[0].offset))
-        r, first = recorded[0]
+        recorded = sorted(groups.pop(key), key=lambda x: (x[0].partition, x[0].offset))
+        at, first = recorded[0]
         checked[name] = checked.get(name, 0) + len(recorded)
         late = [rec for rec, _ in recorded if prefix.get(rec.partition, -1) >= rec.offset]
         if late:
@@ -261,7 +278,7 @@ def replay_partitioned(parts: dict[int, list[Record]], fold: Callable[[State, li
             break
         behind = [p for p, o in prefix.items() if states.setdefault(p, State()).offset > o]
         if behind:
-            mismatch = Mismatch(r.offset, first.type, f"its prefix {_text(prefix)} is behind a decision checked "
+            mismatch = Mismatch(at.offset, first.type, f"its prefix {_text(prefix)} is behind a decision checked "
                                                       f"before it in partition {behind[0]} (two deciders at once?)")
             break
         for p, o in prefix.items():
@@ -274,12 +291,20 @@ def replay_partitioned(parts: dict[int, list[Record]], fold: Callable[[State, li
         got = sorted(repr(sorted(e.payload().items())) for _, e in recorded)
         if got != want:
             what = "nothing" if not again else "; ".join(decider.describe(e) for e in again)
-            mismatch = Mismatch(r.offset, first.type,
+            mismatch = Mismatch(at.offset, first.type,
                                 f"recorded {'; '.join(decider.describe(e) for _, e in recorded)}; the {name} decider "
                                 f"computes {what} from the prefix {_text(prefix)}")
-    for p, records in parts.items():
-        advance(p, records[-1].offset if records else -1)
+    for p in parts:
+        advance(p, 2**63)  # the rest of every partition
     return mismatch, checked, states
+
+
+@dataclass(frozen=True)
+class _At:
+    """Where a recorded decision is (its record's bytes are not kept)."""
+
+    partition: int
+    offset: int
 
 
 def _text(prefix: dict[int, int]) -> str:

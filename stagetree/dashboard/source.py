@@ -98,8 +98,7 @@ class RunDirSource:
     def verify(self) -> dict[str, Any]:
         source = open_source(self.path, self._secret, as_of_projection=True)
         result = verify(source, self._secret).as_dict()
-        plan = source.streams.get(topics.PLAN, [])
-        upto = plan[-1].offset if plan else -1
+        upto = max((r.offset for r in source.streams.get(topics.PLAN, [])), default=-1)
         scope = f"the run directory's log up to plan offset {upto}, the offset of its stored projection"
         if source.left_out:
             scope += f" ({source.left_out} later records were appended meanwhile; verify again after the run)"
@@ -122,7 +121,7 @@ class ExportSource:
         self.label = str(self.path)
         self._secret = secret
         try:
-            self._records: list[Record] | None = open_export(self.path).streams.get(topics.PLAN, [])
+            self._records: list[Record] | None = list(open_export(self.path).streams.get(topics.PLAN, []))
         except AuditError as exc:
             raise SourceError(str(exc)) from None
 

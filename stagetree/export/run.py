@@ -16,7 +16,7 @@ same model state, by DESIGN.md invariant 1); its final metrics are those of ``su
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ import orjson
 from events import topics
 from events.codec import InvalidEvent, decode
 from events.hp import config_to_json, hp_from_json
+from events.log import Record
 from events.models import MetricsReported, StudyStarted, TrialSubmitted
 from projections import queries
 from projections.queries import Segment
@@ -191,7 +192,7 @@ def read_run(source: str | Path, study: str | None = None) -> RunView:
         opened = open_source(source)
     except AuditError as exc:
         raise RunReadError(str(exc)) from None
-    records = opened.streams.get(topics.PLAN, [])
+    records: Iterable[Record] = opened.streams.get(topics.PLAN, [])
     state = fold(records)
     times: dict[tuple[str, str, int], float] = {}
     submitted: dict[str, float] = {}

@@ -1,0 +1,87 @@
+"""``replay verify`` streams the log (issue 15 goal 4): whatever the log's length, it holds a
+bounded number of records at once, and what it checks is what the whole-log fold gives."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from events import topics
+from events.codec import encode
+from events.hp import Constant, MultiStep
+from events.log import EmbeddedLog, Record, event_key
+from projections.state import State
+from projections.store import READ_BATCH, fold_records, snapshot
+from replay.audit import Stream, fold, open_source, verify
+from scheduler.simulation import Simulation
+
+
+def _write_log(path: Path, events: int) -> int:
+    """A real log of at least ``events`` events: the reducer and scheduler with simulated instant
+    workers (as benchmarks/replay.py), trials extended every 10 steps. Returns its length."""
+    sim = Simulation(workers=2)
+    configs = [{"lr": MultiStep(0.1, (m,), 0.5), "bs": Constant(b)} for m in (20, 40) for b in (32, 64)]
+    step = 10
+    while len(sim.events) < events:
+        for i, hp in enumerate(configs):
+            sim.submit(f"t{i}", hp, step)
+        sim.run()
+        step += 10
+    with EmbeddedLog(path / "log", sync=False) as log:
+        log.append_many(topics.PLAN, [(event_key(e), encode(e)) for e in sim.events])
+        return log.end_offset(topics.PLAN)
+
+
+class _Tracked(Record):
+    """A record whose release can be observed (Record has slots, hence no weak references)."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _Held:
+    """Counts the records a reader handed out that are still alive, and the most at once."""
+
+    def __init__(self) -> None:
+        self.alive = self.peak = self.read = 0
+
+    def _released(self) -> None:
+        self.alive -= 1
+
+    def wrap(self, read: Callable[[int], Iterator[Record]]) -> Callable[[int], Iterator[Record]]:
+        def tracked(partition: int) -> Iterator[Record]:
+            for r in read(partition):
+                record = _Tracked(r.stream, r.offset, r.key, r.value, r.chain, r.partition)
+                weakref.finalize(record, self._released)
+                self.alive += 1
+                self.read += 1
+                self.peak = max(self.peak, self.alive)
+                yield record
+        return tracked
+
+
+def test_verify_holds_a_bounded_number_of_records(tmp_path: Path) -> None:
+    n = _write_log(tmp_path, 4 * READ_BATCH)
+    source = open_source(tmp_path)
+    held = _Held()
+    stream = source.streams[topics.PLAN]
+    source.streams[topics.PLAN] = Stream(stream.name, stream.partitions, held.wrap(stream._read))
+
+    result = verify(source)
+
+    assert result.ok, result.first_failure
+    assert result.events == n >= 4 * READ_BATCH
+    assert held.read >= 3 * n  # the chain, the decisions' prefixes and the fold each read the log again
+    # a batch being folded and the next one being read: never the whole log
+    assert held.peak <= 2 * READ_BATCH + 1 < n
+    assert held.alive == 0
+
+
+def test_streamed_fold_equals_the_fold_of_the_whole_log(tmp_path: Path) -> None:
+    n = _write_log(tmp_path, 2 * READ_BATCH + 7)
+    stream = open_source(tmp_path).streams[topics.PLAN]
+    records = list(stream)
+    assert len(records) == len(stream) == n
+    whole = State()
+    fold_records(whole, records)  # one call over the whole log
+    assert snapshot(fold(stream)) == snapshot(whole)
