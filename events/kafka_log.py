@@ -516,18 +516,11 @@ class KafkaLog:
             return on_delivery
 
         enqueue_error: BaseException | None = None
-        for i, (topic, partition, kb, vb) in enumerate(records):
-            while True:
-                try:
-                    producer.produce(topic, value=vb, key=kb, partition=partition, on_delivery=report(i),
-                                     headers=trace_headers(vb))
-                    break
-                except BufferError:  # local queue full: serve delivery reports and retry
-                    producer.poll(0.05)
-                except KafkaException as exc:
-                    enqueue_error = exc
-                    break
-            if enqueue_error is not None:
+        for i, record in enumerate(records):
+            try:
+                _produce(producer, record, report(i))
+            except KafkaException as exc:
+                enqueue_error = exc
                 records = records[:i]
                 break
         deadline = time.monotonic() + self.timeout_s + 5
@@ -841,6 +834,23 @@ class TransactionAborted(KafkaLogError):
     ``read_committed`` readers; the caller may decide again and retry."""
 
 
+def _produce(producer: Producer, record: tuple[str, int, bytes, bytes], on_delivery: Callable[..., None]) -> None:
+    """Enqueue ``(topic, partition, key, value)`` with its trace headers, serving delivery
+    reports while the local queue is full.
+
+    Raises:
+        KafkaException: the record cannot be enqueued (e.g. larger than the producer allows).
+    """
+    topic, partition, key, value = record
+    while True:
+        try:
+            producer.produce(topic, value=value, key=key, partition=partition, on_delivery=on_delivery,
+                             headers=trace_headers(value))
+            return
+        except BufferError:  # local queue full: serve delivery reports and retry
+            producer.poll(0.05)
+
+
 _FENCED_CODES = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH})
 
 
@@ -951,14 +961,8 @@ class TransactionalAppender:
         except KafkaException as exc:
             raise self._error(exc, "begin") from exc
         try:
-            for i, (topic, partition, kb, vb) in enumerate(records):
-                while True:
-                    try:
-                        producer.produce(topic, value=vb, key=kb, partition=partition, on_delivery=report(i),
-                                         headers=trace_headers(vb))
-                        break
-                    except BufferError:
-                        producer.poll(0.05)
+            for i, record in enumerate(records):
+                _produce(producer, record, report(i))
             left = producer.flush(self.timeout_s)
             failed = [r for r in reports if r is None or r[0] is not None]
             if left or failed:

@@ -13,13 +13,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from kafka_cluster import kafka_log, plan_records, wait_for
 
 from events import topics
 from events.codec import decode
-from events.kafka_log import TransactionalAppender, event_writes
+from events.kafka_log import KafkaLog, TransactionalAppender, event_writes
 from events.models import LogSealed, WorkerJoined
 from scheduler.role import SchedulerRole, role_transactional_id
 from stagetree.serve import ensure_topics
@@ -30,40 +32,55 @@ def _seals_by(log, producer: str, after: float) -> list[LogSealed]:  # type: ign
             if isinstance(e, LogSealed) and e.producer == producer and e.ts > after]
 
 
-def test_a_fenced_role_still_granted_takes_the_role_over_again(deployment: dict[str, str],
-                                                                caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="scheduler.role")
+@contextmanager
+def _holding_the_role(deployment: dict[str, str], instance: str, regrant_after_s: float
+                      ) -> Iterator[tuple[SchedulerRole, KafkaLog]]:
+    """A scheduler role running in a thread, granted the role and holding it, and a transport
+    of the deployment; the role is stopped on leaving."""
     log = kafka_log(deployment)
     ensure_topics(log)
-    role = SchedulerRole(kafka_log(deployment), instance="X", heartbeat_timeout_s=600, seal_interval_s=0.2,
-                         regrant_after_s=2.0)
+    role = SchedulerRole(kafka_log(deployment), instance=instance, heartbeat_timeout_s=600, seal_interval_s=0.2,
+                         regrant_after_s=regrant_after_s)
     thread = threading.Thread(target=role.run, name="scheduler-role", daemon=True)
     thread.start()
     try:
         role.grant()
         wait_for(lambda: role.acquired_at is not None, "the role to be taken over", 60)
-        first = role.acquired_at
-        # a successor registers the role's transactional.id and is gone before deciding anything
-        successor = TransactionalAppender(log, role_transactional_id(log))
-        successor.start()
-        successor.close()
-        fenced_at = time.time()
-        # something to seal: the role's next transaction finds itself fenced
-        writer = TransactionalAppender(log, log.topic("test-writer"))
-        writer.append(event_writes(topics.PLAN, [WorkerJoined(producer="test", ts=time.time(), worker_id="w9",
-                                                              device="cpu")], log.partition_count(topics.PLAN)))
-        writer.close()
-        wait_for(lambda: "the scheduler role was taken over by another instance" in caplog.text,
-                 "the role to find itself fenced", 60)
-        wait_for(lambda: role.acquired_at != first, "the role to be taken over again", 60)
-        assert "still grants this instance the scheduler role" in caplog.text
-        assert role.acquired_at is not None and role.acquired_at - fenced_at >= 2.0  # not before regrant_after_s
-        wait_for(lambda: bool(_seals_by(log, "serve:X", role.acquired_at or 0.0)), "a seal after the take-over", 60)
+        yield role, log
     finally:
         role.stop.set()
         thread.join(timeout=30)
         log.close()
     assert not thread.is_alive()
+
+
+def _fence(role: SchedulerRole, log: KafkaLog, caplog: pytest.LogCaptureFixture) -> TransactionalAppender:
+    """Start a successor's producer with the role's transactional.id, give the role something to
+    seal, and wait until its next transaction finds it fenced; returns the successor."""
+    successor = TransactionalAppender(log, role_transactional_id(log))
+    successor.start()
+    writer = TransactionalAppender(log, log.topic("test-writer"))
+    writer.append(event_writes(topics.PLAN, [WorkerJoined(producer="test", ts=time.time(), worker_id="w9",
+                                                          device="cpu")], log.partition_count(topics.PLAN)))
+    writer.close()
+    wait_for(lambda: "the scheduler role was taken over by another instance" in caplog.text,
+             "the role to find itself fenced", 60)
+    return successor
+
+
+def test_a_fenced_role_still_granted_takes_the_role_over_again(deployment: dict[str, str],
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A successor registers the role's transactional.id and is gone before deciding anything:
+    after ``regrant_after_s`` the role, still granted, takes itself over again and decides."""
+    caplog.set_level(logging.WARNING, logger="scheduler.role")
+    with _holding_the_role(deployment, "X", regrant_after_s=2.0) as (role, log):
+        first = role.acquired_at
+        fenced_at = time.time()
+        _fence(role, log, caplog).close()
+        wait_for(lambda: role.acquired_at != first, "the role to be taken over again", 60)
+        assert "still grants this instance the scheduler role" in caplog.text
+        assert role.acquired_at is not None and role.acquired_at - fenced_at >= 2.0  # not before regrant_after_s
+        wait_for(lambda: bool(_seals_by(log, "serve:X", role.acquired_at or 0.0)), "a seal after the take-over", 60)
 
 
 def test_a_fenced_role_the_group_revoked_stays_out(deployment: dict[str, str],
@@ -71,31 +88,11 @@ def test_a_fenced_role_the_group_revoked_stays_out(deployment: dict[str, str],
     """Fenced, and then revoked by the group (a zombie that learned it was replaced): it does not
     take the role over again, however long it waits."""
     caplog.set_level(logging.WARNING, logger="scheduler.role")
-    log = kafka_log(deployment)
-    ensure_topics(log)
-    role = SchedulerRole(kafka_log(deployment), instance="Z", heartbeat_timeout_s=600, seal_interval_s=0.2,
-                         regrant_after_s=4.0)
-    thread = threading.Thread(target=role.run, name="scheduler-role", daemon=True)
-    thread.start()
-    try:
-        role.grant()
-        wait_for(lambda: role.acquired_at is not None, "the role to be taken over", 60)
+    with _holding_the_role(deployment, "Z", regrant_after_s=4.0) as (role, log):
         first = role.acquired_at
-        successor = TransactionalAppender(log, role_transactional_id(log))
-        successor.start()
-        writer = TransactionalAppender(log, log.topic("test-writer"))
-        writer.append(event_writes(topics.PLAN, [WorkerJoined(producer="test", ts=time.time(), worker_id="w9",
-                                                              device="cpu")], log.partition_count(topics.PLAN)))
-        writer.close()
-        wait_for(lambda: "the scheduler role was taken over by another instance" in caplog.text,
-                 "the role to find itself fenced", 60)
+        successor = _fence(role, log, caplog)
         role.revoke()
         time.sleep(5.0)  # past regrant_after_s: nothing may happen
         assert role.acquired_at == first
         assert "still grants this instance" not in caplog.text
         successor.close()
-    finally:
-        role.stop.set()
-        thread.join(timeout=30)
-        log.close()
-    assert not thread.is_alive()
