@@ -268,10 +268,15 @@ def replay_partitioned(parts: Mapping[int, Iterable[Record]], fold: Callable[[St
         if mismatch is not None:
             break
         prefix, name, params = dict(key[0]), key[1], key[2]
-        recorded = sorted(groups.pop(key), key=lambda x: (x[0].partition, x[0].offset))
+        copies = sorted(groups.pop(key), key=lambda x: (x[0].partition, x[0].offset))
+        late = [rec for rec, _ in copies if prefix.get(rec.partition, -1) >= rec.offset]
+        # a broadcast decision (WorkerLost) is one event with a copy in every partition
+        recorded: list[tuple[_At, Event]] = []
+        for rec, e in copies:
+            if all(e.event_id != other.event_id for _, other in recorded):
+                recorded.append((rec, e))
         at, first = recorded[0]
         checked[name] = checked.get(name, 0) + len(recorded)
-        late = [rec for rec, _ in recorded if prefix.get(rec.partition, -1) >= rec.offset]
         if late:
             mismatch = Mismatch(late[0].offset, first.type, f"decided at offset {prefix.get(late[0].partition)} of "
                                                             f"partition {late[0].partition}, which is not before it")

@@ -17,14 +17,16 @@ import pytest
 from partitioned import as_partitioned, separating
 
 from events import topics
-from events.codec import decode
+from events.codec import decode, encode
 from events.decisions import Draw, Promote, Ranking, Stop
 from events.log import CHAIN_START, Record, chain_next
-from events.models import TunerDecided
+from events.models import TunerDecided, WorkerJoined, WorkerLost
 from gpu_worker.simulated import FormulaCurve
 from projections.reducer import Rejected, apply
 from projections.state import State
+from projections.store import fold_records
 from replay.audit import Source, export_log, open_source
+from replay.decisions import replay_partitioned
 from replay.tuner import check_study, plan_events
 from stagetree import (
     ASHA,
@@ -406,3 +408,35 @@ def test_decisions_recompute_from_a_partitioned_plan_stream(merge: bool, tmp_pat
 
     failed = check_study(source, "asha", other, trainer).failure
     assert failed is not None and "recorded " in failed.detail
+
+
+def _broadcast(events: list[Any], partitions: int) -> dict[int, list[Record]]:
+    """Every event to every partition (as the Kafka transport writes WorkerJoined and WorkerLost),
+    each encoded once: its copies are one event (one event_id); offsets with gaps."""
+    parts: dict[int, list[Record]] = {p: [] for p in range(partitions)}
+    for i, event in enumerate(events):
+        value = encode(event)
+        for p in range(partitions):
+            parts[p].append(Record(topics.PLAN, 2 * i + 1, "worker", value, b"", p))
+    return parts
+
+
+def test_a_worker_lost_broadcast_to_every_partition_is_one_decision_checked_once() -> None:
+    """``stagetree serve`` writes a WorkerLost it decided to every plan partition: verify checks
+    it once (the worker was alive in its prefix), and still catches a second, different decision
+    at the same prefix and one about a worker that was not alive there."""
+    prefix = {p: 1 for p in range(3)}
+    joined = WorkerJoined(worker_id="w0", device="cpu")
+
+    def lost(worker_id: str = "w0") -> WorkerLost:
+        return WorkerLost(worker_id=worker_id, reason="no heartbeat for 3 s", decided_at_partitions=prefix)
+
+    def check(events: list[Any]) -> tuple[Any, dict[str, int]]:
+        mismatch, checked, _ = replay_partitioned(_broadcast(events, 3), lambda st, recs: fold_records(st, recs))
+        return mismatch, checked
+
+    assert check([joined, lost()]) == (None, {"liveness": 1})
+    twice, _ = check([joined, lost(), lost()])
+    assert twice is not None and "computes w0 lost" in twice.detail, twice
+    stranger, _ = check([joined, lost("w9")])
+    assert stranger is not None and "computes nothing" in stranger.detail, stranger
