@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import os
 import signal
 import socket
@@ -549,6 +550,7 @@ def console_main() -> None:
     import atexit
     import threading
 
+    dump_stacks_on_sigusr1()
     try:
         code: int | str | None = main()
     except SystemExit as exc:  # argparse: --help, bad arguments (any other error: the interpreter's path)
@@ -565,5 +567,13 @@ def console_main() -> None:
     os._exit(code or 0)
 
 
+def dump_stacks_on_sigusr1() -> None:
+    """In a ``stagetree`` process, ``kill -USR1 <pid>`` prints the stack of every thread to
+    stderr and the process goes on: where a serve or a worker waits, for an operator (or a test
+    that timed out)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 if __name__ == "__main__":
+    dump_stacks_on_sigusr1()
     sys.exit(main())

@@ -73,6 +73,12 @@ def spawn(cmd: list[str], env: dict[str, str], log: Path | None = None) -> subpr
                             start_new_session=True)
 
 
+def _tail(text: str, lines: int = 150) -> str:
+    """The last ``lines`` lines of ``text`` other than librdkafka's connection complaints."""
+    kept = [line for line in text.splitlines() if "Connection refused" not in line and "Connect to ipv4" not in line]
+    return "\n".join(kept[-lines:])
+
+
 def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -170,7 +176,23 @@ class Deployment:
         return proc
 
     def finish(self, run: subprocess.Popen[bytes], timeout: float = 900) -> None:
-        _, err = run.communicate(timeout=timeout)
+        """Wait for the study ``run`` to end, and check it succeeded. When it does not end in
+        ``timeout`` seconds, every process of the deployment prints its threads' stacks (SIGUSR1,
+        see ``stagetree.cli.main``) and the failure shows them with each one's output."""
+        try:
+            _, err = run.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for proc in self.procs:
+                if proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(2)
+            run.kill()
+            _, err = run.communicate()
+            names = [*self.serves, *self.workers]
+            raise AssertionError(f"the study did not end in {timeout:g} s; its stderr (stacks at the end):\n"
+                                 + _tail(err.decode(errors="replace"))
+                                 + "".join(f"\n--- {name} (stacks at the end):\n{_tail(self.output(name))}"
+                                           for name in names)) from None
         assert run.returncode == 0, err.decode()
 
     def close(self) -> None:
