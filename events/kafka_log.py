@@ -42,7 +42,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -269,6 +269,10 @@ class KafkaLog:
         self._max_record = int(extra.get("message.max.bytes", 1_000_000)) - _RECORD_OVERHEAD
 
         base: dict[str, Any] = {
+            # Every client is back within about a second of a broker's return (librdkafka's
+            # default backs off up to 10 s), so a worker's beats resume before the scheduler
+            # role's grace after an outage ends (scheduler/role.py).
+            "reconnect.backoff.max.ms": 1000,
             **extra,
             "bootstrap.servers": bootstrap_servers,
             "client.id": client_id,
@@ -775,16 +779,24 @@ class Follower:
             out.append(record)
         return out
 
-    def end_offsets(self) -> dict[tuple[str, int], int]:
-        """The high watermark of every followed partition now (an open transaction can keep a
-        ``read_committed`` reader below it until it ends)."""
+    def end_offsets(self, partitions: Iterable[tuple[str, int]] | None = None, timeout_s: float | None = None
+                    ) -> dict[tuple[str, int], int]:
+        """The high watermark now of every ``(stream, partition)`` in ``partitions`` (default:
+        every followed one), asking the broker (an open transaction can keep a ``read_committed``
+        reader below it until it ends).
+
+        Raises:
+            KafkaLogError: the cluster did not answer within ``timeout_s`` per partition
+                (default: the log's timeout).
+        """
+        timeout = self.log.timeout_s if timeout_s is None else timeout_s
         out = {}
-        for stream, partition in self.positions:
-            deadline = time.monotonic() + self.log.timeout_s
+        for stream, partition in (self.positions if partitions is None else partitions):
+            deadline = time.monotonic() + timeout
             while True:
                 try:
                     _low, high = self._consumer.get_watermark_offsets(
-                        TopicPartition(self.log.topic(stream), partition), timeout=self.log.timeout_s, cached=False)
+                        TopicPartition(self.log.topic(stream), partition), timeout=timeout, cached=False)
                     break
                 except KafkaException as exc:
                     err = exc.args[0]

@@ -89,7 +89,8 @@ class HeartbeatMonitor:
 
     def silent(self, state: State, now: float) -> list[str]:
         """Alive workers (in ``state``) silent for longer than the timeout; a worker never heard
-        from gets the timeout as grace from the first check."""
+        from gets the timeout as grace from the first check. A worker stays silent until a beat
+        arrives or ``state`` shows it gone (the decision was folded)."""
         out = []
         for worker_id, worker in sorted(state.workers.items()):
             if not worker.alive:
@@ -98,7 +99,6 @@ class HeartbeatMonitor:
             seen = self.last.setdefault(worker_id, now)
             if now - seen > self.timeout_s:
                 out.append(worker_id)
-                self.last.pop(worker_id)
         return out
 
 
@@ -233,6 +233,8 @@ class SchedulerRole:
         self._refused = 0  # a generation under which this instance was fenced
         self._refused_at = 0.0  # when (monotonic seconds)
         self._lock = threading.Lock()
+        self._heard = -1  # the last offset of the heartbeat partition read (faust's thread)
+        self._pending_since: float | None = None  # when beats were first seen unread (clock)
         self._beats: queue.SimpleQueue[tuple[str, float]] = queue.SimpleQueue()
         self._bad_beats: queue.SimpleQueue[DeadLettered] = queue.SimpleQueue()
         self.acquired_at: float | None = None  # epoch seconds of the latest take-over
@@ -252,11 +254,19 @@ class SchedulerRole:
         with self._lock:
             self._granted = -abs(self._granted)
 
-    def beat(self, worker_id: str) -> None:
+    def beat(self, worker_id: str, offset: int = -1) -> None:
+        """A beat of ``worker_id`` was read at ``offset`` of the heartbeat partition."""
         self._beats.put((worker_id, self.clock()))
+        self.heard(offset)
 
-    def bad_beat(self, letter: DeadLettered) -> None:
+    def bad_beat(self, letter: DeadLettered, offset: int = -1) -> None:
         self._bad_beats.put(letter)
+        self.heard(offset)
+
+    def heard(self, offset: int) -> None:
+        """The heartbeat partition was read up to ``offset`` (included)."""
+        with self._lock:
+            self._heard = max(self._heard, offset)
 
     # ------------------------------------------------------------------ the loop
 
@@ -344,9 +354,9 @@ class SchedulerRole:
         """Take the role over or drop it as the latest grant says; whether it is held now."""
         with self._lock:
             granted = self._granted
-        if granted == self._refused and time.monotonic() - self._refused_at > self.regrant_after_s:
-            log.warning("serve %s: fenced %g s ago, but the group still grants this instance the scheduler "
-                        "role: taking it over again", self.instance, self.regrant_after_s)
+        if self._refused and granted == self._refused and time.monotonic() - self._refused_at > self.regrant_after_s:
+            log.warning("serve %s: fenced %.0f s ago, but the group still grants this instance the scheduler "
+                        "role: taking it over again", self.instance, time.monotonic() - self._refused_at)
             self._refused = 0
         if granted <= 0 or granted == self._refused:
             if self._held:
@@ -420,6 +430,9 @@ class SchedulerRole:
             return
         lost = self.monitor.silent(self.fold.state, self.clock())
         if not lost:
+            self._pending_since = None
+            return
+        if not self._beats_all_read():
             return
         prefix = self.decisions.prefix()
         events: list[DecisionEvent] = [
@@ -430,6 +443,29 @@ class SchedulerRole:
                   if isinstance(e, WorkerLost)]
         self.decisions.append(events, copies)
         self._fresh = True
+
+    def _beats_all_read(self) -> bool:
+        """Whether a silence is evidence about the workers rather than about the cluster: asks
+        the broker for the heartbeat partition's end. Unreachable: nobody's beats can arrive, so
+        nobody is judged until ``grace_s`` after the last failed attempt (beats buffered by the
+        workers are delivered once they reconnect). Beats written but not read yet (this
+        instance's group consumer is reconnecting or rejoining): judged once they are read, or
+        after one heartbeat timeout at most (a record that is not a beat may hold an offset)."""
+        try:
+            end = self.follower.end_offsets([(topics.HEARTBEAT, 0)], timeout_s=2.0)[(topics.HEARTBEAT, 0)]
+        except KafkaLogError as exc:
+            log.info("serve %s: no worker is judged while the cluster does not answer: %s", self.instance, exc)
+            self.judging_from = self.clock() + self.grace_s
+            return False
+        with self._lock:
+            heard = self._heard
+        now = self.clock()
+        if heard + 1 >= end:
+            self._pending_since = None
+            return True
+        if self._pending_since is None:
+            self._pending_since = now
+        return now - self._pending_since > self.monitor.timeout_s
 
     def _dead_letters(self) -> None:
         letters = []

@@ -168,9 +168,9 @@ class Serve:
             except ValueError as exc:  # dead-lettered by the role, never skipped silently
                 reason = f"not a heartbeat ({exc}); a heartbeat is {{\"worker_id\": ..., \"ts\": ...}}"
                 self.role.bad_beat(dead_letter(topics.HEARTBEAT, message.offset, bytes(message.value or b""), reason,
-                                               producer=f"serve:{self.instance}"))
+                                               producer=f"serve:{self.instance}"), message.offset)
                 continue
-            self.role.beat(worker_id)
+            self.role.beat(worker_id, message.offset)
 
     async def _assigned(self, app, assigned, **kwargs) -> None:  # type: ignore[no-untyped-def]
         plan = sorted(tp.partition for tp in assigned if tp.topic == self.plan_topic)

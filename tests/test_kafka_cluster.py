@@ -156,7 +156,8 @@ def test_a_broker_restart_mid_study(embedded: Path, infra_env: dict[str, str], p
                                     tmp_path: Path) -> None:
     """The broker stops (cleanly) in the middle of a study and comes back a few seconds later:
     the serve instance, the workers and the SDK reconnect by themselves, and the study finishes
-    with the same per-trial results as embedded mode; the log verifies."""
+    with the same per-trial results as embedded mode; the log verifies. No worker is declared
+    lost: the beats it could not send while the broker was away are no evidence against it."""
     tag = uuid.uuid4().hex[:10]
     env = {**os.environ, **infra_env, "STAGETREE_BOOTSTRAP_SERVERS": private_broker.bootstrap,
            "STAGETREE_TOPIC_PREFIX": f"restart-{tag}.", "STAGETREE_CHECKPOINT_STORE": f"s3://stagetree/test-{tag}"}
@@ -180,3 +181,5 @@ def test_a_broker_restart_mid_study(embedded: Path, infra_env: dict[str, str], p
     assert_no_duplicate_or_conflicting_decisions(state, events)
     assert_what_must_hold_after_faults(env, tmp_path / "run", embedded, [cluster.state_dir("A")])
     verify_deployment(env)
+    judged = [e for e in events if isinstance(e, WorkerLost) and e.producer.startswith("serve:")]
+    assert not judged, [(e.worker_id, e.reason) for e in judged]

@@ -44,6 +44,7 @@ def _holding_the_role(deployment: dict[str, str], instance: str, regrant_after_s
     thread = threading.Thread(target=role.run, name="scheduler-role", daemon=True)
     thread.start()
     try:
+        wait_for(role.ready.is_set, "the standby fold to catch up", 60)  # running, not granted yet
         role.grant()
         wait_for(lambda: role.acquired_at is not None, "the role to be taken over", 60)
         yield role, log
@@ -86,7 +87,7 @@ def test_a_fenced_role_still_granted_takes_the_role_over_again(deployment: dict[
 def test_a_fenced_role_the_group_revoked_stays_out(deployment: dict[str, str],
                                                   caplog: pytest.LogCaptureFixture) -> None:
     """Fenced, and then revoked by the group (a zombie that learned it was replaced): it does not
-    take the role over again, however long it waits."""
+    take the role over again, however long it waits (nor claims to, before its first grant)."""
     caplog.set_level(logging.WARNING, logger="scheduler.role")
     with _holding_the_role(deployment, "Z", regrant_after_s=4.0) as (role, log):
         first = role.acquired_at
