@@ -489,3 +489,30 @@ def test_determinism_is_set_without_importing_torchs_compiler() -> None:
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_steps_seed_the_cpu_generator_as_torch_manual_seed_does_without_queuing_accelerator_seeds() -> None:
+    """A CPU session's per-step seeding (``seed_global_rng``) draws what ``torch.manual_seed``
+    draws, and queues no lazy seed for an accelerator this process never initialised
+    (``torch.manual_seed`` formats the caller's whole stack for each: a fifth of a small step)."""
+    import subprocess
+
+    code = ("import torch\n"
+            "from gpu_worker.session import TrainingSession, seed_global_rng\n"
+            "torch.manual_seed(11); a = torch.rand(5)\n"
+            "seed_global_rng(11, torch.device('cpu')); b = torch.rand(5)\n"
+            "assert torch.equal(a, b), (a, b)\n"
+            "tracker = torch.cuda._lazy_seed_tracker\n"
+            "tracker.manual_seed_all_cb = tracker.manual_seed_cb = None; tracker.call_order = []\n"
+            "queued = len(torch.cuda._queued_calls)\n"
+            "import sys; sys.path.insert(0, 'examples')\n"
+            "from digits import DigitsTrainer\n"
+            "from events.hp import Constant\n"
+            "s = TrainingSession(DigitsTrainer(), 3)\n"
+            "s.start_fresh(); s.train({'lr': Constant(0.1), 'batch_size': Constant(8), 'momentum': Constant(0.0)}, 20)\n"
+            "assert tracker.call_order == [] and tracker.manual_seed_all_cb is None, tracker.call_order\n"
+            "assert len(torch.cuda._queued_calls) == queued\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "ok", out.stderr
