@@ -180,6 +180,9 @@ class EmbeddedLog:
     ``durable=False`` leaves the fsync to the next durable append (or :meth:`sync`): such records
     survive a kill -9 (they are in the operating system's hands) and, on a power loss, only a
     tail of them after the last durable append can be lost (the write-ahead log keeps order).
+    :meth:`sync_soon` is a group commit: a background thread makes everything appended so far
+    durable (one fsync of the write-ahead log, milliseconds, while appends go on), so a writer
+    that needs durability soon but not before it goes on pays no fsync per append.
     The log is the one writer of its streams, so it also writes each stream's hash chain
     (:func:`chain_next`), keyed with ``secret`` when given; the algorithm is recorded in the
     database and the same secret is needed to append again.
@@ -240,6 +243,9 @@ class EmbeddedLog:
         self._lazy = WriteOptions()  # appends with durable=False: the next durable write syncs them
         self._lazy.sync = False
         self._lock = threading.Lock()
+        self._sync_wanted = threading.Event()  # sync_soon() was called since the syncer's last fsync
+        self._syncer: threading.Thread | None = None
+        self._closing = False
         self._ends: dict[str, int] = {}
         self._heads: dict[str, bytes] = {}
         self.secret = secret or None
@@ -360,6 +366,30 @@ class EmbeddedLog:
             with self._lock:
                 self._db.flush_wal(True)
 
+    def sync_soon(self) -> None:
+        """Have every record appended so far made durable by the log's syncer thread, without
+        waiting (a group commit: appends made meanwhile share the next fsync). On a power loss
+        only records appended after the syncer's last fsync can be lost, a tail of the log (the
+        write-ahead log keeps order); a kill -9 loses none. :meth:`sync` waits."""
+        if self.read_only:
+            raise LogError(f"the log at {self.path} was opened read-only")
+        if not self._wopts.sync:
+            return  # a log opened with sync=False fsyncs nothing
+        if self._syncer is None:
+            self._syncer = threading.Thread(target=self._sync_loop, name=f"log-syncer-{self.path.name}", daemon=True)
+            self._syncer.start()
+        self._sync_wanted.set()
+
+    def _sync_loop(self) -> None:
+        """The syncer thread: one fsync of the write-ahead log per wake-up (RocksDB's FlushWAL
+        runs beside appends, and rocksdict releases the GIL meanwhile), until :meth:`close`."""
+        while True:
+            self._sync_wanted.wait()
+            self._sync_wanted.clear()
+            if self._closing:
+                return
+            self._db.flush_wal(True)
+
     def import_records(self, stream: str, records: Sequence[tuple[str, bytes, bytes]]) -> list[int]:
         """Append ``(key, value, chain)`` records keeping the given chain values (log import):
         whether they are right is for ``replay verify`` to say, not for the importer."""
@@ -414,7 +444,14 @@ class EmbeddedLog:
             yield Record(stream, offset, raw[4:body].decode(), bytes(raw[body + 32 :]), bytes(raw[body : body + 32]))
 
     def close(self) -> None:
-        """Flush and release the database (and its LOCK); a follower's directory is removed."""
+        """Make what was appended durable, flush and release the database (and its LOCK); a
+        follower's directory is removed."""
+        if self._syncer is not None:
+            self._closing = True
+            self._sync_wanted.set()
+            self._syncer.join()
+            self._syncer = None
+            self._db.flush_wal(True)
         self._db.close()
         self._remove_secondary()
 

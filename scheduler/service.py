@@ -103,14 +103,20 @@ class SchedulerService:
 
     def _append_and_fold(self, decisions: list[Event], to_workers: bool) -> list[bool]:
         """Embedded: append decisions to the plan stream and, for workers, to the dispatch stream
-        (keyed by worker), in one atomic durable write (it also makes durable what was appended
-        before without an fsync: the workers' reports), and fold them; whether each was
-        accepted."""
+        (keyed by worker), in one atomic write, and fold them; whether each was accepted.
+
+        The write is made durable by the log's group commit (:meth:`EmbeddedLog.sync_soon`,
+        with what was appended before it: the workers' reports), not before the decision goes
+        on: the workers it is sent to are this machine's processes, whose work a power loss
+        ends too (what they wrote for a decision the log lost is a checkpoint object nothing
+        names), and a kill -9 loses no write. What leaves the machine's fate waits for the
+        fsync: deleting evicted objects (:meth:`_delete_garbage`) and the run's end."""
         assert self.log is not None, "a SchedulerService without a log needs a `commit`"
         batches: list[tuple[str, list[tuple[str, Event]]]] = [(topics.PLAN, [(event_key(d), d) for d in decisions])]
         if to_workers:
             batches.append((topics.DISPATCH, [(d.worker_id, d) for d in decisions]))  # type: ignore[attr-defined]
-        offsets = append_event_streams(self.log, batches)[0]
+        offsets = append_event_streams(self.log, batches, durable=False)[0]
+        self.log.sync_soon()
         self.projector.catch_up()
         return [offset not in self.projector.state.rejected for offset in offsets]
 
@@ -173,6 +179,8 @@ class SchedulerService:
         objects = self.projector.state.objects
         garbage = sorted({r for r in refs if r in objects and objects[r].references == 0})
         if garbage and self.delete is not None:
+            if self.log is not None:
+                self.log.sync()  # the evictions are durable before their objects are gone
             self.delete(garbage)
 
     def collect_garbage(self) -> None:

@@ -8,14 +8,15 @@ worker's pipe. Everything runs on one asyncio loop; worker pipes are read by one
 which only hands raw bytes to the loop. A worker's batch of events is appended atomically; a
 message that cannot be decoded is dead-lettered.
 
-Durability: what the SDK submits and every decision is appended with an fsync before anything
-depends on it (the answer to the SDK, the message to a worker, the deletion of an evicted
-object). The workers' reports are appended without one: the next decision's write (one per
-dispatch, its plan and dispatch records together) makes them durable before its worker hears
-of it, and so does :meth:`EmbeddedCoordinator.stop`. A kill -9 of the coordinator loses none of
-them (they are written to the operating system); a power loss can lose only reports after the
-last durable write, which nothing outside the coordinator acted on (their worker is dispatched
-again on resume). A worker process that exits unexpectedly (at
+Durability: a kill -9 of the coordinator loses no append (every write is in the operating
+system's hands when it returns). Against a power loss: what the SDK submits is appended with
+an fsync before its answer; the scheduler's decisions and the workers' reports are made durable
+by the log's group commit (:meth:`events.log.EmbeddedLog.sync_soon`: a background fsync, a few
+milliseconds, shared by every write made meanwhile), and explicitly before anything that
+outlives this machine's processes depends on them: the deletion of evicted objects and the end
+of the run (:meth:`EmbeddedCoordinator.stop`). A power loss ends the workers too, so it can lose
+only a tail of the log that nothing still running acted on (a checkpoint object written for a
+lost decision is named by nothing; the stage is dispatched again on resume). A worker process that exits unexpectedly (at
 start-up or later) is declared lost, its path is dispatched again, and its slot gets a new
 process, up to ``max_restarts`` times.
 """
@@ -312,13 +313,15 @@ class EmbeddedCoordinator(RuntimeBase):
 
     def append(self, events: list[Event], durable: bool = True) -> None:
         """Stamp and append events to the plan stream (atomically), fold, schedule, and resolve
-        futures. ``durable=False`` (the workers' reports) leaves the fsync to the next decision
-        (see "Durability" in the module docstring)."""
+        futures. ``durable=False`` (the workers' reports) leaves the fsync to the log's group
+        commit (see "Durability" in the module docstring)."""
         if self.failure is not None:
             raise CoordinatorError(f"the coordinator failed: {self.failure}")
         try:
             append_event_streams(self.log, [(topics.PLAN, [(event_key(e), e) for e in self.stamp(events)])],
                                  durable=durable)
+            if not durable:
+                self.log.sync_soon()
             self._fold()
             if not self._stopping and all(slot.gave_up for slot in self._slots.values()):
                 raise CoordinatorError("every worker process has exited and was given up: "

@@ -540,10 +540,13 @@ from events.log import EmbeddedLog
 log = EmbeddedLog(sys.argv[1])
 i = 0
 while True:
-    # Worker reports without an fsync, then a decision on two streams with one (the coordinator's pattern).
+    # Worker reports, then a decision on two streams, made durable by the group commit (the
+    # coordinator's pattern); every tenth decision waits for its fsync.
     (offs,) = log.append_streams([("plan", [("k%d" % i, b"report-%d" % i)])], durable=False)
+    log.sync_soon()
     plan, dispatch = log.append_streams([("plan", [("k%d" % i, b"decision-%d" % i)]),
-                                         ("dispatch", [("w", b"decision-%d" % i)])])
+                                         ("dispatch", [("w", b"decision-%d" % i)])], durable=i % 10 == 0)
+    log.sync_soon()
     sys.stdout.write("%d %d %d\\n" % (offs[0], plan[0], dispatch[0]))
     sys.stdout.flush()
     i += 1
@@ -553,8 +556,9 @@ while True:
 def test_one_write_on_two_streams_is_atomic_and_appends_without_fsync_survive_kill_9(tmp_path: Path) -> None:
     """The embedded log's ``append_streams``: a decision's plan and dispatch records are one
     write (after a kill -9 both are there or neither), and records appended with
-    ``durable=False`` before it are kept too (a kill -9 loses nothing written to the operating
-    system); offsets stay dense per stream and the hash chain verifies."""
+    ``durable=False`` and left to the syncer thread (``sync_soon``) are kept too (a kill -9 loses
+    nothing written to the operating system, even while the syncer fsyncs); offsets stay dense
+    per stream and the hash chain verifies."""
     acked = [tuple(int(x) for x in line.split())
              for line in acknowledged_then_killed(STREAMS_WRITER, [str(tmp_path / "log")], 100)]
     assert acked == [(2 * i, 2 * i + 1, i) for i in range(len(acked))]
@@ -574,6 +578,52 @@ def test_one_write_on_two_streams_is_atomic_and_appends_without_fsync_survive_ki
         assert log.append("plan", "k", b"after") == len(plan)  # the log continues after what survived
     finally:
         log.close()
+
+def test_the_group_commit_syncs_beside_appends_from_other_threads_and_close_waits_for_it(tmp_path: Path) -> None:
+    """``sync_soon`` starts one syncer thread that fsyncs the write-ahead log while two threads
+    go on appending (each with its own stream); every record is kept, dense and chained; close
+    stops the thread; a log opened with ``sync=False`` starts none; a read-only one refuses."""
+    import threading
+
+    log = EmbeddedLog(tmp_path / "log")
+    errors: list[BaseException] = []
+
+    def writer(stream: str) -> None:
+        try:
+            for i in range(300):
+                log.append_streams([(stream, [(f"k{i}", b"v-%d" % i)])], durable=False)
+                log.sync_soon()
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(s,)) for s in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    syncers = [t for t in threading.enumerate() if t.name.startswith("log-syncer-")]
+    assert not errors and len(syncers) == 1, (errors, syncers)
+    log.close()
+    assert not syncers[0].is_alive()
+    reopened = EmbeddedLog(tmp_path / "log")
+    try:
+        for stream in ("a", "b"):
+            records = list(reopened.read(stream))
+            assert [(r.offset, r.value) for r in records] == [(i, b"v-%d" % i) for i in range(300)]
+            head = CHAIN_START
+            for r in records:
+                head = chain_next(head, stream, r.offset, r.key, r.value)
+                assert r.chain == head
+    finally:
+        reopened.close()
+    lazy = EmbeddedLog(tmp_path / "lazy", sync=False)
+    lazy.append("a", "k", b"v")
+    lazy.sync_soon()
+    assert not any(t.name == "log-syncer-lazy" for t in threading.enumerate())
+    lazy.close()
+    with pytest.raises(LogError, match="read-only"):
+        EmbeddedLog(tmp_path / "log", read_only=True).sync_soon()
+
 
 
 class TestFollower:
