@@ -16,9 +16,10 @@ milliseconds, shared by every write made meanwhile), and explicitly before anyth
 outlives this machine's processes depends on them: the deletion of evicted objects and the end
 of the run (:meth:`EmbeddedCoordinator.stop`). A power loss ends the workers too, so it can lose
 only a tail of the log that nothing still running acted on (a checkpoint object written for a
-lost decision is named by nothing; the stage is dispatched again on resume). A worker process that exits unexpectedly (at
-start-up or later) is declared lost, its path is dispatched again, and its slot gets a new
-process, up to ``max_restarts`` times.
+lost decision is named by nothing; the stage is dispatched again on resume).
+
+A worker process that exits unexpectedly (at start-up or later) is declared lost, its path is
+dispatched again, and its slot gets a new process, up to ``max_restarts`` times.
 """
 
 from __future__ import annotations

@@ -509,7 +509,8 @@ def test_steps_seed_the_cpu_generator_as_torch_manual_seed_does_without_queuing_
             "from digits import DigitsTrainer\n"
             "from events.hp import Constant\n"
             "s = TrainingSession(DigitsTrainer(), 3)\n"
-            "s.start_fresh(); s.train({'lr': Constant(0.1), 'batch_size': Constant(8), 'momentum': Constant(0.0)}, 20)\n"
+            "s.start_fresh()\n"
+            "s.train({'lr': Constant(0.1), 'batch_size': Constant(8), 'momentum': Constant(0.0)}, 20)\n"
             "assert tracker.call_order == [] and tracker.manual_seed_all_cb is None, tracker.call_order\n"
             "assert len(torch.cuda._queued_calls) == queued\n"
             "print('ok')\n")
