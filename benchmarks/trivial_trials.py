@@ -20,14 +20,15 @@ One invocation runs, back to back on this machine:
 * **the floor of start-up**: the wall seconds of ``python -c "import torch, torch._dynamo"``
   (what any process training with a torch optimizer pays before its first step).
 
-Ratios printed: stagetree's end-to-end / Optuna's (goal: at most 2), and stagetree's start-up
-plus exit beyond the study (goal: under 3 s) next to the floor. The CPU other processes used
-meanwhile is reported (``/proc/stat``): on a 2-core machine, a run that shared its cores is off
-by a factor of 2 to 3.
+The two run alternately ``--repeats`` times (default 3; this machine's speed drifts by a third
+from one minute to the next, and both programs are affected alike within a pair). Printed: the
+median of the per-pair ratios stagetree's end-to-end / Optuna's (goal: at most 2), and the
+median of stagetree's start-up plus exit beyond the study (goal: under 3 s) next to the floor.
+The JSON holds every run, with the machine's busy CPU seconds meanwhile (``/proc/stat``).
 
 Usage::
 
-    .venv/bin/python benchmarks/trivial_trials.py [--trials 1000] [--workers 2] [--out runs/bench-trivial]
+    .venv/bin/python benchmarks/trivial_trials.py [--trials 1000] [--workers 2] [--repeats 3] [--out runs/bench-trivial]
 
 Writes ``OUT/trivial_trials.json``.
 """
@@ -38,6 +39,7 @@ import argparse
 import importlib.util
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -122,28 +124,45 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=1000)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="stagetree and Optuna run alternately this many times each; medians are reported")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-trivial")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats is {args.repeats}, but must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
 
     floor = torch_floor()
-    st = run_stagetree(args.trials, args.workers, args.out / "stagetree")
-    op = run_optuna(args.trials, args.out)
-    outside = st["wall_s"] - st["end_to_end_s"]
-    result = {"trials": args.trials, "workers": args.workers, "stagetree": st, "optuna": op,
-              "torch_import_floor_s": floor, "ratio_end_to_end_vs_optuna": st["end_to_end_s"] / op["wall_s"],
-              "startup_and_exit_s": outside, "per_trial_ms": 1000 * st["end_to_end_s"] / args.trials,
-              "cores": os.cpu_count()}
+    pairs = []
+    for _ in range(args.repeats):  # alternated: a machine whose speed drifts affects both alike
+        st = run_stagetree(args.trials, args.workers, args.out / "stagetree")
+        op = run_optuna(args.trials, args.out)
+        pairs.append({"stagetree": st, "optuna": op, "ratio": st["end_to_end_s"] / op["wall_s"],
+                      "startup_and_exit_s": st["wall_s"] - st["end_to_end_s"]})
+
+    def median(values: list[float]) -> float:
+        return statistics.median(values)
+
+    st_e2e = median([x["stagetree"]["end_to_end_s"] for x in pairs])
+    op_wall = median([x["optuna"]["wall_s"] for x in pairs])
+    ratio = median([x["ratio"] for x in pairs])
+    outside = median([x["startup_and_exit_s"] for x in pairs])
+    result = {"trials": args.trials, "workers": args.workers, "runs": pairs, "torch_import_floor_s": floor,
+              "median_stagetree_end_to_end_s": st_e2e, "median_optuna_wall_s": op_wall,
+              "median_ratio_end_to_end_vs_optuna": ratio, "median_startup_and_exit_s": outside,
+              "per_trial_ms": 1000 * st_e2e / args.trials, "cores": os.cpu_count()}
     (args.out / "trivial_trials.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
 
-    print(f"{args.trials} trivial trials, {args.workers} workers, {os.cpu_count()} cores")
-    print(f"  stagetree   end-to-end {st['end_to_end_s']:8.2f} s  ({result['per_trial_ms']:.1f} ms per trial), "
-          f"wall {st['wall_s']:.2f} s, worker-seconds {st['worker_seconds']:.2f}")
-    print(f"  optuna      wall       {op['wall_s']:8.2f} s  (JournalFileBackend, in-process)")
-    print(f"  ratio end-to-end stagetree / optuna: {result['ratio_end_to_end_vs_optuna']:.2f} (goal <= 2)")
+    print(f"{args.trials} trivial trials, {args.workers} workers, {os.cpu_count()} cores, "
+          f"{args.repeats} alternated runs each (medians; per run in the JSON)")
+    print(f"  stagetree   end-to-end {st_e2e:8.2f} s  ({result['per_trial_ms']:.1f} ms per trial); runs: "
+          + ", ".join(f"{x['stagetree']['end_to_end_s']:.2f}" for x in pairs))
+    print(f"  optuna      wall       {op_wall:8.2f} s  (JournalFileBackend, in-process); runs: "
+          + ", ".join(f"{x['optuna']['wall_s']:.2f}" for x in pairs))
+    print(f"  ratio end-to-end stagetree / optuna: {ratio:.2f} (goal <= 2); per pair: "
+          + ", ".join(f"{x['ratio']:.2f}" for x in pairs))
     print(f"  start-up and exit beyond the study: {outside:.2f} s (goal < 3 s); "
           f"`import torch, torch._dynamo` alone: {floor:.2f} s")
-    print(f"  machine CPU during stagetree: {st['machine_cpu_s']:.1f} s, during optuna: {op['machine_cpu_s']:.1f} s")
     print(f"wrote {args.out / 'trivial_trials.json'}")
     return 0
 
