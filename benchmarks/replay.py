@@ -34,6 +34,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from events import topics  # noqa: E402
+from events.codec import decode as decode_event  # noqa: E402
 from events.codec import encode  # noqa: E402
 from events.hp import Constant, MultiStep  # noqa: E402
 from events.log import EmbeddedLog, event_key  # noqa: E402
@@ -123,6 +124,12 @@ def main() -> None:
     for r in records:
         orjson.loads(r.value)
     decode_s = time.perf_counter() - t0
+    # ... and decoding them as the fold must: orjson, then pydantic's validation of each event
+    # (events.codec.decode), the most any fold that validates its records can reach
+    t0 = time.perf_counter()
+    for r in records:
+        decode_event(r.value)
+    validate_s = time.perf_counter() - t0
 
     off: list[float] = []
     on: list[float] = []
@@ -138,6 +145,8 @@ def main() -> None:
         "verify_events_per_second": n / verify_s,
         "fold_events_per_second": n / fold_s,
         "decode_events_per_second": len(records) / decode_s,
+        "validate_events_per_second": len(records) / validate_s,
+        "validate_vs_decode": (len(records) / validate_s) / (len(records) / decode_s),
         "verify_vs_decode": (n / verify_s) / (len(records) / decode_s),
         "fold_vs_decode": (n / fold_s) / (len(records) / decode_s),
         "e2e_tracing_off_seconds": off,
@@ -153,6 +162,8 @@ def main() -> None:
     table.add_row("replay verify (all checks)", f"{n / verify_s:,.0f} events/s ({verify_s:.1f} s)")
     table.add_row("projection fold alone", f"{n / fold_s:,.0f} events/s ({fold_s:.1f} s)")
     table.add_row("orjson decode of the same records", f"{len(records) / decode_s:,.0f} records/s")
+    table.add_row("decode + pydantic validation (codec.decode)", f"{len(records) / validate_s:,.0f} records/s")
+    table.add_row("validated / decode rate (the ceiling of a validating fold)", f"{figures['validate_vs_decode']:.3f}")
     table.add_row("verify / decode rate (goal >= 0.2)", f"{figures['verify_vs_decode']:.3f}")
     table.add_row("fold / decode rate (goal >= 0.5)", f"{figures['fold_vs_decode']:.3f}")
     if off:
