@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from events import topics
-from events.codec import InvalidEvent, decode, encode, from_dict, to_dict
+from events.codec import InvalidEvent, decode, decode_batch, encode, from_dict, to_dict
 from events.decisions import (
     Answer,
     Continue,
@@ -176,6 +176,20 @@ def test_every_event_type_round_trips(event: Event) -> None:
     envelope = to_dict(event)
     assert envelope["type"] == event.type and envelope["version"] == event.version
     assert set(envelope) == {"type", "version", "event_id", "producer", "ts", "trace", "payload"}
+
+
+def test_from_dict_leaves_its_argument_alone_and_the_header_wins() -> None:
+    """decode completes the payload it parsed in place; from_dict, given someone else's dict,
+    copies it. Either way a header field wins over a payload field of the same name."""
+    env = _valid_envelope() | {"producer": "sdk:s"}
+    env["payload"]["producer"] = "forged"
+    before = orjson.dumps(env)
+    assert from_dict(env).producer == "sdk:s"
+    assert orjson.dumps(env) == before
+    assert decode(before).producer == "sdk:s"
+    assert decode_batch(orjson.dumps([env, env]))[1].producer == "sdk:s"
+    del env["producer"]
+    assert from_dict(env).producer == decode(orjson.dumps(env)).producer == "forged"
 
 
 def test_equal_events_encode_to_equal_bytes() -> None:
