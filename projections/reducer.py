@@ -82,14 +82,17 @@ def _bump_revisions(state: State, touched: set[Key]) -> None:
     """Bump :attr:`Plan.revision` of every plan with a touched plan or node record, so what the
     scheduler memoised for the plan's previous revision is never reused, and note the touched
     nodes in :attr:`Plan.changed` (what the scheduler's stage-tree index rebuilds)."""
-    for plan_key in {key[1] for key in touched if key[0] in ("plan", "node")}:
-        plan = state.plans.get(plan_key)
-        if plan is not None:
-            plan.revision += 1
+    bumped: set[str] = set()
     for key in touched:
-        if key[0] == "node":
+        kind = key[0]
+        if kind == "node" or kind == "plan":
             plan = state.plans.get(key[1])
-            if plan is not None:
+            if plan is None:
+                continue
+            if key[1] not in bumped:
+                bumped.add(key[1])
+                plan.revision += 1
+            if kind == "node":
                 plan.changed.add(key[2])
 
 
