@@ -583,6 +583,50 @@ def test_reducer_rejects_before_changing_anything(sim: Simulation) -> None:
     assert bad.event_id not in state.seen
 
 
+def test_a_trial_is_done_when_every_step_it_asked_for_is_answered(tmp_path: Path) -> None:
+    """Answers may come in any order (a later step first); a trial extended again is pending
+    until the new step is answered, also in a state loaded from the store (nothing memoised)."""
+    hp = {"lr": Constant(0.1)}
+    state = State()
+    offset = -1
+
+    def fold(*events: Any) -> None:
+        nonlocal offset
+        for event in events:
+            offset += 1
+            apply(state, event, offset)
+
+    def metrics(step: int) -> MetricsReported:
+        return MetricsReported(dispatch_id="d", plan_key="plan", node_id="n0", step=step, metrics={"loss": 1.0})
+
+    def trial(steps: int) -> TrialSubmitted:
+        return TrialSubmitted(study_id="s", trial_id="t", plan_key="plan", seed=0, hp=hp, steps=steps)
+
+    fold(trial(10), trial(20), metrics(20))
+    assert state.trials["t"].status == "pending"  # step 10 is not answered yet
+    fold(metrics(10))
+    assert state.trials["t"].status == "done"
+    fold(trial(20))
+    assert state.trials["t"].status == "done"  # asked again, answered already
+    fold(trial(30))
+    assert state.trials["t"].status == "pending"
+    store = ProjectionStore(tmp_path / "state")
+    try:
+        store.commit(state, {("trial", "t"), ("plan", "plan"), ("node", "plan", "n0")})
+        state = store.load()
+    finally:
+        store.close()
+    fold(trial(40), metrics(30))
+    assert state.trials["t"].status == "pending"
+    fold(metrics(40))
+    assert state.trials["t"].status == "done"
+    fold(trial(35))  # a step between answered ones
+    assert state.trials["t"].status == "pending"
+    fold(metrics(35))
+    assert state.trials["t"].status == "done"
+    assert state.trials["t"].results.keys() == state.trials["t"].requests.keys() == {10, 20, 30, 35, 40}
+
+
 def test_redelivered_event_is_applied_once(sim: Simulation, tmp_path: Path) -> None:
     events = sim.events
     dup_types = (TrialSubmitted, StageDispatched, CheckpointSaved, MetricsReported, StageFinished, TrialCancelled,
