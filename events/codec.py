@@ -45,27 +45,45 @@ def from_dict(obj: Any) -> Event:
     Raises:
         InvalidEvent: unknown type, unsupported version, or fields that fail validation.
     """
-    if not isinstance(obj, dict):
-        raise InvalidEvent(f"event must be a JSON object, got {type(obj).__name__}")
+    return _from_dict(obj, owned=False)
+
+
+def _from_dict(obj: Any, owned: bool) -> Event:
+    """:func:`from_dict`; ``owned``: ``obj`` was parsed here and nobody else holds it, so its
+    payload dict is completed with the header in place instead of copied."""
+    if type(obj) is not dict:
+        if not isinstance(obj, dict):
+            raise InvalidEvent(f"event must be a JSON object, got {type(obj).__name__}")
+        owned = False
     etype = obj.get("type")
     cls = EVENT_TYPES.get(etype) if isinstance(etype, str) else None
     if cls is None:
         raise InvalidEvent(f"unknown event type {etype!r}")
     version = obj.get("version")
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1 or version > cls.version:
+    if (type(version) is not int and (isinstance(version, bool) or not isinstance(version, int))) \
+            or version < 1 or version > cls.version:
         raise InvalidEvent(f"{etype}: unsupported schema version {version!r} (known: 1..{cls.version})")
     payload = obj.get("payload")
-    if not isinstance(payload, dict):
-        raise InvalidEvent(f"{etype}: `payload` must be an object, got {payload!r}")
+    if type(payload) is not dict:
+        if not isinstance(payload, dict):
+            raise InvalidEvent(f"{etype}: `payload` must be an object, got {payload!r}")
+        owned = False
     while version < cls.version:
         upcast = UPCASTERS.get((etype, version))
         if upcast is None:
             raise InvalidEvent(f"{etype}: no upcaster from version {version}")
         payload = upcast(payload)
+        owned = False
         version += 1
-    header = {k: obj[k] for k in HEADER_FIELDS if k in obj}
+    if owned:
+        data = payload
+        for k in HEADER_FIELDS:  # as {**payload, **header}: the header wins
+            if k in obj:
+                data[k] = obj[k]
+    else:
+        data = {**payload, **{k: obj[k] for k in HEADER_FIELDS if k in obj}}
     try:
-        return cls.model_validate({**payload, **header})
+        return cls.__pydantic_validator__.validate_python(data)  # type: ignore[no-any-return]
     except ValidationError as exc:
         errors = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or '<event>'}: {e['msg']} (value {_quote(e.get('input'))})"
@@ -89,7 +107,7 @@ def decode(raw: bytes) -> Event:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidEvent(f"not JSON: {exc}") from None
-    return from_dict(obj)
+    return _from_dict(obj, owned=True)
 
 
 def encode_batch(events: list[Event]) -> bytes:
@@ -110,7 +128,7 @@ def decode_batch(raw: bytes) -> list[Event]:
     events = []
     for i, item in enumerate(items):
         try:
-            events.append(from_dict(item))
+            events.append(_from_dict(item, owned=True))
         except InvalidEvent as exc:
             raise InvalidEvent(f"batch element {i}: {exc.reason}") from None
     return events

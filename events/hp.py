@@ -284,6 +284,12 @@ def _format(value: Any) -> str:
     return str(value) if isinstance(value, HPFunction) else repr(value)
 
 
+_COMPUTABLE_BELOW = "_computable_below"
+"""Key, in a sequence's ``__dict__``, of the largest ``stop`` for which
+:meth:`HPFunction.first_uncomputable` found every value fine (a trial extended by successive
+requests is checked again with more steps: only a larger ``stop`` is scanned again)."""
+
+
 class HPFunction(BaseModel):
     """Base of every hyper-parameter sequence: a frozen function of the global step.
 
@@ -334,7 +340,13 @@ class HPFunction(BaseModel):
         Cost: independent of ``stop`` for periodic families; a bisection for exponential and
         linear pieces. Raises ValueError for a negative ``stop``.
         """
-        return self._first_uncomputable(_check_step("stop", stop))
+        stop = _check_step("stop", stop)
+        if stop <= self.__dict__.get(_COMPUTABLE_BELOW, 0):
+            return None
+        bad = self._first_uncomputable(stop)
+        if bad is None:  # every step below ``stop`` is fine: remembered (the object is frozen)
+            self.__dict__[_COMPUTABLE_BELOW] = stop
+        return bad
 
     def _first_uncomputable(self, stop: int) -> int | None:
         """Per family: see :meth:`first_uncomputable` (default: bounded families, never)."""
@@ -357,6 +369,7 @@ class HPFunction(BaseModel):
         """A copy; with ``update``, its :attr:`canonical` bytes are computed again (not copied)."""
         copy = super().model_copy(update=update, deep=deep)
         copy.__dict__.pop("canonical", None)
+        copy.__dict__.pop(_COMPUTABLE_BELOW, None)
         return copy
 
     def __eq__(self, other: object) -> bool:

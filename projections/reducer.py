@@ -82,14 +82,17 @@ def _bump_revisions(state: State, touched: set[Key]) -> None:
     """Bump :attr:`Plan.revision` of every plan with a touched plan or node record, so what the
     scheduler memoised for the plan's previous revision is never reused, and note the touched
     nodes in :attr:`Plan.changed` (what the scheduler's stage-tree index rebuilds)."""
-    for plan_key in {key[1] for key in touched if key[0] in ("plan", "node")}:
-        plan = state.plans.get(plan_key)
-        if plan is not None:
-            plan.revision += 1
+    bumped: set[str] = set()
     for key in touched:
-        if key[0] == "node":
+        kind = key[0]
+        if kind == "node" or kind == "plan":
             plan = state.plans.get(key[1])
-            if plan is not None:
+            if plan is None:
+                continue
+            if key[1] not in bumped:
+                bumped.add(key[1])
+                plan.revision += 1
+            if kind == "node":
                 plan.changed.add(key[2])
 
 
@@ -158,7 +161,10 @@ def _trial_submitted(state: State, ev: TrialSubmitted, touched: set[Key]) -> Non
         trial = state.trials[ev.trial_id] = Trial(ev.trial_id, ev.study_id, ev.plan_key, dict(ev.hp), ev.steps)
     touched.add(("trial", trial.trial_id))
     trial.steps = max(trial.steps, ev.steps)
+    unanswered = _unanswered(state, trial)
     trial.requests[ev.steps] = node.node_id
+    if ev.steps not in trial.results:
+        unanswered.add(ev.steps)
     if ev.steps in node.metrics:
         _deliver(state, trial, ev.steps, node.metrics[ev.steps], touched)
     else:
@@ -170,12 +176,31 @@ def _trial_submitted(state: State, ev: TrialSubmitted, touched: set[Key]) -> Non
             trial.status = "pending"
 
 
+_UNANSWERED = "reducer.unanswered"
+"""Key in :attr:`State.cache` of ``trial id -> the steps it asked for that have no result yet``:
+derived from :attr:`Trial.requests` and :attr:`Trial.results`, which only the reducer writes and
+which only grow, so a trial's completion is known without comparing every step it ever asked
+for at each answer (a trial extended by successive requests asks for thousands)."""
+
+
+def _unanswered(state: State, trial: Trial) -> set[int]:
+    """The steps ``trial`` asked for without a result yet (computed once per trial and state
+    object, then kept up to date by the reducer)."""
+    memo = state.cache.setdefault(_UNANSWERED, {})
+    steps: set[int] | None = memo.get(trial.trial_id)
+    if steps is None:
+        steps = memo[trial.trial_id] = {s for s in trial.requests if s not in trial.results}
+    return steps
+
+
 def _deliver(state: State, trial: Trial, steps: int, metrics: dict[str, float], touched: set[Key]) -> None:
     trial.results[steps] = dict(metrics)
+    unanswered = _unanswered(state, trial)
+    unanswered.discard(steps)
     state.stats.answers += 1
     trial.answered[steps] = state.stats.answers  # the order answers came in (tuners replay it)
     touched.add(("stats",))
-    if trial.status == "pending" and trial.results.keys() >= trial.requests.keys():
+    if trial.status == "pending" and not unanswered:
         trial.status = "done"  # every step asked is answered (an earlier one may come last)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from events.hp import HPConfig, HPFunction, first_divergence, value_key
+from events.hp import HPConfig, first_divergence, value_key
 from projections.queries import unique_steps
 from projections.state import Node, Plan
 
@@ -45,9 +45,10 @@ _VALUES = "search_plan.values"
 _MEMO_LIMIT = 1 << 16
 """Entries a memo keeps before it is dropped and started again (it is only a cache)."""
 
-Config = tuple[tuple[str, HPFunction], ...]
-"""A configuration as a hashable key: ``(name, sequence)`` sorted by name (sequences hash and
-compare by their canonical JSON)."""
+Config = tuple[tuple[str, bytes], ...]
+"""A configuration as a hashable key: ``(name, canonical JSON of the sequence)`` sorted by name
+(sequences are equal exactly when their canonical JSON is, :attr:`events.hp.HPFunction.canonical`;
+bytes keep their hash, so a key is hashed without calling back into the sequences)."""
 
 
 def _memo(plan: Plan, name: str) -> dict[Any, Any]:
@@ -136,7 +137,7 @@ def place(plan: Plan, hp: HPConfig, steps: int) -> Placement:
     Raises:
         ValueError: ``hp`` names different hyper-parameters than the plan's nodes.
     """
-    config: Config = tuple(sorted(hp.items()))
+    config: Config = tuple(sorted((name, fn.canonical) for name, fn in hp.items()))
     current: Node | None = None
     roots = _child_index(plan, None) if plan.roots and steps > 0 else None
     values = _values_memo(plan, hp, config, 0) if roots is not None else None

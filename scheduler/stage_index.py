@@ -188,6 +188,7 @@ class StageTreeIndex:
         self._dirty: set[str] = set(plan.roots)
         self._rankings: dict[str, _Ranking] = {}
         self._version = 0
+        self._ckpt_steps: dict[str, list[int]] = {}  # node id -> sorted checkpoint steps (dropped when it changes)
         for node_id in plan.nodes:
             self._note(node_id)
 
@@ -203,6 +204,7 @@ class StageTreeIndex:
         node = self.plan.nodes[node_id]
         root = self._root(node_id)
         self._dirty.add(root)
+        self._ckpt_steps.pop(node_id, None)
         steps = [s for s, waiters in node.requests.items() if waiters and s not in node.metrics]
         had = node_id in self.pending
         if steps:
@@ -257,7 +259,7 @@ class StageTreeIndex:
         return comp.tree
 
     def _tree(self, root: str, fallback: float) -> StageTree:
-        return build_stage_tree(self.plan, fallback, sorted(self._pending_under.get(root, ())))
+        return build_stage_tree(self.plan, fallback, sorted(self._pending_under.get(root, ())), self._ckpt_steps)
 
     def _build(self, root: str, fallback: float, mean: float) -> None:
         if not self._pending_under.get(root):

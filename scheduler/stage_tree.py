@@ -102,7 +102,7 @@ class _Anchor(NamedTuple):
 def _anchor(plan: Plan, node: Node, step: int, ckpt_steps: dict[str, list[int]]) -> _Anchor | None:
     """The nearest checkpoint or in-flight stage end of ``node`` in ``[start_step, step]``.
 
-    ``ckpt_steps`` caches each node's sorted checkpoint steps for one tree build (bisect).
+    ``ckpt_steps`` caches each node's sorted checkpoint steps (bisect; see :func:`build_stage_tree`).
     """
     best: _Anchor | None = None
     steps = ckpt_steps.get(node.node_id)
@@ -158,8 +158,8 @@ def sec_per_step(plan: Plan, node: Node, mean: float | None = None) -> float:
     return mean_sec_per_step(plan) if mean is None else mean
 
 
-def build_stage_tree(plan: Plan, fallback: float = COLD_SEC_PER_STEP, nodes: Iterable[str] | None = None
-                     ) -> StageTree:
+def build_stage_tree(plan: Plan, fallback: float = COLD_SEC_PER_STEP, nodes: Iterable[str] | None = None,
+                     ckpt_steps: dict[str, list[int]] | None = None) -> StageTree:
     """Algorithm 1 of the Hippo paper with the fixes of HIPPO_SPEC §2.2 (see module doc).
 
     Returns every stage needed to answer the plan's pending requests, each step range of each
@@ -167,7 +167,9 @@ def build_stage_tree(plan: Plan, fallback: float = COLD_SEC_PER_STEP, nodes: Ite
     scheduler passes the mean over all plans). ``nodes``: the ids of the nodes whose requests to
     answer (default: every node); the stages of their ancestors that they need come too, so the
     pending nodes under one search-plan root give exactly that root's share of the whole tree
-    (``scheduler.stage_index``). Pure: ``plan`` is not modified.
+    (``scheduler.stage_index``). ``ckpt_steps``: node id -> its checkpoint steps, sorted, kept
+    between builds by a caller that drops the entry of every node that changed (filled here as
+    nodes are visited; default: one for this build). Pure: ``plan`` is not modified.
 
     Cost: one pass over the nodes (or ``nodes``) to collect pending requests, then work
     proportional to the nodes with pending endpoints (and their ancestors), O(s log s) for s
@@ -175,7 +177,8 @@ def build_stage_tree(plan: Plan, fallback: float = COLD_SEC_PER_STEP, nodes: Ite
     """
     endpoints: dict[str, set[int]] = defaultdict(set)
     requested: dict[str, set[int]] = defaultdict(set)
-    ckpt_steps: dict[str, list[int]] = {}
+    if ckpt_steps is None:
+        ckpt_steps = {}
     for node in plan.nodes.values() if nodes is None else (plan.nodes[n] for n in nodes):
         if not node.requests:
             continue

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from events import topics
-from events.codec import InvalidEvent, decode, encode, from_dict, to_dict
+from events.codec import InvalidEvent, decode, decode_batch, encode, from_dict, to_dict
 from events.decisions import (
     Answer,
     Continue,
@@ -176,6 +176,20 @@ def test_every_event_type_round_trips(event: Event) -> None:
     envelope = to_dict(event)
     assert envelope["type"] == event.type and envelope["version"] == event.version
     assert set(envelope) == {"type", "version", "event_id", "producer", "ts", "trace", "payload"}
+
+
+def test_from_dict_leaves_its_argument_alone_and_the_header_wins() -> None:
+    """decode completes the payload it parsed in place; from_dict, given someone else's dict,
+    copies it. Either way a header field wins over a payload field of the same name."""
+    env = _valid_envelope() | {"producer": "sdk:s"}
+    env["payload"]["producer"] = "forged"
+    before = orjson.dumps(env)
+    assert from_dict(env).producer == "sdk:s"
+    assert orjson.dumps(env) == before
+    assert decode(before).producer == "sdk:s"
+    assert decode_batch(orjson.dumps([env, env]))[1].producer == "sdk:s"
+    del env["producer"]
+    assert from_dict(env).producer == decode(orjson.dumps(env)).producer == "forged"
 
 
 def test_equal_events_encode_to_equal_bytes() -> None:
@@ -567,6 +581,50 @@ def test_reducer_rejects_before_changing_anything(sim: Simulation) -> None:
     assert state.offset == 39  # the folder records a rejection and consumes its offset, not apply
     assert strip(snapshot(state), b"meta") == strip(before, b"meta")
     assert bad.event_id not in state.seen
+
+
+def test_a_trial_is_done_when_every_step_it_asked_for_is_answered(tmp_path: Path) -> None:
+    """Answers may come in any order (a later step first); a trial extended again is pending
+    until the new step is answered, also in a state loaded from the store (nothing memoised)."""
+    hp = {"lr": Constant(0.1)}
+    state = State()
+    offset = -1
+
+    def fold(*events: Any) -> None:
+        nonlocal offset
+        for event in events:
+            offset += 1
+            apply(state, event, offset)
+
+    def metrics(step: int) -> MetricsReported:
+        return MetricsReported(dispatch_id="d", plan_key="plan", node_id="n0", step=step, metrics={"loss": 1.0})
+
+    def trial(steps: int) -> TrialSubmitted:
+        return TrialSubmitted(study_id="s", trial_id="t", plan_key="plan", seed=0, hp=hp, steps=steps)
+
+    fold(trial(10), trial(20), metrics(20))
+    assert state.trials["t"].status == "pending"  # step 10 is not answered yet
+    fold(metrics(10))
+    assert state.trials["t"].status == "done"
+    fold(trial(20))
+    assert state.trials["t"].status == "done"  # asked again, answered already
+    fold(trial(30))
+    assert state.trials["t"].status == "pending"
+    store = ProjectionStore(tmp_path / "state")
+    try:
+        store.commit(state, {("trial", "t"), ("plan", "plan"), ("node", "plan", "n0")})
+        state = store.load()
+    finally:
+        store.close()
+    fold(trial(40), metrics(30))
+    assert state.trials["t"].status == "pending"
+    fold(metrics(40))
+    assert state.trials["t"].status == "done"
+    fold(trial(35))  # a step between answered ones
+    assert state.trials["t"].status == "pending"
+    fold(metrics(35))
+    assert state.trials["t"].status == "done"
+    assert state.trials["t"].results.keys() == state.trials["t"].requests.keys() == {10, 20, 30, 35, 40}
 
 
 def test_redelivered_event_is_applied_once(sim: Simulation, tmp_path: Path) -> None:

@@ -274,6 +274,20 @@ def test_first_uncomputable(fn: HPFunction, steps: int, first_bad: int | None) -
             fn.value(first_bad - 1)  # the step before is fine
 
 
+def test_first_uncomputable_remembers_only_what_it_scanned() -> None:
+    """A trial extended with more steps is checked again: the steps found fine are remembered
+    per sequence, a longer range is still scanned, and a copy with other parameters forgets."""
+    fn = Exponential(1.0, 2.0)
+    assert fn.first_uncomputable(1000) is None
+    assert fn.first_uncomputable(500) is None
+    assert fn.first_uncomputable(1100) == 1024  # past what was found fine: scanned
+    assert fn.first_uncomputable(1000) is None
+    faster = fn.model_copy(update={"gamma": 4.0})
+    assert faster.first_uncomputable(1000) == 512
+    assert fn.model_copy().first_uncomputable(1000) is None
+    assert fn.model_dump() == {"kind": "Exponential", "init": 1.0, "gamma": 2.0}  # nothing else dumped
+
+
 def test_check_computable_names_the_hyper_parameter() -> None:
     check_computable({"lr": Exponential(1.0, 2.0)}, 1000)
     with pytest.raises(ValueError, match=r"`hp\['lr'\]` is Exponential\(init=1.0, gamma=2.0\), whose value at "

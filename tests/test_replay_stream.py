@@ -3,6 +3,8 @@ bounded number of records at once, and what it checks is what the whole-log fold
 
 from __future__ import annotations
 
+import gc
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,7 +15,7 @@ from events.hp import Constant, MultiStep
 from events.log import EmbeddedLog, Record, event_key
 from projections.state import State
 from projections.store import READ_BATCH, fold_records, snapshot
-from replay.audit import Stream, fold, open_source, verify
+from replay.audit import YOUNG_COLLECTION_EVERY, Stream, fold, open_source, rare_collections, verify
 from scheduler.simulation import Simulation
 
 
@@ -85,3 +87,38 @@ def test_streamed_fold_equals_the_fold_of_the_whole_log(tmp_path: Path) -> None:
     whole = State()
     fold_records(whole, records)  # one call over the whole log
     assert snapshot(fold(stream)) == snapshot(whole)
+
+
+def test_a_fold_collects_garbage_rarely_and_puts_the_thresholds_back(tmp_path: Path) -> None:
+    """While verify (and the fold in it) run, the youngest generation's threshold is raised; it
+    is put back when the outermost user ends (nested, in another thread, or on an exception)."""
+    _write_log(tmp_path, READ_BATCH)
+    source = open_source(tmp_path)
+    before = gc.get_threshold()
+    seen: list[tuple[int, int, int]] = []
+
+    def on_event(record: Record, event: object, state: State) -> None:
+        seen.append(gc.get_threshold())
+
+    fold(source.streams[topics.PLAN], on_event)
+    assert verify(source).ok
+    assert gc.get_threshold() == before
+    assert seen and set(seen) == {(YOUNG_COLLECTION_EVERY, before[1], before[2])}
+
+    def boom(record: Record, event: object, state: State) -> None:
+        raise RuntimeError("a defect in a callback")
+
+    try:
+        fold(source.streams[topics.PLAN], boom)
+    except RuntimeError:
+        pass
+    assert gc.get_threshold() == before
+
+    inner_done = threading.Event()
+    with rare_collections():
+        thread = threading.Thread(target=lambda: (fold(source.streams[topics.PLAN]), inner_done.set()))
+        thread.start()
+        thread.join()
+        assert inner_done.is_set()
+        assert gc.get_threshold()[0] == YOUNG_COLLECTION_EVERY  # the other user ended first: still raised
+    assert gc.get_threshold() == before
