@@ -7,9 +7,11 @@ publishes CheckpointSaved only for verified objects (DESIGN.md invariant 4).
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import hashlib
 import io
+import mmap
 import os
 import re
 import sys
@@ -82,6 +84,17 @@ class CheckpointStore(Protocol):
 def sha256_hex(data: bytes) -> str:
     """Return the sha256 hex digest (64 lowercase hex digits) of ``data``."""
     return hashlib.sha256(data).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """Return the sha256 hex digest of the file at ``path``, hashed through a read-only memory map
+    (no copy of its bytes into this process, the GIL released while hashing). Raises OSError
+    (FileNotFoundError when absent)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return sha256_hex(b"")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return hashlib.sha256(mapped).hexdigest()
 
 
 def _load_syncfs() -> Callable[[int], int] | None:
@@ -170,7 +183,7 @@ class LocalCheckpointStore:
                     self._fsync_dir(directory)
             elif written:
                 self._syncfs()
-            actual = [sha256_hex(self.path(ref).read_bytes()) if self.path(ref) in written else ref for ref in refs]
+            actual = [file_sha256(self.path(ref)) if self.path(ref) in written else ref for ref in refs]
         except OSError as exc:
             size = sum(len(d) for d in datas)
             raise StorageError(f"writing {len(datas)} checkpoint(s) ({size} bytes) under {self.root} failed: "
@@ -218,7 +231,7 @@ class LocalCheckpointStore:
     @staticmethod
     def _intact(path: Path, ref: str) -> bool:
         try:
-            return sha256_hex(path.read_bytes()) == ref
+            return file_sha256(path) == ref
         except FileNotFoundError:
             return False
 
@@ -258,6 +271,18 @@ def _canonical(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_canonical(value) for value in obj)
     return obj
+
+
+def snapshot_state(obj: Any) -> Any:
+    """A copy of a state (as :func:`encode_state` takes) that stays as it is while the original
+    changes in place (training goes on): ``copy.deepcopy``, so every tensor's whole storage is
+    copied once (tensors sharing a storage share the copy) with its dtype, device, view and
+    ``requires_grad``, and ``encode_state(snapshot_state(x)) == encode_state(x)`` bit for bit.
+    One memory copy of the tensors (for a CPU model, about 8 to 40 ms per 100 MB), against a
+    full serialization for :func:`encode_state`; the encoding can then run on another thread.
+    Raises what ``copy.deepcopy`` raises for an object it cannot copy.
+    """
+    return copy.deepcopy(obj)
 
 
 def encode_state(obj: Any) -> bytes:

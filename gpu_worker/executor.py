@@ -15,6 +15,7 @@ import functools
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
@@ -25,7 +26,13 @@ from opentelemetry.trace import SpanKind
 from events import topics, tracing
 from events.execution import Control, Emit, Saved, SaveHandle, StageFault, run_path
 from events.models import Event, StageDispatched, StageSpec
-from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing, CheckpointStore, StorageError
+from gpu_worker.checkpoint import (
+    CheckpointCorrupt,
+    CheckpointMissing,
+    CheckpointStore,
+    StorageError,
+    encode_state,
+)
 from gpu_worker.session import TrainingSession
 from gpu_worker.trainer import Trainer
 
@@ -66,18 +73,22 @@ class _Write:
 
 
 class _Writer:
-    """The thread writing a worker's checkpoints in the background: it takes every checkpoint
-    queued when it wakes (at most ``batch``) and stores them with one group commit
-    (``put_many``), so a path of short stages is not held by one fsync per checkpoint."""
+    """The thread storing a worker's checkpoints in the background: it takes every snapshot
+    queued when it wakes (at most ``batch``), encodes each one not encoded yet (``encode``: a
+    state to its bytes; a failure there is the trainer's, a StageFault of kind "error" for that
+    checkpoint alone) and stores them with one group commit (``write``), so a path of short stages is not
+    held by one fsync per checkpoint, and its training thread neither serializes nor hashes."""
 
-    def __init__(self, write: Callable[[list[bytes]], list[tuple[str, int]]], name: str, batch: int = 32) -> None:
-        self.write, self.batch = write, batch
-        self.queue: queue.SimpleQueue[tuple[bytes, Future[tuple[str, int]]]] = queue.SimpleQueue()
+    def __init__(self, encode: Callable[[object], bytes], write: Callable[[list[bytes]], list[tuple[str, int]]],
+                 name: str, batch: int = 32) -> None:
+        self.encode, self.write, self.batch = encode, write, batch
+        self.queue: queue.SimpleQueue[tuple[object, Future[tuple[str, int]]]] = queue.SimpleQueue()
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
-    def submit(self, data: bytes) -> Future[tuple[str, int]]:
+    def submit(self, state: object) -> Future[tuple[str, int]]:
+        """Queue ``state`` (a snapshot to encode, or bytes encoded already) to be stored."""
         future: Future[tuple[str, int]] = Future()
-        self.queue.put((data, future))
+        self.queue.put((state, future))
         return future
 
     def _run(self) -> None:
@@ -88,14 +99,28 @@ class _Writer:
                     jobs.append(self.queue.get_nowait())
                 except queue.Empty:
                     break
+            datas: list[bytes] = []
+            futures: list[Future[tuple[str, int]]] = []
+            while jobs:
+                state, future = jobs.pop(0)
+                try:
+                    datas.append(state if isinstance(state, bytes) else self.encode(state))
+                except Exception as exc:  # the trainer's state would not serialize
+                    future.set_exception(StageFault("error", "".join(traceback.format_exception_only(exc)).strip()))
+                else:
+                    futures.append(future)
+                del state  # the snapshot's memory goes back as soon as it is encoded
+            if not datas:
+                continue
             try:
-                results = self.write([data for data, _ in jobs])
+                results = self.write(datas)
             except BaseException as exc:  # handed to every waiting stage (a StageFault: "storage")
-                for _, future in jobs:
+                for future in futures:
                     future.set_exception(exc)
             else:
-                for (_, future), result in zip(jobs, results):
+                for future, result in zip(futures, results):
                     future.set_result(result)
+            del datas
 
 
 class PathExecutor:
@@ -141,7 +166,7 @@ class PathExecutor:
         self._latest: SaveHandle | None = None  # the last checkpoint of the weights in memory
         self._dirty = False  # trained since that checkpoint (or fresh)
         self._seed = 0
-        self._writer = _Writer(self._put_many, f"checkpoint-writer-{worker_id}")
+        self._writer = _Writer(encode_state, self._put_many, f"checkpoint-writer-{worker_id}")
 
     def stamp(self, event: Event) -> Event:
         """Set producer, timestamp and (when tracing) the current span's context on ``event``."""
@@ -212,15 +237,20 @@ class PathExecutor:
     def evaluate(self, spec: StageSpec, step: int) -> dict[str, float]:
         return self._require().evaluate()
 
-    def save(self) -> SaveHandle | None:
-        """Snapshot the weights in memory (serialized here, on the training thread) unless they
-        are a stored checkpoint already, and write them on the writer thread: hashed, written,
-        verified by sha256 before the handle completes (and before the event that names them)."""
+    def save(self, waited: bool = False) -> SaveHandle | None:
+        """Snapshot the weights in memory unless they are a stored checkpoint already (a memory
+        copy of the tensors, here on the training thread: ``TrainingSession.snapshot``), and store
+        the snapshot on the writer thread: encoded, hashed, written and verified by sha256 before
+        the handle completes (and before the event that names it), while the next stage trains.
+        ``waited`` (a path's end: nothing trains before the write is verified): the weights are
+        encoded here at once, without the copy, while the writer finishes the path's earlier
+        writes."""
         if not self._dirty:
             return None
-        data = self._require().save()
+        session = self._require()
+        state: object = session.save() if waited else session.snapshot()
         self._dirty = False
-        self._latest = _Write(self._writer.submit(data))
+        self._latest = _Write(self._writer.submit(state))
         return self._latest
 
     def _put_many(self, datas: list[bytes]) -> list[tuple[str, int]]:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from events.hp import HPConfig, config_values, same_value
-from gpu_worker.checkpoint import decode_state, encode_state
+from gpu_worker.checkpoint import decode_state, encode_state, snapshot_state
 from gpu_worker.sampler import ResumableSampler
 from gpu_worker.trainer import Trainer
 
@@ -177,15 +177,24 @@ class TrainingSession:
         trainer.state_dict(), "sampler": sampler.state_dict(), "hp": {name:
         value}})`` with every tensor on the CPU; equal states give equal bytes.
         """
+        return encode_state(self._state())
+
+    def snapshot(self) -> dict[str, object]:
+        """Return a copy of the current state that training will not change: ``encode_state(
+        session.snapshot()) == session.save()``, bit for bit. Taking it costs one memory copy of
+        the tensors (no serialization), so a worker encodes, hashes and writes it on another
+        thread while training goes on (gpu_worker.executor)."""
+        return snapshot_state(self._state())
+
+    def _state(self) -> dict[str, object]:
         sampler = self._require_started()
-        state = {
+        return {
             "format": CHECKPOINT_FORMAT,
             "step": self._step,
             "trainer": self.trainer.state_dict(),
             "sampler": sampler.state_dict(),
             "hp": dict(self._hp),
         }
-        return encode_state(state)
 
     def train(self, config: HPConfig, to_step: int, interrupt: Callable[[], bool] | None = None) -> None:
         """Train global steps ``[step, to_step)`` under ``config``; afterwards ``step == to_step``,

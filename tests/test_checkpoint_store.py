@@ -41,6 +41,8 @@ from gpu_worker.checkpoint import (
     StorageError,
     decode_state,
     encode_state,
+    file_sha256,
+    snapshot_state,
 )
 from gpu_worker.object_store import CheckpointStoreError, S3CheckpointStore, open_checkpoint_store
 
@@ -803,6 +805,38 @@ def test_equal_states_encode_to_equal_bytes_whatever_objects_they_share() -> Non
     fresh = {"lr": 0.1, "groups": [{"lr": 0.1}], "pair": (1, 2), "again": (1, 2)}
     assert encode_state(shared) == encode_state(distinct)
     assert encode_state(aliased) == encode_state(fresh)
+
+
+def test_a_snapshot_encodes_as_the_state_did_when_it_was_taken() -> None:
+    base = torch.arange(12, dtype=torch.float32)
+    model = torch.nn.Linear(3, 3)
+    state = {
+        "tied": base, "again": base,  # one storage, saved once
+        "view": base[4:10].view(2, 3),  # a view: its whole storage is saved, with the offset
+        "leaf": torch.ones(3, requires_grad=True),
+        "model": model.state_dict(),  # an OrderedDict with _metadata
+        "generator": torch.Generator().manual_seed(5).get_state(),
+        "values": [1, 2.5, None, True, "text", (1, 2)],
+    }
+    data = encode_state(state)
+    snapshot = snapshot_state(state)
+    assert encode_state(snapshot) == data
+    with torch.no_grad():  # training goes on in place
+        base.add_(1)
+        state["leaf"].mul_(2)
+        model.weight.zero_()
+    assert encode_state(state) != data
+    assert encode_state(snapshot) == data
+    assert snapshot["tied"].untyped_storage().data_ptr() == snapshot["again"].untyped_storage().data_ptr() == \
+        snapshot["view"].untyped_storage().data_ptr()
+
+
+def test_file_sha256_hashes_the_stored_bytes(tmp_path: Path) -> None:
+    for name, data in {"empty": b"", "small": b"state", "large": bytes(range(256)) * 40_000}.items():
+        (tmp_path / name).write_bytes(data)
+        assert file_sha256(tmp_path / name) == hashlib.sha256(data).hexdigest()
+    with pytest.raises(FileNotFoundError):
+        file_sha256(tmp_path / "absent")
 
 
 def test_decoding_garbage_raises_checkpoint_error() -> None:

@@ -142,3 +142,24 @@ def test_the_local_store_reports_an_io_failure_as_a_storage_error(tmp_path: Path
     store = LocalCheckpointStore(blocker / "checkpoints")  # a real OS error: the root is under a file
     with pytest.raises(StorageError, match="writing 1 checkpoint"):
         store.put(b"state")
+
+
+class Unserializable(DigitsTrainer):
+    """A trainer whose state holds an object that pickle refuses (a lambda)."""
+
+    def state_dict(self) -> dict[str, object]:
+        return {**super().state_dict(), "schedule": lambda step: step}
+
+
+def test_a_state_that_does_not_serialize_fails_its_stage_as_the_trainers_error(cluster: Cluster,
+                                                                              tmp_path: Path) -> None:
+    """The snapshot is encoded on the writer thread; a failure there is still the trainer's error
+    (a StageFailed of kind "error"), never a crash of the worker or a storage fault."""
+    d = cluster.dispatch()
+    worker = PathExecutor(Unserializable(), "w0", LocalCheckpointStore(tmp_path), torch.device("cpu"))
+    assert worker.run(d, cluster.emit)
+    failed = [e for batch in cluster.batches for e in batch if isinstance(e, StageFailed)]
+    assert [(f.kind, f.from_step, f.to_step) for f in failed] == [("error", 0, 2)]
+    assert "pickle" in failed[0].error.lower() or "lambda" in failed[0].error
+    assert not any(isinstance(e, CheckpointSaved) for batch in cluster.batches for e in batch)
+
