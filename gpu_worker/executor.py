@@ -17,7 +17,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
@@ -167,6 +167,7 @@ class PathExecutor:
         self._dirty = False  # trained since that checkpoint (or fresh)
         self._seed = 0
         self._writer = _Writer(encode_state, self._put_many, f"checkpoint-writer-{worker_id}")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"checkpoint-reader-{worker_id}")
 
     def stamp(self, event: Event) -> Event:
         """Set producer, timestamp and (when tracing) the current span's context on ``event``."""
@@ -200,8 +201,10 @@ class PathExecutor:
             self._dirty = True  # fresh weights are stored nowhere
         else:
             ref = d.source.ref
+            # read and verified on the reader thread while the trainer builds here
+            fetched = self._reader.submit(self._stored, functools.partial(self.store.get, ref))
             try:
-                session.load(self._stored(functools.partial(self.store.get, ref)))
+                session.load(fetched.result)
             except CheckpointCorrupt as exc:
                 raise StageFault("checkpoint_corrupt", str(exc), ref) from exc
             except CheckpointMissing as exc:

@@ -134,8 +134,12 @@ class TrainingSession:
         self._hp = {}
         self._setup_all = True
 
-    def load(self, data: bytes) -> None:
+    def load(self, data: bytes | Callable[[], bytes]) -> None:
         """Build the trainer from the seed, then restore a checkpoint made by ``save``.
+
+        ``data``: the checkpoint's bytes, or a function returning them, called once the trainer
+        is built (a worker reads and verifies the checkpoint on another thread meanwhile); what
+        it raises propagates.
 
         Restores the trainer state (model, optimizer), the sampler (generator
         state, permutation, position), the step and the hyper-parameter
@@ -152,11 +156,11 @@ class TrainingSession:
         when the format is not ``CHECKPOINT_FORMAT`` or the sampler state
         does not fit the trainer's ``train_size()``.
         """
-        state = decode_state(data)
+        self._build()
+        state = decode_state(data if isinstance(data, bytes) else data())
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"checkpoint format must be {CHECKPOINT_FORMAT}, got {found!r}")
-        self._build()
         self.trainer.load_state_dict(state["trainer"])
         sampler = ResumableSampler(self.trainer.train_size(), self.seed)
         sampler.load_state_dict(state["sampler"])

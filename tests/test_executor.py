@@ -19,11 +19,13 @@ import torch
 from events.hp import Constant, MultiStep
 from events.models import (
     CheckpointSaved,
+    CheckpointSource,
     Event,
     MetricsReported,
     StageDispatched,
     StageFailed,
     StageFinished,
+    StageSpec,
     StageStarted,
     TrialSubmitted,
     WorkerJoined,
@@ -163,3 +165,36 @@ def test_a_state_that_does_not_serialize_fails_its_stage_as_the_trainers_error(c
     assert "pickle" in failed[0].error.lower() or "lambda" in failed[0].error
     assert not any(isinstance(e, CheckpointSaved) for batch in cluster.batches for e in batch)
 
+
+def test_a_path_from_its_source_checkpoint_saves_what_the_straight_path_saves(tmp_path: Path) -> None:
+    """A worker that did not save the source reads and verifies it (beside the trainer's build)
+    and goes on bit for bit; a damaged or missing source fails the stage with its kind."""
+    store = LocalCheckpointStore(tmp_path)
+
+    def dispatch(i: int, stages: list[tuple[str, int, int]], source: CheckpointSource | None) -> StageDispatched:
+        return StageDispatched(dispatch_id=f"d{i}", worker_id="w0", plan_key="p", seed=3, decided_at=i, source=source,
+                               stages=[StageSpec(node_id=n, hp=CONFIG, from_step=a, to_step=b, evaluate=False)
+                                       for n, a, b in stages])
+
+    def run(d: StageDispatched) -> list[Event]:
+        events: list[Event] = []
+        executor(store).run(d, events.extend)
+        return events
+
+    straight = {e.node_id: e.ref for e in run(dispatch(0, [("n0", 0, 2), ("n1", 2, 5)], None))
+                if isinstance(e, CheckpointSaved)}
+    source = CheckpointSource(node_id="n0", step=2, ref=straight["n0"])
+    resumed = run(dispatch(1, [("n1", 2, 5)], source))
+    assert [e.ref for e in resumed if isinstance(e, CheckpointSaved)] == [straight["n1"]]
+    path = store.path(straight["n0"])
+    path.write_bytes(flip_byte(path.read_bytes()))
+    failed = [e for e in run(dispatch(2, [("n1", 2, 5)], source)) if isinstance(e, StageFailed)]
+    assert [(f.kind, f.ref) for f in failed] == [("checkpoint_corrupt", straight["n0"])]
+    path.unlink()
+    failed = [e for e in run(dispatch(3, [("n1", 2, 5)], source)) if isinstance(e, StageFailed)]
+    assert [(f.kind, f.ref) for f in failed] == [("checkpoint_missing", straight["n0"])]
+
+
+def flip_byte(data: bytes) -> bytes:
+    middle = len(data) // 2
+    return data[:middle] + bytes([data[middle] ^ 1]) + data[middle + 1:]
