@@ -1,0 +1,284 @@
+"""A worker's cost per stage beyond training, and its memory next to bare torch (issue 15,
+goals 2 and 5).
+
+What it measures
+----------------
+Everything runs the real worker code (``gpu_worker.executor.PathExecutor`` over
+``events.execution.run_path``: checkpoints encoded, hashed, written durably to a
+``LocalCheckpointStore`` under ``--out`` and verified, events stamped and encoded as they go to
+the coordinator's pipe), in one process on one CPU thread, without a coordinator:
+
+1. **tiny model** (``benchmarks/studies/trivial.py``'s one-weight trainer), ``--stages`` stages of
+   one step each: (a) as one dispatched path (a checkpoint at every stage end, written while the
+   next stage trains), (b) as that many one-stage paths from a fresh start (every trial of
+   ``benchmarks/trivial_trials.py``: the path's end waits for its durable write). Per stage, from
+   the StageFinished events: ``seconds - train_seconds`` (the worker's overhead), median and p90;
+   and the wall time per stage of the whole loop.
+2. **100 MB checkpoint** (a ``torch.nn.Linear(5000, 5000)`` without bias, plain SGD: 100,000,000
+   bytes of weights), stages of ``--big-steps`` steps (default 10) resumed from each other: the
+   overhead (load of the source for the first stage, save, hash, durable write, verify; the
+   writes overlap the next stage's training) as seconds and as a share of the stage; and each
+   stage's wall time beyond the median of three bare stages (the same steps in a plain loop, no
+   worker, measured first in the same process): the writer thread's competition for the CPU
+   slows training, which ``seconds - train_seconds`` does not show (it falls inside
+   ``train_seconds``). A path's last stage holds its worker until every write of the path is
+   verified (its end batch carries the CheckpointSaved), so it also counts that wait.
+3. **resident memory**: the peak RSS (``ru_maxrss``) of a fresh process that runs the worker on
+   the 100 MB model for two stages, next to a fresh process that imports torch and trains the
+   same model the same number of steps with a plain loop (goal: within 1.5x).
+
+Usage::
+
+    .venv/bin/python benchmarks/worker_overhead.py [--stages 1000] [--big-steps 10] [--out runs/bench-worker]
+
+Prints a table and writes ``OUT/worker_overhead.json``. Timings are wall seconds on this
+machine; read them as ratios and shares within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(ROOT))
+
+BIG = 5000  # Linear(BIG, BIG) without bias: BIG * BIG * 4 bytes = 100 MB of weights
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _executor(trainer: Any, store_dir: Path) -> Any:
+    import torch
+
+    from gpu_worker.checkpoint import LocalCheckpointStore
+    from gpu_worker.executor import PathExecutor
+    from gpu_worker.process import warm_up
+
+    torch.set_num_threads(1)
+    shutil.rmtree(store_dir, ignore_errors=True)
+    warm_up(trainer, torch.device("cpu"))
+    return PathExecutor(trainer, "w0", LocalCheckpointStore(store_dir), torch.device("cpu"))
+
+
+def _run(executor: Any, dispatches: list[Any]) -> tuple[float, list[Any], list[Any]]:
+    """Run each dispatch as the worker does (decoded from its bytes, events encoded for the pipe);
+    wall seconds, the StageFinished events and every event."""
+    from events.codec import decode, encode, encode_batch
+    from events.models import StageFinished
+
+    raws = [encode(d) for d in dispatches]
+    emitted: list[Any] = []
+
+    def emit(events: list[Any]) -> None:
+        encode_batch(events)
+        emitted.extend(events)
+
+    t0 = time.perf_counter()
+    for raw in raws:
+        executor.run(decode(raw), emit)
+    wall = time.perf_counter() - t0
+    return wall, [e for e in emitted if isinstance(e, StageFinished)], emitted
+
+
+def _dispatch(i: int, stages: list[tuple[str, dict[str, Any], int, int, bool]], source: Any = None) -> Any:
+    from events.models import StageDispatched, StageSpec
+
+    return StageDispatched(dispatch_id=f"d{i}", worker_id="w0", plan_key="bench", seed=0, decided_at=i,
+                           source=source, stages=[StageSpec(node_id=n, hp=hp, from_step=a, to_step=b, evaluate=e)
+                                                  for n, hp, a, b, e in stages])
+
+
+def tiny(stages: int, out: Path) -> dict[str, Any]:
+    from events.hp import Constant
+    from gpu_worker.loader import load_trainer
+
+    trainer = load_trainer(ROOT / "benchmarks" / "studies" / "trivial.py")
+    hp = {"target": Constant(0.5)}
+    figures: dict[str, Any] = {}
+    cases = {
+        "one path of one-step stages": [_dispatch(0, [(f"n{s}", hp, s, s + 1, False) for s in range(stages)])],
+        "one-step paths from a fresh start": [
+            _dispatch(i, [(f"n{i}", {"target": Constant(i / stages)}, 0, 1, True)]) for i in range(stages)],
+    }
+    for name, dispatches in cases.items():
+        wall, finished, _ = _run(_executor(trainer, out / "tiny"), dispatches)
+        overhead = [1000 * (e.seconds - e.train_seconds) for e in finished]
+        figures[name] = {"stages": len(finished), "wall_ms_per_stage": 1000 * wall / len(finished),
+                         "overhead_ms_median": statistics.median(overhead), "overhead_ms_p90": _quantile(overhead, 0.9),
+                         "train_ms_median": statistics.median(1000 * e.train_seconds for e in finished)}
+    return figures
+
+
+BIG_TRAINER = f'''
+import torch
+from stagetree import Trainer
+
+class Big(Trainer):
+    """Linear({BIG}, {BIG}) without bias, plain SGD: a 100 MB checkpoint; random data per step."""
+    hyperparameters = ("lr",)
+    batch_size_hp = None
+
+    def build(self, seed, device):
+        self.model = torch.nn.Linear({BIG}, {BIG}, bias=False).to(device)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+
+    def train_size(self):
+        return 1
+
+    def setup(self, values):
+        for group in self.optimizer.param_groups:
+            group["lr"] = float(values.get("lr", group["lr"]))
+
+    def train_step(self, indices, step):
+        x = torch.randn(64, {BIG})
+        loss = self.model(x).square().mean()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+
+    def evaluate(self):
+        return {{"norm": float(self.model.weight.norm())}}
+
+trainer = Big()
+'''
+
+
+def big(steps: int, out: Path) -> dict[str, Any]:
+    from events.hp import Constant
+    from events.models import CheckpointSaved, CheckpointSource
+    from gpu_worker.loader import load_trainer
+
+    out.mkdir(parents=True, exist_ok=True)
+    study = out / "big_trainer.py"
+    study.write_text(BIG_TRAINER)
+    trainer = load_trainer(study)
+    hp = {"lr": Constant(0.01)}
+    executor = _executor(trainer, out / "big")
+    bare = _bare_stage_seconds(trainer, steps)
+    # a path of 3 stages from a fresh start, then a path resumed from its last checkpoint (a load)
+    _, first, events = _run(executor, [_dispatch(0, [(f"n{s}", hp, s * steps, (s + 1) * steps, False)
+                                                     for s in range(3)])])
+    ref = [e for e in events if isinstance(e, CheckpointSaved)][-1].ref
+    executor.abandon()  # the next path loads its source, as a worker that ran something else would
+    _, resumed, _ = _run(executor, [_dispatch(1, [("m0", hp, 3 * steps, 4 * steps, False)],
+                                              CheckpointSource(node_id="n2", step=3 * steps, ref=ref))])
+    rows = first + resumed
+    return {"checkpoint_bytes": BIG * BIG * 4, "steps_per_stage": steps, "bare_stage_seconds": bare,
+            "stages": [{"from_step": e.from_step, "seconds": e.seconds, "train_seconds": e.train_seconds,
+                        "overhead_s": e.seconds - e.train_seconds,
+                        "overhead_share": (e.seconds - e.train_seconds) / e.seconds,
+                        "beyond_bare_share": (e.seconds - statistics.median(bare)) / e.seconds,
+                        "path_end": e is first[-1] or e is resumed[-1]} for e in rows]}
+
+
+def _bare_stage_seconds(trainer: Any, steps: int, repeats: int = 3) -> list[float]:
+    """Seconds of ``steps`` plain training steps of ``trainer`` (no worker, nothing written beside
+    them), ``repeats`` times: what a stage's training costs when nothing competes with it for
+    the CPU. ``seconds - train_seconds`` leaves out the slowdown of training by the writer thread
+    (it falls inside ``train_seconds``); ``seconds`` against this does not."""
+    import torch
+
+    trainer.build(0, torch.device("cpu"))
+    indices = torch.empty(0, dtype=torch.int64)
+    timings = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for step in range(steps):
+            trainer.train_step(indices, step)
+        timings.append(time.perf_counter() - t0)
+    return timings
+
+
+MEMORY_WORKER = """
+import resource, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from benchmarks.worker_overhead import big
+big(int(sys.argv[2]), Path(sys.argv[3]))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+MEMORY_BARE = f"""
+import resource, sys, torch
+torch.set_num_threads(1)
+model = torch.nn.Linear({BIG}, {BIG}, bias=False)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for _ in range(4 * int(sys.argv[1])):
+    loss = model(torch.randn(64, {BIG})).square().mean()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def memory(steps: int, out: Path) -> dict[str, float]:
+    def peak(code: str, *args: str) -> float:
+        proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT,
+                              check=False)
+        if proc.returncode != 0:
+            raise SystemExit(f"memory probe failed:\n{proc.stderr[-2000:]}")
+        return float(proc.stdout.split()[-1])
+
+    worker = peak(MEMORY_WORKER, str(ROOT), str(steps), str(out / "memory"))
+    bare = peak(MEMORY_BARE, str(steps))
+    return {"worker_peak_rss_bytes": worker, "bare_torch_peak_rss_bytes": bare, "ratio": worker / bare}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stages", type=int, default=1000)
+    p.add_argument("--big-steps", type=int, default=10)
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-worker")
+    args = p.parse_args(argv)
+    if args.stages < 1 or args.big_steps < 1:
+        p.error(f"--stages ({args.stages}) and --big-steps ({args.big_steps}) must be >= 1")
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"tiny": tiny(args.stages, args.out), "big": big(args.big_steps, args.out),
+              "memory": memory(args.big_steps, args.out)}
+    (args.out / "worker_overhead.json").write_text(json.dumps(result, indent=2))
+
+    table = Table(title="worker overhead per stage (one CPU thread, durable local checkpoints)")
+    table.add_column("case")
+    table.add_column("overhead per stage, median (p90)", justify="right")
+    table.add_column("wall per stage", justify="right")
+    for name, f in result["tiny"].items():
+        table.add_row(f"tiny model: {name} ({f['stages']})", f"{f['overhead_ms_median']:.2f} ms "
+                      f"({f['overhead_ms_p90']:.2f} ms)", f"{f['wall_ms_per_stage']:.2f} ms")
+    bare = statistics.median(result["big"]["bare_stage_seconds"])
+    for s in result["big"]["stages"]:
+        how = "loaded from its source" if s["from_step"] == 3 * args.big_steps else (
+            "fresh start" if s["from_step"] == 0 else "continued in memory")
+        if s["path_end"]:
+            how += ", path end: waits for its writes"
+        table.add_row(f"100 MB checkpoint, {args.big_steps} steps from step {s['from_step']} ({how})",
+                      f"{s['overhead_s']:.3f} s = {100 * s['overhead_share']:.1f} % of the stage",
+                      f"{s['seconds']:.2f} s ({100 * s['beyond_bare_share']:+.0f} % beyond bare)")
+    table.add_row(f"100 MB model, {args.big_steps} plain training steps, no worker (bare), median of "
+                  f"{len(result['big']['bare_stage_seconds'])}", "", f"{bare:.2f} s")
+    m = result["memory"]
+    table.add_row("peak RSS: worker / bare torch, same model and steps",
+                  f"{m['worker_peak_rss_bytes'] / 2**20:,.0f} / {m['bare_torch_peak_rss_bytes'] / 2**20:,.0f} MiB",
+                  f"{m['ratio']:.2f}x (goal <= 1.5x)")
+    Console(width=150).print(table)
+    print(f"wrote {args.out / 'worker_overhead.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
