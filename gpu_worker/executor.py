@@ -30,6 +30,8 @@ from gpu_worker.checkpoint import (
     CheckpointCorrupt,
     CheckpointMissing,
     CheckpointStore,
+    Snapshot,
+    SnapshotBuffers,
     StorageError,
     encode_state,
 )
@@ -166,7 +168,8 @@ class PathExecutor:
         self._latest: SaveHandle | None = None  # the last checkpoint of the weights in memory
         self._dirty = False  # trained since that checkpoint (or fresh)
         self._seed = 0
-        self._writer = _Writer(encode_state, self._put_many, f"checkpoint-writer-{worker_id}")
+        self._buffers = SnapshotBuffers()
+        self._writer = _Writer(self._encode, self._put_many, f"checkpoint-writer-{worker_id}")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"checkpoint-reader-{worker_id}")
 
     def stamp(self, event: Event) -> Event:
@@ -251,10 +254,18 @@ class PathExecutor:
         if not self._dirty:
             return None
         session = self._require()
-        state: object = session.save() if waited else session.snapshot()
+        state: object = session.save() if waited else session.snapshot(self._buffers)
         self._dirty = False
         self._latest = _Write(self._writer.submit(state))
         return self._latest
+
+    def _encode(self, snapshot: object) -> bytes:
+        """The bytes of a snapshot (on the writer thread); its buffers go back to the pool."""
+        assert isinstance(snapshot, Snapshot)
+        try:
+            return encode_state(snapshot.state)
+        finally:
+            self._buffers.give_back(snapshot)
 
     def _put_many(self, datas: list[bytes]) -> list[tuple[str, int]]:
         """Store checkpoints (one group commit where the store has ``put_many``), retried while

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from events.hp import HPConfig, config_values, same_value
-from gpu_worker.checkpoint import decode_state, encode_state, snapshot_state
+from gpu_worker.checkpoint import Snapshot, SnapshotBuffers, decode_state, encode_state, snapshot_state
 from gpu_worker.sampler import ResumableSampler
 from gpu_worker.trainer import Trainer
 
@@ -183,12 +183,15 @@ class TrainingSession:
         """
         return encode_state(self._state())
 
-    def snapshot(self) -> dict[str, object]:
+    def snapshot(self, buffers: SnapshotBuffers | None = None) -> Snapshot:
         """Return a copy of the current state that training will not change: ``encode_state(
-        session.snapshot()) == session.save()``, bit for bit. Taking it costs one memory copy of
-        the tensors (no serialization), so a worker encodes, hashes and writes it on another
-        thread while training goes on (gpu_worker.executor)."""
-        return snapshot_state(self._state())
+        session.snapshot().state) == session.save()``, bit for bit. Taking it costs one memory
+        copy of the tensors (no serialization), so a worker encodes, hashes and writes it on
+        another thread while training goes on (gpu_worker.executor). With ``buffers``, large
+        storages are copied into reused memory (give the snapshot back once encoded)."""
+        if buffers is not None:
+            return buffers.take(self._state())
+        return Snapshot(snapshot_state(self._state()), ())
 
     def _state(self) -> dict[str, object]:
         sampler = self._require_started()

@@ -38,6 +38,7 @@ from gpu_worker.checkpoint import (
     CheckpointRef,
     CheckpointStore,
     LocalCheckpointStore,
+    SnapshotBuffers,
     StorageError,
     decode_state,
     encode_state,
@@ -829,6 +830,27 @@ def test_a_snapshot_encodes_as_the_state_did_when_it_was_taken() -> None:
     assert encode_state(snapshot) == data
     assert snapshot["tied"].untyped_storage().data_ptr() == snapshot["again"].untyped_storage().data_ptr() == \
         snapshot["view"].untyped_storage().data_ptr()
+
+
+def test_pooled_snapshots_encode_as_the_state_and_reuse_buffers_only_once_given_back() -> None:
+    weights = torch.arange(300_000, dtype=torch.float32)  # 1.2 MB: pooled
+    small = torch.arange(10, dtype=torch.float64)  # below min_bytes: cloned
+    state = {"w": weights, "w_view": weights[10:20], "small": small, "step": 3}
+    buffers = SnapshotBuffers(min_bytes=1 << 20)
+    first = buffers.take(state)
+    assert encode_state(first.state) == encode_state(state)
+    assert [b.nbytes() for b in first.buffers] == [weights.untyped_storage().nbytes()]
+    assert first.state["w"].untyped_storage().data_ptr() == first.state["w_view"].untyped_storage().data_ptr()
+    weights.add_(1)
+    second = buffers.take(state)  # the first is still lent: a buffer of its own
+    assert second.buffers[0].data_ptr() != first.buffers[0].data_ptr()
+    assert encode_state(second.state) == encode_state(state) != encode_state(first.state)
+    buffers.give_back(first)
+    weights.add_(1)
+    third = buffers.take(state)
+    assert third.buffers[0].data_ptr() == first.buffers[0].data_ptr()  # reused
+    assert encode_state(third.state) == encode_state(state)
+    assert encode_state(second.state) != encode_state(state)
 
 
 def test_file_sha256_hashes_the_stored_bytes(tmp_path: Path) -> None:

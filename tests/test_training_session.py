@@ -178,7 +178,7 @@ def test_a_snapshot_encodes_to_the_checkpoint_and_stays_as_it_was_while_training
     config = {"lr": Constant(0.05), "batch_size": Constant(16), "momentum": Constant(0.9)}
     session = straight(config, 6)
     data = session.save()
-    snapshot = session.snapshot()  # what a worker hands to its writer thread
+    snapshot = session.snapshot().state  # what a worker hands to its writer thread
     assert encode_state(snapshot) == data
     session.train(config, 9)  # the weights and momentum buffers change in place
     assert session.save() != data
