@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import functools
 import hashlib
 import io
 import mmap
@@ -20,7 +21,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 _REF_PATTERN = re.compile(r"[0-9a-f]{64}")
 
@@ -98,6 +99,32 @@ def file_sha256(path: Path) -> str:
             return hashlib.sha256(mapped).hexdigest()
 
 
+class _Stored(Exception):
+    """An object written by put_written is stored intact already."""
+
+
+class _HashingSink:
+    """A binary file-like over ``file`` that hashes (sha256) and counts what is written."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file, self.hash, self.size = file, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        self.hash.update(data)
+        self.size += memoryview(data).nbytes
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        pass  # the store flushes and syncs the file itself
+
+    def hexdigest(self) -> str:
+        return self.hash.hexdigest()
+
+
+def _write_all(sink: BinaryIO, data: bytes) -> None:
+    sink.write(data)
+
+
 def _load_syncfs() -> Callable[[int], int] | None:
     """Linux's ``syncfs(fd)``: make everything written to the filesystem holding ``fd`` durable
     in one call (None elsewhere, where each file and directory is fsynced)."""
@@ -153,46 +180,65 @@ class LocalCheckpointStore:
         return self.put_many([data])[0]
 
     def put_many(self, datas: Sequence[bytes]) -> list[CheckpointRef]:
-        """Store several objects with one group commit: every one is written to a temporary
-        file and renamed into place, then all are made durable together (one ``syncfs`` of the
-        filesystem on Linux, a fraction of an fsync per object when a worker's queue holds
-        several; ``fsync`` of the file and its directory for a single object or elsewhere), then
-        each is read back and verified. Returns their refs in order; raises as :meth:`put`
-        (then none is to be trusted)."""
-        refs = [sha256_hex(data) for data in datas]
+        """Store several objects with one group commit (:meth:`put_written` writing each one's
+        bytes). Returns their refs in order; raises as :meth:`put` (then none is to be
+        trusted)."""
+        return self.put_written([functools.partial(_write_all, data=data) for data in datas])
+
+    def put_written(self, writers: Sequence[Callable[[BinaryIO], object]]) -> list[CheckpointRef]:
+        """Store the objects that ``writers`` write (each called once with a binary file-like
+        sink: ``write`` and ``flush``), with one group commit: each object is hashed as it is
+        written to a temporary file (no copy of it held in memory) and renamed into place under
+        its sha256, then all are made durable together (one ``syncfs`` of the filesystem on
+        Linux, a fraction of an fsync per object when a worker's queue holds several; ``fsync``
+        of the file and its directory for a single object or elsewhere), then each written
+        object is hashed again from the stored file (a read-only map) and checked against the
+        hash of what was written. An object already stored intact is left as it is (its
+        temporary file removed). Returns the refs in order; raises as :meth:`put`, and what a
+        writer raises (no temporary file is left)."""
+        refs: list[CheckpointRef] = []
         written: list[Path] = []
+        sync_each = len(writers) == 1 or _syncfs is None
         try:
-            for ref, data in zip(refs, datas):
-                target = self.path(ref)
-                if target in written or self._intact(target, ref):
-                    continue
-                target.parent.mkdir(parents=True, exist_ok=True)
-                fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
+            self.root.mkdir(parents=True, exist_ok=True)
+            for write in writers:
+                fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", dir=self.root)
                 try:
                     with os.fdopen(fd, "wb") as tmp:
-                        tmp.write(data)
-                        if len(datas) == 1 or _syncfs is None:
+                        sink = _HashingSink(tmp)
+                        write(sink)
+                        ref = sink.hexdigest()
+                        target = self.path(ref)
+                        if target in written or self._intact(target, ref):
+                            refs.append(CheckpointRef(ref=ref, size=sink.size))
+                            raise _Stored
+                        if sync_each:
                             tmp.flush()
                             os.fsync(tmp.fileno())
+                    target.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(tmp_name, target)
+                except _Stored:
+                    Path(tmp_name).unlink(missing_ok=True)
+                    continue
                 except BaseException:
                     Path(tmp_name).unlink(missing_ok=True)
                     raise
+                refs.append(CheckpointRef(ref=ref, size=sink.size))
                 written.append(target)
-            if written and (len(datas) == 1 or _syncfs is None):
+            if written and sync_each:
                 for directory in {t.parent for t in written}:
                     self._fsync_dir(directory)
             elif written:
                 self._syncfs()
-            actual = [file_sha256(self.path(ref)) if self.path(ref) in written else ref for ref in refs]
+            actual = [file_sha256(self.path(r.ref)) if self.path(r.ref) in written else r.ref for r in refs]
         except OSError as exc:
-            size = sum(len(d) for d in datas)
-            raise StorageError(f"writing {len(datas)} checkpoint(s) ({size} bytes) under {self.root} failed: "
-                               f"{exc}") from exc
-        for ref, got in zip(refs, actual):
-            if got != ref:
-                raise CheckpointCorrupt(ref, got)
-        return [CheckpointRef(ref=ref, size=len(data)) for ref, data in zip(refs, datas)]
+            size = sum(r.size for r in refs)
+            raise StorageError(f"writing {len(writers)} checkpoint(s) ({size} bytes written) under {self.root} "
+                               f"failed: {exc}") from exc
+        for r, got in zip(refs, actual):
+            if got != r.ref:
+                raise CheckpointCorrupt(r.ref, got)
+        return refs
 
     def _syncfs(self) -> None:
         assert _syncfs is not None
@@ -386,11 +432,17 @@ def encode_state(obj: Any) -> bytes:
     device, and equal states give equal bytes however their Python objects
     happen to be shared.
     """
+    buffer = io.BytesIO()
+    write_state(obj, buffer)
+    return buffer.getvalue()
+
+
+def write_state(obj: Any, file: BinaryIO) -> None:
+    """Write the bytes of :func:`encode_state` to the binary file-like ``file`` (``write`` and
+    ``flush``), as ``torch.save`` makes them (no copy of the whole encoding held in memory)."""
     import torch
 
-    buffer = io.BytesIO()
-    torch.save(_canonical(obj), buffer)
-    return buffer.getvalue()
+    torch.save(_canonical(obj), file)
 
 
 def decode_state(data: bytes) -> Any:

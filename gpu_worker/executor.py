@@ -18,7 +18,7 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 import torch
 from opentelemetry.trace import SpanKind
@@ -34,6 +34,7 @@ from gpu_worker.checkpoint import (
     SnapshotBuffers,
     StorageError,
     encode_state,
+    write_state,
 )
 from gpu_worker.session import TrainingSession
 from gpu_worker.trainer import Trainer
@@ -76,21 +77,20 @@ class _Write:
 
 class _Writer:
     """The thread storing a worker's checkpoints in the background: it takes every snapshot
-    queued when it wakes (at most ``batch``), encodes each one not encoded yet (``encode``: a
-    state to its bytes; a failure there is the trainer's, a StageFault of kind "error" for that
-    checkpoint alone) and stores them with one group commit (``write``), so a path of short stages is not
-    held by one fsync per checkpoint, and its training thread neither serializes nor hashes."""
+    queued when it wakes (at most ``batch``) and stores them with one group commit (``write``:
+    a result or the StageFault of each, in order), so a path of short stages is not held by one
+    fsync per checkpoint and its training thread neither serializes nor hashes; then hands each
+    snapshot to ``done`` (its memory may be reused)."""
 
-    def __init__(self, encode: Callable[[object], bytes], write: Callable[[list[bytes]], list[tuple[str, int]]],
-                 name: str, batch: int = 32) -> None:
-        self.encode, self.write, self.batch = encode, write, batch
-        self.queue: queue.SimpleQueue[tuple[object, Future[tuple[str, int]]]] = queue.SimpleQueue()
+    def __init__(self, write: Callable[[list[Snapshot]], list[tuple[str, int] | StageFault]],
+                 done: Callable[[Snapshot], None], name: str, batch: int = 32) -> None:
+        self.write, self.done, self.batch = write, done, batch
+        self.queue: queue.SimpleQueue[tuple[Snapshot, Future[tuple[str, int]]]] = queue.SimpleQueue()
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
-    def submit(self, state: object) -> Future[tuple[str, int]]:
-        """Queue ``state`` (a snapshot to encode, or bytes encoded already) to be stored."""
+    def submit(self, snapshot: Snapshot) -> Future[tuple[str, int]]:
         future: Future[tuple[str, int]] = Future()
-        self.queue.put((state, future))
+        self.queue.put((snapshot, future))
         return future
 
     def _run(self) -> None:
@@ -101,28 +101,29 @@ class _Writer:
                     jobs.append(self.queue.get_nowait())
                 except queue.Empty:
                     break
-            datas: list[bytes] = []
-            futures: list[Future[tuple[str, int]]] = []
-            while jobs:
-                state, future = jobs.pop(0)
-                try:
-                    datas.append(state if isinstance(state, bytes) else self.encode(state))
-                except Exception as exc:  # the trainer's state would not serialize
-                    future.set_exception(StageFault("error", "".join(traceback.format_exception_only(exc)).strip()))
-                else:
-                    futures.append(future)
-                del state  # the snapshot's memory goes back as soon as it is encoded
-            if not datas:
-                continue
+            snapshots = [snapshot for snapshot, _ in jobs]
             try:
-                results = self.write(datas)
+                results = self.write(snapshots)
             except BaseException as exc:  # handed to every waiting stage (a StageFault: "storage")
-                for future in futures:
+                for _, future in jobs:
                     future.set_exception(exc)
             else:
-                for future, result in zip(futures, results):
-                    future.set_result(result)
-            del datas
+                for (_, future), result in zip(jobs, results):
+                    if isinstance(result, StageFault):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+            for snapshot in snapshots:
+                self.done(snapshot)
+            del jobs, snapshots
+
+
+class _Unencodable(Exception):
+    """Writing snapshot ``index`` raised ``cause`` in the trainer's state (not the store)."""
+
+    def __init__(self, index: int, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.index, self.cause = index, cause
 
 
 class PathExecutor:
@@ -169,7 +170,7 @@ class PathExecutor:
         self._dirty = False  # trained since that checkpoint (or fresh)
         self._seed = 0
         self._buffers = SnapshotBuffers()
-        self._writer = _Writer(self._encode, self._put_many, f"checkpoint-writer-{worker_id}")
+        self._writer = _Writer(self._put_many, self._buffers.give_back, f"checkpoint-writer-{worker_id}")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"checkpoint-reader-{worker_id}")
 
     def stamp(self, event: Event) -> Event:
@@ -254,29 +255,58 @@ class PathExecutor:
         if not self._dirty:
             return None
         session = self._require()
-        state: object = session.save() if waited else session.snapshot(self._buffers)
+        # waited: nothing trains before the write is verified, so the live state is written
+        snapshot = Snapshot(session.state(), ()) if waited else session.snapshot(self._buffers)
         self._dirty = False
-        self._latest = _Write(self._writer.submit(state))
+        self._latest = _Write(self._writer.submit(snapshot))
         return self._latest
 
-    def _encode(self, snapshot: object) -> bytes:
-        """The bytes of a snapshot (on the writer thread); its buffers go back to the pool."""
-        assert isinstance(snapshot, Snapshot)
-        try:
-            return encode_state(snapshot.state)
-        finally:
-            self._buffers.give_back(snapshot)
+    def _put_many(self, snapshots: list[Snapshot]) -> list[tuple[str, int] | StageFault]:
+        """Store snapshots (on the writer thread): streamed into the store, hashed as they are
+        written, with one group commit where the store has ``put_written``; else encoded and
+        stored with ``put_many`` or ``put``. Retried while the store fails; then a StageFault of
+        kind "storage" (raised: it is every snapshot's). A snapshot whose state does not encode
+        gets a StageFault of kind "error" (the trainer's) and the others are stored."""
+        results: dict[int, tuple[str, int] | StageFault] = {}
 
-    def _put_many(self, datas: list[bytes]) -> list[tuple[str, int]]:
-        """Store checkpoints (one group commit where the store has ``put_many``), retried while
-        the store fails; then a StageFault of kind "storage"."""
-        put_many = getattr(self.store, "put_many", None)
+        def unencodable(i: int, exc: Exception) -> None:
+            results[i] = StageFault("error", "".join(traceback.format_exception_only(exc)).strip())
+
+        def writer(i: int) -> Callable[[BinaryIO], None]:
+            def write(sink: BinaryIO) -> None:
+                try:
+                    write_state(snapshots[i].state, sink)
+                except OSError:  # the sink's: the store's fault
+                    raise
+                except Exception as exc:
+                    raise _Unencodable(i, exc) from exc
+            return write
+
+        put_written = getattr(self.store, "put_written", None)
         try:
-            refs = self._stored(functools.partial(put_many, datas)) if put_many is not None else \
-                [self._stored(functools.partial(self.store.put, data)) for data in datas]
+            while len(results) < len(snapshots):
+                left = [i for i in range(len(snapshots)) if i not in results]
+                if put_written is not None:
+                    try:
+                        refs = self._stored(functools.partial(put_written, [writer(i) for i in left]))
+                    except _Unencodable as exc:  # store the others again without it
+                        unencodable(exc.index, exc.cause)
+                        continue
+                else:
+                    datas = {}
+                    for i in left:
+                        try:
+                            datas[i] = encode_state(snapshots[i].state)
+                        except Exception as exc:
+                            unencodable(i, exc)
+                    left = list(datas)
+                    put_many = getattr(self.store, "put_many", None)
+                    refs = self._stored(functools.partial(put_many, list(datas.values()))) if put_many is not None \
+                        else [self._stored(functools.partial(self.store.put, data)) for data in datas.values()]
+                results.update((i, (r.ref, r.size)) for i, r in zip(left, refs))
         except (StorageError, CheckpointCorrupt) as exc:  # the store's fault, not the trial's
             raise StageFault("storage", f"{type(exc).__name__}: {exc}") from exc
-        return [(r.ref, r.size) for r in refs]
+        return [results[i] for i in range(len(snapshots))]
 
     def abandon(self) -> None:
         self._session, self._latest, self._dirty = None, None, False

@@ -181,7 +181,7 @@ class TrainingSession:
         trainer.state_dict(), "sampler": sampler.state_dict(), "hp": {name:
         value}})`` with every tensor on the CPU; equal states give equal bytes.
         """
-        return encode_state(self._state())
+        return encode_state(self.state())
 
     def snapshot(self, buffers: SnapshotBuffers | None = None) -> Snapshot:
         """Return a copy of the current state that training will not change: ``encode_state(
@@ -190,10 +190,12 @@ class TrainingSession:
         another thread while training goes on (gpu_worker.executor). With ``buffers``, large
         storages are copied into reused memory (give the snapshot back once encoded)."""
         if buffers is not None:
-            return buffers.take(self._state())
-        return Snapshot(snapshot_state(self._state()), ())
+            return buffers.take(self.state())
+        return Snapshot(snapshot_state(self.state()), ())
 
-    def _state(self) -> dict[str, object]:
+    def state(self) -> dict[str, object]:
+        """The current state as :meth:`save` encodes it, its tensors the live ones (training
+        changes them in place: write it before training goes on, or take a :meth:`snapshot`)."""
         sampler = self._require_started()
         return {
             "format": CHECKPOINT_FORMAT,

@@ -44,6 +44,7 @@ from gpu_worker.checkpoint import (
     encode_state,
     file_sha256,
     snapshot_state,
+    write_state,
 )
 from gpu_worker.object_store import CheckpointStoreError, S3CheckpointStore, open_checkpoint_store
 
@@ -851,6 +852,28 @@ def test_pooled_snapshots_encode_as_the_state_and_reuse_buffers_only_once_given_
     assert third.buffers[0].data_ptr() == first.buffers[0].data_ptr()  # reused
     assert encode_state(third.state) == encode_state(state)
     assert encode_state(second.state) != encode_state(state)
+
+
+def test_put_written_stores_what_its_writers_stream_hashed_as_written(tmp_path: Path) -> None:
+    store = LocalCheckpointStore(tmp_path)
+    state = {"weights": torch.arange(1000, dtype=torch.float32), "step": 4}
+    chunks = [b"several ", b"chunks", b""]
+    already = store.put(b"already here")
+    refs = store.put_written([lambda sink: write_state(state, sink), lambda sink: [sink.write(c) for c in chunks],
+                              lambda sink: sink.write(b"already here")])
+    assert refs[0] == CheckpointRef(hashlib.sha256(encode_state(state)).hexdigest(), len(encode_state(state)))
+    assert store.get(refs[0].ref) == encode_state(state)
+    assert store.get(refs[1].ref) == b"several chunks" and refs[1].size == 14
+    assert refs[2] == already
+    assert sorted(p.name for p in all_files(tmp_path)) == sorted(r.ref for r in refs)  # no temporary file left
+
+    def failing(sink: Any) -> None:
+        sink.write(b"half an obj")
+        raise RuntimeError("the writer failed")
+
+    with pytest.raises(RuntimeError, match="the writer failed"):
+        store.put_written([failing])
+    assert sorted(p.name for p in all_files(tmp_path)) == sorted(r.ref for r in refs)
 
 
 def test_file_sha256_hashes_the_stored_bytes(tmp_path: Path) -> None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import errno
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 import torch
@@ -49,11 +50,11 @@ class FullDisk(LocalCheckpointStore):
         super().__init__(root)
         self.full = full
 
-    def put_many(self, datas: Sequence[bytes]) -> list[CheckpointRef]:
+    def put_written(self, writers: Sequence[Callable[[BinaryIO], object]]) -> list[CheckpointRef]:
         if self.full > 0:
             self.full -= 1
             raise StorageError(f"writing checkpoint failed: {OSError(errno.ENOSPC, 'No space left on device')}")
-        return super().put_many(datas)
+        return super().put_written(writers)
 
 
 class Cluster:
