@@ -102,20 +102,26 @@ class _Writer:
                 except queue.Empty:
                     break
             snapshots = [snapshot for snapshot, _ in jobs]
+            futures = [future for _, future in jobs]
+            del jobs
+            outcome: list[tuple[str, int] | StageFault] | BaseException
             try:
-                results = self.write(snapshots)
+                outcome = self.write(snapshots)
             except BaseException as exc:  # handed to every waiting stage (a StageFault: "storage")
-                for _, future in jobs:
-                    future.set_exception(exc)
-            else:
-                for (_, future), result in zip(jobs, results):
-                    if isinstance(result, StageFault):
-                        future.set_exception(result)
-                    else:
-                        future.set_result(result)
+                outcome = exc
+            # The snapshots are let go before any waiting stage is told: once the last write of
+            # a path is done its worker may exit, and a thread still freeing tensors then
+            # aborts the process ("terminate called without an active exception").
             for snapshot in snapshots:
                 self.done(snapshot)
-            del jobs, snapshots
+            del snapshots
+            for i, future in enumerate(futures):
+                result = outcome if isinstance(outcome, BaseException) else outcome[i]
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
+            del futures, outcome
 
 
 class _Unencodable(Exception):
