@@ -199,3 +199,39 @@ def test_a_path_from_its_source_checkpoint_saves_what_the_straight_path_saves(tm
 def flip_byte(data: bytes) -> bytes:
     middle = len(data) // 2
     return data[:middle] + bytes([data[middle] ^ 1]) + data[middle + 1:]
+
+
+class PutOnly:
+    """A store with only the protocol's put (as the MinIO store): the worker encodes each
+    checkpoint to bytes and puts it."""
+
+    def __init__(self, root: Path) -> None:
+        self.local = LocalCheckpointStore(root)
+
+    def put(self, data: bytes) -> CheckpointRef:
+        return self.local.put(data)
+
+    def get(self, ref: str) -> bytes:
+        return self.local.get(ref)
+
+    def exists(self, ref: str) -> bool:
+        return self.local.exists(ref)
+
+    def delete(self, ref: str) -> None:
+        self.local.delete(ref)
+
+
+def test_a_store_without_streamed_writes_gets_the_same_checkpoints(tmp_path: Path) -> None:
+    def saved(store: LocalCheckpointStore | PutOnly, trainer: DigitsTrainer) -> list[tuple[str, str]]:
+        cluster = Cluster()
+        cluster.emit([WorkerJoined(worker_id="w0", device="cpu")])
+        cluster.emit([TrialSubmitted(study_id="s", trial_id="t", plan_key="p", seed=3, hp=CONFIG, steps=5)])
+        d = cluster.dispatch()
+        PathExecutor(trainer, "w0", store, torch.device("cpu")).run(d, cluster.emit)
+        return [(e.node_id, e.ref) if isinstance(e, CheckpointSaved) else (e.kind, e.error[:40])
+                for batch in cluster.batches for e in batch if isinstance(e, (CheckpointSaved, StageFailed))]
+
+    streamed = saved(LocalCheckpointStore(tmp_path / "local"), DigitsTrainer())
+    assert streamed and saved(PutOnly(tmp_path / "put-only"), DigitsTrainer()) == streamed
+    (failed,) = saved(PutOnly(tmp_path / "unserializable"), Unserializable())
+    assert failed[0] == "error"
