@@ -152,11 +152,12 @@ def _check_ref(ref: str) -> str:
 class LocalCheckpointStore:
     """CheckpointStore in a local directory: the object ``ref`` lives at ``root/ref[:2]/ref``.
 
-    Writes go to a temporary file in the object's directory, are made durable
-    (fsync, or one syncfs for a group: :meth:`put_many`) and renamed into place
-    with ``os.replace`` (atomic), and the object is re-read and verified before
-    ``put`` returns. A crash at any moment leaves either no object or a complete
-    one, plus at most a stray ``.tmp-*`` file that is never read as an object;
+    Writes go to a temporary file under ``root`` (hashed as they are written),
+    are renamed into place under their hash with ``os.replace`` (atomic) and made
+    durable (fsync of file and directory, or one syncfs for a group:
+    :meth:`put_written`), and the object is re-read and verified before ``put``
+    returns. A crash at any moment leaves either no object or a complete one,
+    plus at most a stray ``root/.tmp-*`` file that is never read as an object;
     a power loss before the sync may leave a renamed object incomplete, which its
     sha256 shows on the next read (it is then recomputed, never loaded).
     """
