@@ -17,7 +17,12 @@ the coordinator's pipe), in one process on one CPU thread, without a coordinator
 2. **100 MB checkpoint** (a ``torch.nn.Linear(5000, 5000)`` without bias, plain SGD: 100,000,000
    bytes of weights), stages of ``--big-steps`` steps (default 10) resumed from each other: the
    overhead (load of the source for the first stage, save, hash, durable write, verify; the
-   writes overlap the next stage's training) as seconds and as a share of the stage.
+   writes overlap the next stage's training) as seconds and as a share of the stage; and each
+   stage's wall time beyond the median of three bare stages (the same steps in a plain loop, no
+   worker, measured first in the same process): the writer thread's competition for the CPU
+   slows training, which ``seconds - train_seconds`` does not show (it falls inside
+   ``train_seconds``). A path's last stage holds its worker until every write of the path is
+   verified (its end batch carries the CheckpointSaved), so it also counts that wait.
 3. **resident memory**: the peak RSS (``ru_maxrss``) of a fresh process that runs the worker on
    the 100 MB model for two stages, next to a fresh process that imports torch and trains the
    same model the same number of steps with a plain loop (goal: within 1.5x).
@@ -161,6 +166,7 @@ def big(steps: int, out: Path) -> dict[str, Any]:
     trainer = load_trainer(study)
     hp = {"lr": Constant(0.01)}
     executor = _executor(trainer, out / "big")
+    bare = _bare_stage_seconds(trainer, steps)
     # a path of 3 stages from a fresh start, then a path resumed from its last checkpoint (a load)
     _, first, events = _run(executor, [_dispatch(0, [(f"n{s}", hp, s * steps, (s + 1) * steps, False)
                                                      for s in range(3)])])
@@ -169,10 +175,30 @@ def big(steps: int, out: Path) -> dict[str, Any]:
     _, resumed, _ = _run(executor, [_dispatch(1, [("m0", hp, 3 * steps, 4 * steps, False)],
                                               CheckpointSource(node_id="n2", step=3 * steps, ref=ref))])
     rows = first + resumed
-    return {"checkpoint_bytes": BIG * BIG * 4, "steps_per_stage": steps,
+    return {"checkpoint_bytes": BIG * BIG * 4, "steps_per_stage": steps, "bare_stage_seconds": bare,
             "stages": [{"from_step": e.from_step, "seconds": e.seconds, "train_seconds": e.train_seconds,
                         "overhead_s": e.seconds - e.train_seconds,
-                        "overhead_share": (e.seconds - e.train_seconds) / e.seconds} for e in rows]}
+                        "overhead_share": (e.seconds - e.train_seconds) / e.seconds,
+                        "beyond_bare_share": (e.seconds - statistics.median(bare)) / e.seconds,
+                        "path_end": e is first[-1] or e is resumed[-1]} for e in rows]}
+
+
+def _bare_stage_seconds(trainer: Any, steps: int, repeats: int = 3) -> list[float]:
+    """Seconds of ``steps`` plain training steps of ``trainer`` (no worker, nothing written beside
+    them), ``repeats`` times: what a stage's training costs when nothing competes with it for
+    the CPU. ``seconds - train_seconds`` leaves out the slowdown of training by the writer thread
+    (it falls inside ``train_seconds``); ``seconds`` against this does not."""
+    import torch
+
+    trainer.build(0, torch.device("cpu"))
+    indices = torch.empty(0, dtype=torch.int64)
+    timings = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for step in range(steps):
+            trainer.train_step(indices, step)
+        timings.append(time.perf_counter() - t0)
+    return timings
 
 
 MEMORY_WORKER = """
@@ -234,12 +260,17 @@ def main(argv: list[str] | None = None) -> int:
     for name, f in result["tiny"].items():
         table.add_row(f"tiny model: {name} ({f['stages']})", f"{f['overhead_ms_median']:.2f} ms "
                       f"({f['overhead_ms_p90']:.2f} ms)", f"{f['wall_ms_per_stage']:.2f} ms")
+    bare = statistics.median(result["big"]["bare_stage_seconds"])
     for s in result["big"]["stages"]:
         how = "loaded from its source" if s["from_step"] == 3 * args.big_steps else (
             "fresh start" if s["from_step"] == 0 else "continued in memory")
+        if s["path_end"]:
+            how += ", path end: waits for its writes"
         table.add_row(f"100 MB checkpoint, {args.big_steps} steps from step {s['from_step']} ({how})",
                       f"{s['overhead_s']:.3f} s = {100 * s['overhead_share']:.1f} % of the stage",
-                      f"{s['seconds']:.2f} s")
+                      f"{s['seconds']:.2f} s ({100 * s['beyond_bare_share']:+.0f} % beyond bare)")
+    table.add_row(f"100 MB model, {args.big_steps} plain training steps, no worker (bare), median of "
+                  f"{len(result['big']['bare_stage_seconds'])}", "", f"{bare:.2f} s")
     m = result["memory"]
     table.add_row("peak RSS: worker / bare torch, same model and steps",
                   f"{m['worker_peak_rss_bytes'] / 2**20:,.0f} / {m['bare_torch_peak_rss_bytes'] / 2**20:,.0f} MiB",

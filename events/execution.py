@@ -94,11 +94,13 @@ class PathBackend(Protocol):
         """Metrics of the weights in hand (at ``step`` of ``spec``'s node)."""
         ...
 
-    def save(self) -> SaveHandle | None:
+    def save(self, waited: bool = False) -> SaveHandle | None:
         """Store the weights in hand if they are not stored yet, or None when they are (an
         evaluation-only stage, say). The handle gives ``(sha256 ref, size in bytes)`` of the
         verified object once written; a backend may write in the background while the next
-        stage trains (the weights are snapshotted before this returns)."""
+        stage trains (the weights are snapshotted before this returns). ``waited``: the caller
+        waits for the handle before the weights change again (a path's end), so a backend need
+        not copy them first."""
         ...
 
     def abandon(self) -> None:
@@ -227,9 +229,9 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
         emit([stamp(StageFailed(**base, worker_id=worker_id, node_id=spec.node_id, from_step=spec.from_step,
                                 to_step=spec.to_step, kind=kind, error=error, ref=ref))])
 
-    def save(spec: StageSpec, step: int) -> SaveHandle | None:
+    def save(spec: StageSpec, step: int, waited: bool = False) -> SaveHandle | None:
         with tracing.span("checkpoint.save", attributes={"stagetree.node_id": spec.node_id, "stagetree.step": step}):
-            return backend.save()
+            return backend.save(waited)
 
     def release(block: bool) -> bool:
         """Emit the end batches whose writes are done (all of them with ``block``), in order;
@@ -281,7 +283,7 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
                     at = backend.step()
                     stop = steering.stop_in(i, spec)
                     if stop is not None and at >= stop:
-                        handle = save(spec, at)
+                        handle = save(spec, at, waited=True)
                         now = backend.now()
                         stopped = stamp(StageStopped(**base, worker_id=worker_id, **stage, step=at,
                                                      seconds=now - started, train_seconds=train_seconds))
@@ -309,7 +311,7 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
                         metrics = backend.evaluate(spec, spec.to_step)
                     end.append(stamp(MetricsReported(**base, node_id=spec.node_id, step=spec.to_step,
                                                      metrics=dict(metrics))))
-                handle = save(spec, spec.to_step)
+                handle = save(spec, spec.to_step, waited=i + 1 == len(d.stages))
             except StageFault as fault:
                 if release(True):
                     backend.abandon()

@@ -15,9 +15,10 @@ import functools
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import BinaryIO, TypeVar
 
 import torch
 from opentelemetry.trace import SpanKind
@@ -25,7 +26,16 @@ from opentelemetry.trace import SpanKind
 from events import topics, tracing
 from events.execution import Control, Emit, Saved, SaveHandle, StageFault, run_path
 from events.models import Event, StageDispatched, StageSpec
-from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing, CheckpointStore, StorageError
+from gpu_worker.checkpoint import (
+    CheckpointCorrupt,
+    CheckpointMissing,
+    CheckpointStore,
+    Snapshot,
+    SnapshotBuffers,
+    StorageError,
+    encode_state,
+    write_state,
+)
 from gpu_worker.session import TrainingSession
 from gpu_worker.trainer import Trainer
 
@@ -66,18 +76,21 @@ class _Write:
 
 
 class _Writer:
-    """The thread writing a worker's checkpoints in the background: it takes every checkpoint
-    queued when it wakes (at most ``batch``) and stores them with one group commit
-    (``put_many``), so a path of short stages is not held by one fsync per checkpoint."""
+    """The thread storing a worker's checkpoints in the background: it takes every snapshot
+    queued when it wakes (at most ``batch``) and stores them with one group commit (``write``:
+    a result or the StageFault of each, in order), so a path of short stages is not held by one
+    fsync per checkpoint and its training thread neither serializes nor hashes; then hands each
+    snapshot to ``done`` (its memory may be reused)."""
 
-    def __init__(self, write: Callable[[list[bytes]], list[tuple[str, int]]], name: str, batch: int = 32) -> None:
-        self.write, self.batch = write, batch
-        self.queue: queue.SimpleQueue[tuple[bytes, Future[tuple[str, int]]]] = queue.SimpleQueue()
+    def __init__(self, write: Callable[[list[Snapshot]], list[tuple[str, int] | StageFault]],
+                 done: Callable[[Snapshot], None], name: str, batch: int = 32) -> None:
+        self.write, self.done, self.batch = write, done, batch
+        self.queue: queue.SimpleQueue[tuple[Snapshot, Future[tuple[str, int]]]] = queue.SimpleQueue()
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
-    def submit(self, data: bytes) -> Future[tuple[str, int]]:
+    def submit(self, snapshot: Snapshot) -> Future[tuple[str, int]]:
         future: Future[tuple[str, int]] = Future()
-        self.queue.put((data, future))
+        self.queue.put((snapshot, future))
         return future
 
     def _run(self) -> None:
@@ -88,14 +101,35 @@ class _Writer:
                     jobs.append(self.queue.get_nowait())
                 except queue.Empty:
                     break
+            snapshots = [snapshot for snapshot, _ in jobs]
+            futures = [future for _, future in jobs]
+            del jobs
+            outcome: list[tuple[str, int] | StageFault] | BaseException
             try:
-                results = self.write([data for data, _ in jobs])
+                outcome = self.write(snapshots)
             except BaseException as exc:  # handed to every waiting stage (a StageFault: "storage")
-                for _, future in jobs:
-                    future.set_exception(exc)
-            else:
-                for (_, future), result in zip(jobs, results):
+                outcome = exc
+            # The snapshots are let go before any waiting stage is told: once the last write of
+            # a path is done its worker may exit, and a thread still freeing tensors then
+            # aborts the process ("terminate called without an active exception").
+            for snapshot in snapshots:
+                self.done(snapshot)
+            del snapshots
+            for i, future in enumerate(futures):
+                result = outcome if isinstance(outcome, BaseException) else outcome[i]
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
                     future.set_result(result)
+            del futures, outcome
+
+
+class _Unencodable(Exception):
+    """Writing snapshot ``index`` raised ``cause`` in the trainer's state (not the store)."""
+
+    def __init__(self, index: int, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.index, self.cause = index, cause
 
 
 class PathExecutor:
@@ -141,7 +175,9 @@ class PathExecutor:
         self._latest: SaveHandle | None = None  # the last checkpoint of the weights in memory
         self._dirty = False  # trained since that checkpoint (or fresh)
         self._seed = 0
-        self._writer = _Writer(self._put_many, f"checkpoint-writer-{worker_id}")
+        self._buffers = SnapshotBuffers()
+        self._writer = _Writer(self._put_many, self._buffers.give_back, f"checkpoint-writer-{worker_id}")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"checkpoint-reader-{worker_id}")
 
     def stamp(self, event: Event) -> Event:
         """Set producer, timestamp and (when tracing) the current span's context on ``event``."""
@@ -175,8 +211,10 @@ class PathExecutor:
             self._dirty = True  # fresh weights are stored nowhere
         else:
             ref = d.source.ref
+            # read and verified on the reader thread while the trainer builds here
+            fetched = self._reader.submit(self._stored, functools.partial(self.store.get, ref))
             try:
-                session.load(self._stored(functools.partial(self.store.get, ref)))
+                session.load(fetched.result)
             except CheckpointCorrupt as exc:
                 raise StageFault("checkpoint_corrupt", str(exc), ref) from exc
             except CheckpointMissing as exc:
@@ -212,27 +250,69 @@ class PathExecutor:
     def evaluate(self, spec: StageSpec, step: int) -> dict[str, float]:
         return self._require().evaluate()
 
-    def save(self) -> SaveHandle | None:
-        """Snapshot the weights in memory (serialized here, on the training thread) unless they
-        are a stored checkpoint already, and write them on the writer thread: hashed, written,
-        verified by sha256 before the handle completes (and before the event that names them)."""
+    def save(self, waited: bool = False) -> SaveHandle | None:
+        """Snapshot the weights in memory unless they are a stored checkpoint already (a memory
+        copy of the tensors, here on the training thread: ``TrainingSession.snapshot``), and store
+        the snapshot on the writer thread: encoded, hashed, written and verified by sha256 before
+        the handle completes (and before the event that names it), while the next stage trains.
+        ``waited`` (a path's end: nothing trains before the write is verified): the weights are
+        encoded here at once, without the copy, while the writer finishes the path's earlier
+        writes."""
         if not self._dirty:
             return None
-        data = self._require().save()
+        session = self._require()
+        # waited: nothing trains before the write is verified, so the live state is written
+        snapshot = Snapshot(session.state(), ()) if waited else session.snapshot(self._buffers)
         self._dirty = False
-        self._latest = _Write(self._writer.submit(data))
+        self._latest = _Write(self._writer.submit(snapshot))
         return self._latest
 
-    def _put_many(self, datas: list[bytes]) -> list[tuple[str, int]]:
-        """Store checkpoints (one group commit where the store has ``put_many``), retried while
-        the store fails; then a StageFault of kind "storage"."""
-        put_many = getattr(self.store, "put_many", None)
+    def _put_many(self, snapshots: list[Snapshot]) -> list[tuple[str, int] | StageFault]:
+        """Store snapshots (on the writer thread): streamed into the store, hashed as they are
+        written, with one group commit where the store has ``put_written``; else encoded and
+        stored with ``put_many`` or ``put``. Retried while the store fails; then a StageFault of
+        kind "storage" (raised: it is every snapshot's). A snapshot whose state does not encode
+        gets a StageFault of kind "error" (the trainer's) and the others are stored."""
+        results: dict[int, tuple[str, int] | StageFault] = {}
+
+        def unencodable(i: int, exc: Exception) -> None:
+            results[i] = StageFault("error", "".join(traceback.format_exception_only(exc)).strip())
+
+        def writer(i: int) -> Callable[[BinaryIO], None]:
+            def write(sink: BinaryIO) -> None:
+                try:
+                    write_state(snapshots[i].state, sink)
+                except OSError:  # the sink's: the store's fault
+                    raise
+                except Exception as exc:
+                    raise _Unencodable(i, exc) from exc
+            return write
+
+        put_written = getattr(self.store, "put_written", None)
         try:
-            refs = self._stored(functools.partial(put_many, datas)) if put_many is not None else \
-                [self._stored(functools.partial(self.store.put, data)) for data in datas]
+            while len(results) < len(snapshots):
+                left = [i for i in range(len(snapshots)) if i not in results]
+                if put_written is not None:
+                    try:
+                        refs = self._stored(functools.partial(put_written, [writer(i) for i in left]))
+                    except _Unencodable as exc:  # store the others again without it
+                        unencodable(exc.index, exc.cause)
+                        continue
+                else:
+                    datas = {}
+                    for i in left:
+                        try:
+                            datas[i] = encode_state(snapshots[i].state)
+                        except Exception as exc:
+                            unencodable(i, exc)
+                    left = list(datas)
+                    put_many = getattr(self.store, "put_many", None)
+                    refs = self._stored(functools.partial(put_many, list(datas.values()))) if put_many is not None \
+                        else [self._stored(functools.partial(self.store.put, data)) for data in datas.values()]
+                results.update((i, (r.ref, r.size)) for i, r in zip(left, refs))
         except (StorageError, CheckpointCorrupt) as exc:  # the store's fault, not the trial's
             raise StageFault("storage", f"{type(exc).__name__}: {exc}") from exc
-        return [(r.ref, r.size) for r in refs]
+        return [results[i] for i in range(len(snapshots))]
 
     def abandon(self) -> None:
         self._session, self._latest, self._dirty = None, None, False

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from events.hp import HPConfig, config_values, same_value
-from gpu_worker.checkpoint import decode_state, encode_state
+from gpu_worker.checkpoint import Snapshot, SnapshotBuffers, decode_state, encode_state, snapshot_state
 from gpu_worker.sampler import ResumableSampler
 from gpu_worker.trainer import Trainer
 
@@ -134,8 +134,12 @@ class TrainingSession:
         self._hp = {}
         self._setup_all = True
 
-    def load(self, data: bytes) -> None:
+    def load(self, data: bytes | Callable[[], bytes]) -> None:
         """Build the trainer from the seed, then restore a checkpoint made by ``save``.
+
+        ``data``: the checkpoint's bytes, or a function returning them, called once the trainer
+        is built (a worker reads and verifies the checkpoint on another thread meanwhile); what
+        it raises propagates.
 
         Restores the trainer state (model, optimizer), the sampler (generator
         state, permutation, position), the step and the hyper-parameter
@@ -152,11 +156,11 @@ class TrainingSession:
         when the format is not ``CHECKPOINT_FORMAT`` or the sampler state
         does not fit the trainer's ``train_size()``.
         """
-        state = decode_state(data)
+        self._build()
+        state = decode_state(data if isinstance(data, bytes) else data())
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"checkpoint format must be {CHECKPOINT_FORMAT}, got {found!r}")
-        self._build()
         self.trainer.load_state_dict(state["trainer"])
         sampler = ResumableSampler(self.trainer.train_size(), self.seed)
         sampler.load_state_dict(state["sampler"])
@@ -177,15 +181,29 @@ class TrainingSession:
         trainer.state_dict(), "sampler": sampler.state_dict(), "hp": {name:
         value}})`` with every tensor on the CPU; equal states give equal bytes.
         """
+        return encode_state(self.state())
+
+    def snapshot(self, buffers: SnapshotBuffers | None = None) -> Snapshot:
+        """Return a copy of the current state that training will not change: ``encode_state(
+        session.snapshot().state) == session.save()``, bit for bit. Taking it costs one memory
+        copy of the tensors (no serialization), so a worker encodes, hashes and writes it on
+        another thread while training goes on (gpu_worker.executor). With ``buffers``, large
+        storages are copied into reused memory (give the snapshot back once encoded)."""
+        if buffers is not None:
+            return buffers.take(self.state())
+        return Snapshot(snapshot_state(self.state()), ())
+
+    def state(self) -> dict[str, object]:
+        """The current state as :meth:`save` encodes it, its tensors the live ones (training
+        changes them in place: write it before training goes on, or take a :meth:`snapshot`)."""
         sampler = self._require_started()
-        state = {
+        return {
             "format": CHECKPOINT_FORMAT,
             "step": self._step,
             "trainer": self.trainer.state_dict(),
             "sampler": sampler.state_dict(),
             "hp": dict(self._hp),
         }
-        return encode_state(state)
 
     def train(self, config: HPConfig, to_step: int, interrupt: Callable[[], bool] | None = None) -> None:
         """Train global steps ``[step, to_step)`` under ``config``; afterwards ``step == to_step``,

@@ -299,7 +299,7 @@ class SimulatedWorker:
         self._spend(self.cost.eval_seconds)
         return self.curve.metrics(self._loss, spec.hp, step, self._dispatch.seed)
 
-    def save(self) -> Saved | None:
+    def save(self, waited: bool = False) -> Saved | None:
         assert self._dispatch is not None
         if self._stored:
             return None

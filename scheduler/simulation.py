@@ -51,7 +51,7 @@ class _Instant:
     def evaluate(self, spec: StageSpec, step: int) -> dict[str, float]:
         return {"step": float(step)}
 
-    def save(self) -> Saved | None:
+    def save(self, waited: bool = False) -> Saved | None:
         if self.stored:
             return None
         self.stored = True

@@ -38,9 +38,13 @@ from gpu_worker.checkpoint import (
     CheckpointRef,
     CheckpointStore,
     LocalCheckpointStore,
+    SnapshotBuffers,
     StorageError,
     decode_state,
     encode_state,
+    file_sha256,
+    snapshot_state,
+    write_state,
 )
 from gpu_worker.object_store import CheckpointStoreError, S3CheckpointStore, open_checkpoint_store
 
@@ -803,6 +807,81 @@ def test_equal_states_encode_to_equal_bytes_whatever_objects_they_share() -> Non
     fresh = {"lr": 0.1, "groups": [{"lr": 0.1}], "pair": (1, 2), "again": (1, 2)}
     assert encode_state(shared) == encode_state(distinct)
     assert encode_state(aliased) == encode_state(fresh)
+
+
+def test_a_snapshot_encodes_as_the_state_did_when_it_was_taken() -> None:
+    base = torch.arange(12, dtype=torch.float32)
+    model = torch.nn.Linear(3, 3)
+    state = {
+        "tied": base, "again": base,  # one storage, saved once
+        "view": base[4:10].view(2, 3),  # a view: its whole storage is saved, with the offset
+        "leaf": torch.ones(3, requires_grad=True),
+        "model": model.state_dict(),  # an OrderedDict with _metadata
+        "generator": torch.Generator().manual_seed(5).get_state(),
+        "values": [1, 2.5, None, True, "text", (1, 2)],
+    }
+    data = encode_state(state)
+    snapshot = snapshot_state(state)
+    assert encode_state(snapshot) == data
+    with torch.no_grad():  # training goes on in place
+        base.add_(1)
+        state["leaf"].mul_(2)
+        model.weight.zero_()
+    assert encode_state(state) != data
+    assert encode_state(snapshot) == data
+    assert snapshot["tied"].untyped_storage().data_ptr() == snapshot["again"].untyped_storage().data_ptr() == \
+        snapshot["view"].untyped_storage().data_ptr()
+
+
+def test_pooled_snapshots_encode_as_the_state_and_reuse_buffers_only_once_given_back() -> None:
+    weights = torch.arange(300_000, dtype=torch.float32)  # 1.2 MB: pooled
+    small = torch.arange(10, dtype=torch.float64)  # below min_bytes: cloned
+    state = {"w": weights, "w_view": weights[10:20], "small": small, "step": 3}
+    buffers = SnapshotBuffers(min_bytes=1 << 20)
+    first = buffers.take(state)
+    assert encode_state(first.state) == encode_state(state)
+    assert [b.nbytes() for b in first.buffers] == [weights.untyped_storage().nbytes()]
+    assert first.state["w"].untyped_storage().data_ptr() == first.state["w_view"].untyped_storage().data_ptr()
+    weights.add_(1)
+    second = buffers.take(state)  # the first is still lent: a buffer of its own
+    assert second.buffers[0].data_ptr() != first.buffers[0].data_ptr()
+    assert encode_state(second.state) == encode_state(state) != encode_state(first.state)
+    buffers.give_back(first)
+    weights.add_(1)
+    third = buffers.take(state)
+    assert third.buffers[0].data_ptr() == first.buffers[0].data_ptr()  # reused
+    assert encode_state(third.state) == encode_state(state)
+    assert encode_state(second.state) != encode_state(state)
+
+
+def test_put_written_stores_what_its_writers_stream_hashed_as_written(tmp_path: Path) -> None:
+    store = LocalCheckpointStore(tmp_path)
+    state = {"weights": torch.arange(1000, dtype=torch.float32), "step": 4}
+    chunks = [b"several ", b"chunks", b""]
+    already = store.put(b"already here")
+    refs = store.put_written([lambda sink: write_state(state, sink), lambda sink: [sink.write(c) for c in chunks],
+                              lambda sink: sink.write(b"already here")])
+    assert refs[0] == CheckpointRef(hashlib.sha256(encode_state(state)).hexdigest(), len(encode_state(state)))
+    assert store.get(refs[0].ref) == encode_state(state)
+    assert store.get(refs[1].ref) == b"several chunks" and refs[1].size == 14
+    assert refs[2] == already
+    assert sorted(p.name for p in all_files(tmp_path)) == sorted(r.ref for r in refs)  # no temporary file left
+
+    def failing(sink: Any) -> None:
+        sink.write(b"half an obj")
+        raise RuntimeError("the writer failed")
+
+    with pytest.raises(RuntimeError, match="the writer failed"):
+        store.put_written([failing])
+    assert sorted(p.name for p in all_files(tmp_path)) == sorted(r.ref for r in refs)
+
+
+def test_file_sha256_hashes_the_stored_bytes(tmp_path: Path) -> None:
+    for name, data in {"empty": b"", "small": b"state", "large": bytes(range(256)) * 40_000}.items():
+        (tmp_path / name).write_bytes(data)
+        assert file_sha256(tmp_path / name) == hashlib.sha256(data).hexdigest()
+    with pytest.raises(FileNotFoundError):
+        file_sha256(tmp_path / "absent")
 
 
 def test_decoding_garbage_raises_checkpoint_error() -> None:

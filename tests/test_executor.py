@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import errno
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 import torch
@@ -19,11 +20,13 @@ import torch
 from events.hp import Constant, MultiStep
 from events.models import (
     CheckpointSaved,
+    CheckpointSource,
     Event,
     MetricsReported,
     StageDispatched,
     StageFailed,
     StageFinished,
+    StageSpec,
     StageStarted,
     TrialSubmitted,
     WorkerJoined,
@@ -47,11 +50,11 @@ class FullDisk(LocalCheckpointStore):
         super().__init__(root)
         self.full = full
 
-    def put_many(self, datas: Sequence[bytes]) -> list[CheckpointRef]:
+    def put_written(self, writers: Sequence[Callable[[BinaryIO], object]]) -> list[CheckpointRef]:
         if self.full > 0:
             self.full -= 1
             raise StorageError(f"writing checkpoint failed: {OSError(errno.ENOSPC, 'No space left on device')}")
-        return super().put_many(datas)
+        return super().put_written(writers)
 
 
 class Cluster:
@@ -142,3 +145,93 @@ def test_the_local_store_reports_an_io_failure_as_a_storage_error(tmp_path: Path
     store = LocalCheckpointStore(blocker / "checkpoints")  # a real OS error: the root is under a file
     with pytest.raises(StorageError, match="writing 1 checkpoint"):
         store.put(b"state")
+
+
+class Unserializable(DigitsTrainer):
+    """A trainer whose state holds an object that pickle refuses (a lambda)."""
+
+    def state_dict(self) -> dict[str, object]:
+        return {**super().state_dict(), "schedule": lambda step: step}
+
+
+def test_a_state_that_does_not_serialize_fails_its_stage_as_the_trainers_error(cluster: Cluster,
+                                                                              tmp_path: Path) -> None:
+    """The snapshot is encoded on the writer thread; a failure there is still the trainer's error
+    (a StageFailed of kind "error"), never a crash of the worker or a storage fault."""
+    d = cluster.dispatch()
+    worker = PathExecutor(Unserializable(), "w0", LocalCheckpointStore(tmp_path), torch.device("cpu"))
+    assert worker.run(d, cluster.emit)
+    failed = [e for batch in cluster.batches for e in batch if isinstance(e, StageFailed)]
+    assert [(f.kind, f.from_step, f.to_step) for f in failed] == [("error", 0, 2)]
+    assert "pickle" in failed[0].error.lower() or "lambda" in failed[0].error
+    assert not any(isinstance(e, CheckpointSaved) for batch in cluster.batches for e in batch)
+
+
+def test_a_path_from_its_source_checkpoint_saves_what_the_straight_path_saves(tmp_path: Path) -> None:
+    """A worker that did not save the source reads and verifies it (beside the trainer's build)
+    and goes on bit for bit; a damaged or missing source fails the stage with its kind."""
+    store = LocalCheckpointStore(tmp_path)
+
+    def dispatch(i: int, stages: list[tuple[str, int, int]], source: CheckpointSource | None) -> StageDispatched:
+        return StageDispatched(dispatch_id=f"d{i}", worker_id="w0", plan_key="p", seed=3, decided_at=i, source=source,
+                               stages=[StageSpec(node_id=n, hp=CONFIG, from_step=a, to_step=b, evaluate=False)
+                                       for n, a, b in stages])
+
+    def run(d: StageDispatched) -> list[Event]:
+        events: list[Event] = []
+        executor(store).run(d, events.extend)
+        return events
+
+    straight = {e.node_id: e.ref for e in run(dispatch(0, [("n0", 0, 2), ("n1", 2, 5)], None))
+                if isinstance(e, CheckpointSaved)}
+    source = CheckpointSource(node_id="n0", step=2, ref=straight["n0"])
+    resumed = run(dispatch(1, [("n1", 2, 5)], source))
+    assert [e.ref for e in resumed if isinstance(e, CheckpointSaved)] == [straight["n1"]]
+    path = store.path(straight["n0"])
+    path.write_bytes(flip_byte(path.read_bytes()))
+    failed = [e for e in run(dispatch(2, [("n1", 2, 5)], source)) if isinstance(e, StageFailed)]
+    assert [(f.kind, f.ref) for f in failed] == [("checkpoint_corrupt", straight["n0"])]
+    path.unlink()
+    failed = [e for e in run(dispatch(3, [("n1", 2, 5)], source)) if isinstance(e, StageFailed)]
+    assert [(f.kind, f.ref) for f in failed] == [("checkpoint_missing", straight["n0"])]
+
+
+def flip_byte(data: bytes) -> bytes:
+    middle = len(data) // 2
+    return data[:middle] + bytes([data[middle] ^ 1]) + data[middle + 1:]
+
+
+class PutOnly:
+    """A store with only the protocol's put (as the MinIO store): the worker encodes each
+    checkpoint to bytes and puts it."""
+
+    def __init__(self, root: Path) -> None:
+        self.local = LocalCheckpointStore(root)
+
+    def put(self, data: bytes) -> CheckpointRef:
+        return self.local.put(data)
+
+    def get(self, ref: str) -> bytes:
+        return self.local.get(ref)
+
+    def exists(self, ref: str) -> bool:
+        return self.local.exists(ref)
+
+    def delete(self, ref: str) -> None:
+        self.local.delete(ref)
+
+
+def test_a_store_without_streamed_writes_gets_the_same_checkpoints(tmp_path: Path) -> None:
+    def saved(store: LocalCheckpointStore | PutOnly, trainer: DigitsTrainer) -> list[tuple[str, str]]:
+        cluster = Cluster()
+        cluster.emit([WorkerJoined(worker_id="w0", device="cpu")])
+        cluster.emit([TrialSubmitted(study_id="s", trial_id="t", plan_key="p", seed=3, hp=CONFIG, steps=5)])
+        d = cluster.dispatch()
+        PathExecutor(trainer, "w0", store, torch.device("cpu")).run(d, cluster.emit)
+        return [(e.node_id, e.ref) if isinstance(e, CheckpointSaved) else (e.kind, e.error[:40])
+                for batch in cluster.batches for e in batch if isinstance(e, (CheckpointSaved, StageFailed))]
+
+    streamed = saved(LocalCheckpointStore(tmp_path / "local"), DigitsTrainer())
+    assert streamed and saved(PutOnly(tmp_path / "put-only"), DigitsTrainer()) == streamed
+    (failed,) = saved(PutOnly(tmp_path / "unserializable"), Unserializable())
+    assert failed[0] == "error"

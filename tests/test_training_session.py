@@ -174,6 +174,21 @@ def test_branches_from_a_shared_prefix_equal_independent_runs(device: str) -> No
         assert_same_training(straight(branch, steps, device=device), resumed)
 
 
+def test_a_snapshot_encodes_to_the_checkpoint_and_stays_as_it_was_while_training_goes_on() -> None:
+    config = {"lr": Constant(0.05), "batch_size": Constant(16), "momentum": Constant(0.9)}
+    session = straight(config, 6)
+    data = session.save()
+    snapshot = session.snapshot().state  # what a worker hands to its writer thread
+    assert encode_state(snapshot) == data
+    session.train(config, 9)  # the weights and momentum buffers change in place
+    assert session.save() != data
+    assert encode_state(snapshot) == data
+    resumed = new_session()
+    resumed.load(encode_state(snapshot))
+    resumed.train(config, 9)
+    assert resumed.save() == session.save()
+
+
 def test_checkpoint_bytes_are_a_function_of_the_state() -> None:
     config = {"lr": Constant(0.05), "batch_size": Constant(16), "momentum": Constant(0.9)}
     first, second = straight(config, 12), straight(config, 12)
