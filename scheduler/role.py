@@ -235,6 +235,8 @@ class SchedulerRole:
         self._lock = threading.Lock()
         self._heard = -1  # the last offset of the heartbeat partition read (faust's thread)
         self._pending_since: float | None = None  # when beats were first seen unread (clock)
+        self._outage = False  # the cluster failed to answer since its heartbeat partition's end was read
+        self._error_seen: float | None = None  # the follower's last error already counted as an outage
         self._beats: queue.SimpleQueue[tuple[str, float]] = queue.SimpleQueue()
         self._bad_beats: queue.SimpleQueue[DeadLettered] = queue.SimpleQueue()
         self.acquired_at: float | None = None  # epoch seconds of the latest take-over
@@ -426,6 +428,8 @@ class SchedulerRole:
         if self.follower.last_error is not None:
             # beats cannot have arrived while the cluster was unreachable: judge nobody on it
             self.judging_from = max(self.judging_from, self.follower.last_error + self.grace_s)
+            if self.follower.last_error != self._error_seen:
+                self._error_seen, self._outage = self.follower.last_error, True
         if self.clock() < self.judging_from:
             return
         lost = self.monitor.silent(self.fold.state, self.clock())
@@ -447,8 +451,12 @@ class SchedulerRole:
     def _beats_all_read(self) -> bool:
         """Whether a silence is evidence about the workers rather than about the cluster: asks
         the broker for the heartbeat partition's end. Unreachable: nobody's beats can arrive, so
-        nobody is judged until ``grace_s`` after the last failed attempt (beats buffered by the
-        workers are delivered once they reconnect). Beats written but not read yet (this
+        nobody is judged until ``grace_s`` after the last failed attempt, and the first answer
+        after an outage starts a whole ``grace_s`` again: the workers' clients reconnect, and
+        their producers may need a new producer id (the broker's transaction coordinators load
+        first) before a beat is written, while the heartbeat partition already answers. A broker
+        restart under load showed beats resuming more than a second after the partition's return,
+        past a grace counted from the last failure. Beats written but not read yet (this
         instance's group consumer is reconnecting or rejoining): judged once they are read, or
         after one heartbeat timeout at most (a record that is not a beat may hold an offset)."""
         try:
@@ -456,6 +464,12 @@ class SchedulerRole:
         except KafkaLogError as exc:
             log.info("serve %s: no worker is judged while the cluster does not answer: %s", self.instance, exc)
             self.judging_from = self.clock() + self.grace_s
+            self._outage = True
+            return False
+        if self._outage:  # the cluster answers again: every worker gets a whole grace to be heard
+            self._outage = False
+            self._pending_since = None
+            self.judging_from = max(self.judging_from, self.clock() + self.grace_s)
             return False
         with self._lock:
             heard = self._heard
