@@ -51,23 +51,20 @@ def from_dict(obj: Any) -> Event:
 def _from_dict(obj: Any, owned: bool) -> Event:
     """:func:`from_dict`; ``owned``: ``obj`` was parsed here and nobody else holds it, so its
     payload dict is completed with the header in place instead of copied."""
-    if type(obj) is not dict:
-        if not isinstance(obj, dict):
-            raise InvalidEvent(f"event must be a JSON object, got {type(obj).__name__}")
-        owned = False
+    if not isinstance(obj, dict):
+        raise InvalidEvent(f"event must be a JSON object, got {type(obj).__name__}")
+    owned = owned and type(obj) is dict
     etype = obj.get("type")
     cls = EVENT_TYPES.get(etype) if isinstance(etype, str) else None
     if cls is None:
         raise InvalidEvent(f"unknown event type {etype!r}")
     version = obj.get("version")
-    if (type(version) is not int and (isinstance(version, bool) or not isinstance(version, int))) \
-            or version < 1 or version > cls.version:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1 or version > cls.version:
         raise InvalidEvent(f"{etype}: unsupported schema version {version!r} (known: 1..{cls.version})")
     payload = obj.get("payload")
-    if type(payload) is not dict:
-        if not isinstance(payload, dict):
-            raise InvalidEvent(f"{etype}: `payload` must be an object, got {payload!r}")
-        owned = False
+    if not isinstance(payload, dict):
+        raise InvalidEvent(f"{etype}: `payload` must be an object, got {payload!r}")
+    owned = owned and type(payload) is dict
     while version < cls.version:
         upcast = UPCASTERS.get((etype, version))
         if upcast is None:
