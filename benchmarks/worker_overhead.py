@@ -29,7 +29,8 @@ the coordinator's pipe), in one process on one CPU thread, without a coordinator
 
 Usage::
 
-    .venv/bin/python benchmarks/worker_overhead.py [--stages 1000] [--big-steps 10] [--out runs/bench-worker]
+    .venv/bin/python benchmarks/worker_overhead.py [--stages 1000] [--big-steps 10] [--out runs/bench-worker] \\
+        [--device cuda:0]
 
 Prints a table and writes ``OUT/worker_overhead.json``. Timings are wall seconds on this
 machine; read them as ratios and shares within one run.
@@ -59,17 +60,18 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _executor(trainer: Any, store_dir: Path) -> Any:
+def _executor(trainer: Any, store_dir: Path, device_spec: str) -> Any:
     import torch
 
     from gpu_worker.checkpoint import LocalCheckpointStore
-    from gpu_worker.executor import PathExecutor
+    from gpu_worker.executor import PathExecutor, resolve_device
     from gpu_worker.process import warm_up
 
     torch.set_num_threads(1)
     shutil.rmtree(store_dir, ignore_errors=True)
-    warm_up(trainer, torch.device("cpu"))
-    return PathExecutor(trainer, "w0", LocalCheckpointStore(store_dir), torch.device("cpu"))
+    device = resolve_device(device_spec)
+    warm_up(trainer, device)
+    return PathExecutor(trainer, "w0", LocalCheckpointStore(store_dir), device)
 
 
 def _run(executor: Any, dispatches: list[Any]) -> tuple[float, list[Any], list[Any]]:
@@ -100,7 +102,7 @@ def _dispatch(i: int, stages: list[tuple[str, dict[str, Any], int, int, bool]], 
                                                   for n, hp, a, b, e in stages])
 
 
-def tiny(stages: int, out: Path) -> dict[str, Any]:
+def tiny(stages: int, out: Path, device: str = "cpu") -> dict[str, Any]:
     from events.hp import Constant
     from gpu_worker.loader import load_trainer
 
@@ -113,7 +115,7 @@ def tiny(stages: int, out: Path) -> dict[str, Any]:
             _dispatch(i, [(f"n{i}", {"target": Constant(i / stages)}, 0, 1, True)]) for i in range(stages)],
     }
     for name, dispatches in cases.items():
-        wall, finished, _ = _run(_executor(trainer, out / "tiny"), dispatches)
+        wall, finished, _ = _run(_executor(trainer, out / "tiny", device), dispatches)
         overhead = [1000 * (e.seconds - e.train_seconds) for e in finished]
         figures[name] = {"stages": len(finished), "wall_ms_per_stage": 1000 * wall / len(finished),
                          "overhead_ms_median": statistics.median(overhead), "overhead_ms_p90": _quantile(overhead, 0.9),
@@ -142,7 +144,7 @@ class Big(Trainer):
             group["lr"] = float(values.get("lr", group["lr"]))
 
     def train_step(self, indices, step):
-        x = torch.randn(64, {BIG})
+        x = torch.randn(64, {BIG}, device=self.model.weight.device)
         loss = self.model(x).square().mean()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -155,7 +157,7 @@ trainer = Big()
 '''
 
 
-def big(steps: int, out: Path) -> dict[str, Any]:
+def big(steps: int, out: Path, device: str = "cpu") -> dict[str, Any]:
     from events.hp import Constant
     from events.models import CheckpointSaved, CheckpointSource
     from gpu_worker.loader import load_trainer
@@ -165,8 +167,8 @@ def big(steps: int, out: Path) -> dict[str, Any]:
     study.write_text(BIG_TRAINER)
     trainer = load_trainer(study)
     hp = {"lr": Constant(0.01)}
-    executor = _executor(trainer, out / "big")
-    bare = _bare_stage_seconds(trainer, steps)
+    executor = _executor(trainer, out / "big", device)
+    bare = _bare_stage_seconds(trainer, steps, device)
     # a path of 3 stages from a fresh start, then a path resumed from its last checkpoint (a load)
     _, first, events = _run(executor, [_dispatch(0, [(f"n{s}", hp, s * steps, (s + 1) * steps, False)
                                                      for s in range(3)])])
@@ -183,20 +185,25 @@ def big(steps: int, out: Path) -> dict[str, Any]:
                         "path_end": e is first[-1] or e is resumed[-1]} for e in rows]}
 
 
-def _bare_stage_seconds(trainer: Any, steps: int, repeats: int = 3) -> list[float]:
+def _bare_stage_seconds(trainer: Any, steps: int, device_spec: str, repeats: int = 3) -> list[float]:
     """Seconds of ``steps`` plain training steps of ``trainer`` (no worker, nothing written beside
     them), ``repeats`` times: what a stage's training costs when nothing competes with it for
     the CPU. ``seconds - train_seconds`` leaves out the slowdown of training by the writer thread
     (it falls inside ``train_seconds``); ``seconds`` against this does not."""
     import torch
 
-    trainer.build(0, torch.device("cpu"))
+    from gpu_worker.executor import resolve_device
+
+    device = resolve_device(device_spec)
+    trainer.build(0, device)
     indices = torch.empty(0, dtype=torch.int64)
     timings = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for step in range(steps):
             trainer.train_step(indices, step)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         timings.append(time.perf_counter() - t0)
     return timings
 
@@ -245,15 +252,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", type=int, default=1000)
     p.add_argument("--big-steps", type=int, default=10)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-worker")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default) or cuda:N: where the worker trains (the memory probe stays on cpu)")
     args = p.parse_args(argv)
     if args.stages < 1 or args.big_steps < 1:
         p.error(f"--stages ({args.stages}) and --big-steps ({args.big_steps}) must be >= 1")
+    from gpu_worker.executor import resolve_device
+
+    try:
+        resolve_device(args.device)
+    except ValueError as exc:
+        p.error(str(exc).replace("`device`", "--device", 1))
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"tiny": tiny(args.stages, args.out), "big": big(args.big_steps, args.out),
+    result = {"device": args.device, "tiny": tiny(args.stages, args.out, args.device),
+              "big": big(args.big_steps, args.out, args.device),
               "memory": memory(args.big_steps, args.out)}
     (args.out / "worker_overhead.json").write_text(json.dumps(result, indent=2))
 
-    table = Table(title="worker overhead per stage (one CPU thread, durable local checkpoints)")
+    table = Table(title=f"worker overhead per stage on {args.device} (one CPU thread, durable local checkpoints)")
     table.add_column("case")
     table.add_column("overhead per stage, median (p90)", justify="right")
     table.add_column("wall per stage", justify="right")

@@ -29,11 +29,24 @@ from gpu_worker.trainer import Trainer
 
 
 def warm_up(trainer: Trainer, device: torch.device) -> None:
-    """Build the trainer once and evaluate, before joining: loading data and torch's first-call
-    costs are worker start-up, not time held by a stage (worker-seconds count stages only)."""
+    """Build the trainer once, evaluate and train one step, before joining: loading data and
+    torch's first-call costs (oneDNN primitives on the CPU; cuBLAS and cuDNN handles and kernels
+    loaded on first use on CUDA) are worker start-up, not time held by the first stage it runs
+    (worker-seconds count stages only, and a plan's cost model reads seconds per step off them).
+
+    The step trains the build's own hyper-parameter values at the trainer's default batch size
+    (no ``setup``); its weights are thrown away, since every stage builds or loads its own. A
+    trainer that cannot train without its hyper-parameters set raises here: that error is left
+    to the first stage, which reports it as the trainer's (the worker joins all the same).
+    Costs one training step and one evaluation of start-up.
+    """
     session = TrainingSession(trainer, 0, device)
     session.start_fresh()
     session.evaluate()
+    try:
+        session.train({}, 1)
+    except Exception:  # a warm-up only: the first stage raises it again, as the trainer's error
+        pass
 
 
 def serve(conn: Connection, worker_id: str, index: int, study_file: str, checkpoint_dir: str, device: str,

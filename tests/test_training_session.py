@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events.hp import Constant, Cosine, CyclicLR, Exponential, HPConfig, MultiStep, Warmup
-from gpu_worker.checkpoint import decode_state, encode_state
+from gpu_worker.checkpoint import SnapshotBuffers, decode_state, encode_state
 from gpu_worker.sampler import ResumableSampler
 from gpu_worker.session import TrainingSession, step_seed
 from gpu_worker.trainer import Trainer
@@ -144,15 +144,13 @@ def test_split_and_resume_equals_straight_through(run: tuple[HPConfig, list[int]
     assert_same_training(straight(config, steps), chunked(config, boundaries, steps))
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
-        ),
-    ],
-)
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_branches_from_a_shared_prefix_equal_independent_runs(device: str) -> None:
     prefix_steps, steps = 20, 45
     shared = {"lr": Constant(0.1), "batch_size": Constant(32), "momentum": Constant(0.9)}
@@ -174,16 +172,20 @@ def test_branches_from_a_shared_prefix_equal_independent_runs(device: str) -> No
         assert_same_training(straight(branch, steps, device=device), resumed)
 
 
-def test_a_snapshot_encodes_to_the_checkpoint_and_stays_as_it_was_while_training_goes_on() -> None:
+@pytest.mark.parametrize("pooled", [False, True], ids=["fresh", "pooled-buffers"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_snapshot_encodes_to_the_checkpoint_and_stays_as_it_was_while_training_goes_on(device: str,
+                                                                                         pooled: bool) -> None:
     config = {"lr": Constant(0.05), "batch_size": Constant(16), "momentum": Constant(0.9)}
-    session = straight(config, 6)
+    session = straight(config, 6, device=device)
     data = session.save()
-    snapshot = session.snapshot().state  # what a worker hands to its writer thread
+    # what a worker hands to its writer thread (on CUDA, the tensors are copied on the device)
+    snapshot = session.snapshot(SnapshotBuffers(min_bytes=0) if pooled else None).state
     assert encode_state(snapshot) == data
     session.train(config, 9)  # the weights and momentum buffers change in place
     assert session.save() != data
     assert encode_state(snapshot) == data
-    resumed = new_session()
+    resumed = new_session(device=device)
     resumed.load(encode_state(snapshot))
     resumed.train(config, 9)
     assert resumed.save() == session.save()
