@@ -195,10 +195,13 @@ class LocalCheckpointStore:
         of the file and its directory for a single object or elsewhere), then each written
         object is hashed again from the stored file (a read-only map) and checked against the
         hash of what was written. An object already stored intact is left as it is (its
-        temporary file removed). Returns the refs in order; raises as :meth:`put`, and what a
-        writer raises (no temporary file is left)."""
+        temporary file removed) but made durable with the group: it may have been renamed into
+        place by an earlier call that failed before its sync (a retry after a writer raised).
+        Returns the refs in order; raises as :meth:`put`, and what a writer raises (no temporary
+        file is left)."""
         refs: list[CheckpointRef] = []
         written: list[Path] = []
+        kept: list[Path] = []  # stored intact before this call, perhaps not yet durable
         sync_each = len(writers) == 1 or _syncfs is None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -212,6 +215,8 @@ class LocalCheckpointStore:
                         target = self.path(ref)
                         if target in written or self._intact(target, ref):
                             refs.append(CheckpointRef(ref=ref, size=sink.size))
+                            if target not in written:
+                                kept.append(target)
                             raise _Stored
                         if sync_each:
                             tmp.flush()
@@ -226,10 +231,12 @@ class LocalCheckpointStore:
                     raise
                 refs.append(CheckpointRef(ref=ref, size=sink.size))
                 written.append(target)
-            if written and sync_each:
-                for directory in {t.parent for t in written}:
-                    self._fsync_dir(directory)
-            elif written:
+            if sync_each:
+                for target in kept:  # a clean file's fsync returns at once
+                    self._fsync(target)
+                for directory in {t.parent for t in (*written, *kept)}:
+                    self._fsync(directory)
+            elif written or kept:
                 self._syncfs()
             actual = [file_sha256(self.path(r.ref)) if self.path(r.ref) in written else r.ref for r in refs]
         except OSError as exc:
@@ -284,8 +291,9 @@ class LocalCheckpointStore:
             return False
 
     @staticmethod
-    def _fsync_dir(directory: Path) -> None:
-        fd = os.open(directory, os.O_RDONLY)
+    def _fsync(path: Path) -> None:
+        """fsync the file or directory at ``path``."""
+        fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:

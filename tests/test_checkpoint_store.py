@@ -876,6 +876,52 @@ def test_put_written_stores_what_its_writers_stream_hashed_as_written(tmp_path: 
     assert sorted(p.name for p in all_files(tmp_path)) == sorted(r.ref for r in refs)
 
 
+@pytest.mark.parametrize("group", [1, 2], ids=["one object: fsync", "a group: syncfs"])
+def test_objects_a_failed_call_renamed_into_place_are_made_durable_by_the_retry(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, group: int) -> None:
+    """A worker whose trainer state does not encode stores the group's other snapshots again
+    without it (gpu_worker.executor). The first call renamed those objects into place before the
+    writer raised, and never synced them. The retry finds them stored intact, and must still
+    make them durable: after it returns, their CheckpointSaved events go out."""
+    import gpu_worker.checkpoint as checkpoint
+
+    store = LocalCheckpointStore(tmp_path)
+    datas = [b"first object", b"second object"][:group]
+    synced: list[str] = []  # what was fsynced (its path), or syncfs'ed ("syncfs:" and the path)
+    real_fsync, real_syncfs = os.fsync, checkpoint._syncfs
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def syncfs(fd: int) -> int:
+        synced.append("syncfs:" + os.readlink(f"/proc/self/fd/{fd}"))
+        assert real_syncfs is not None
+        return real_syncfs(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    if real_syncfs is not None:
+        monkeypatch.setattr(checkpoint, "_syncfs", syncfs)
+
+    def unencodable(sink: Any) -> None:
+        raise RuntimeError("the trainer's state does not encode")
+
+    def writers() -> list[Callable[[Any], object]]:
+        return [lambda sink, data=data: sink.write(data) for data in datas]
+
+    with pytest.raises(RuntimeError, match="does not encode"):
+        store.put_written([*writers(), unencodable])
+    paths = [store.path(hashlib.sha256(d).hexdigest()) for d in datas]
+    assert all(path.is_file() for path in paths)  # in place, but no sync ran: the writer raised first
+    assert not any(str(path) in synced for path in paths)
+    synced.clear()
+    assert [r.ref for r in store.put_written(writers())] == [path.name for path in paths]
+    if group == 1 or checkpoint._syncfs is None:
+        assert all(str(path) in synced and str(path.parent) in synced for path in paths)
+    else:
+        assert synced == [f"syncfs:{tmp_path}"]
+
+
 def test_file_sha256_hashes_the_stored_bytes(tmp_path: Path) -> None:
     for name, data in {"empty": b"", "small": b"state", "large": bytes(range(256)) * 40_000}.items():
         (tmp_path / name).write_bytes(data)
