@@ -19,9 +19,10 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Protocol, TypeVar, runtime_checkable
 
 _REF_PATTERN = re.compile(r"[0-9a-f]{64}")
 
@@ -103,16 +104,48 @@ class _Stored(Exception):
     """An object written by put_written is stored intact already."""
 
 
+_T = TypeVar("_T")
+_U = TypeVar("_U")
+_helper_pool: futures.ThreadPoolExecutor | None = None
+_helper_lock = threading.Lock()
+
+
+def _beside(task: Callable[[], _T], work: Callable[[], _U]) -> tuple[_T, _U]:
+    """Run ``task`` on a helper thread while ``work`` runs on this one, and return both results
+    once both are done (``work``'s exception first, then ``task``'s). For hashing and I/O, which
+    release the GIL: the two take the time of the longer one where a second core is free."""
+    global _helper_pool
+    with _helper_lock:
+        if _helper_pool is None:
+            _helper_pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stagetree-checkpoint")
+        future = _helper_pool.submit(task)
+    try:
+        done = work()
+    except BaseException:
+        futures.wait([future])
+        raise
+    return future.result(), done
+
+
+_BESIDE_BYTES = 1 << 20
+"""Writes of at least this many bytes are hashed on the helper thread while they are written."""
+
+
 class _HashingSink:
-    """A binary file-like over ``file`` that hashes (sha256) and counts what is written."""
+    """A binary file-like over ``file`` that hashes (sha256) and counts what is written; a large
+    write is hashed beside the write, both done before ``write`` returns (the caller may free the
+    data then: ``torch.save`` hands over temporary host copies of CUDA storages)."""
 
     def __init__(self, file: BinaryIO) -> None:
         self.file, self.hash, self.size = file, hashlib.sha256(), 0
 
     def write(self, data: Any) -> int:
-        self.hash.update(data)
-        self.size += memoryview(data).nbytes
-        return self.file.write(data)
+        view = memoryview(data)
+        self.size += view.nbytes
+        if view.nbytes < _BESIDE_BYTES:
+            self.hash.update(view)
+            return self.file.write(view)
+        return _beside(functools.partial(self.hash.update, view), functools.partial(self.file.write, view))[1]
 
     def flush(self) -> None:
         pass  # the store flushes and syncs the file itself
@@ -192,13 +225,14 @@ class LocalCheckpointStore:
         written to a temporary file (no copy of it held in memory) and renamed into place under
         its sha256, then all are made durable together (one ``syncfs`` of the filesystem on
         Linux, a fraction of an fsync per object when a worker's queue holds several; ``fsync``
-        of the file and its directory for a single object or elsewhere), then each written
-        object is hashed again from the stored file (a read-only map) and checked against the
-        hash of what was written. An object already stored intact is left as it is (its
-        temporary file removed) but made durable with the group: it may have been renamed into
-        place by an earlier call that failed before its sync (a retry after a writer raised).
-        Returns the refs in order; raises as :meth:`put`, and what a writer raises (no temporary
-        file is left)."""
+        of each file and its directory for a single object or elsewhere); each written object is
+        hashed again from its stored file (a read-only map) while the sync runs, and checked
+        against the hash of what was written. Large writes are hashed while they are written (a helper
+        thread: on a free core, hashing and I/O overlap). An object already stored intact is
+        left as it is (its temporary file removed) but made durable with the group: it may have
+        been renamed into place by an earlier call that failed before its sync (a retry after a
+        writer raised). Returns the refs in order; raises as :meth:`put`, and what a writer
+        raises (no temporary file is left)."""
         refs: list[CheckpointRef] = []
         written: list[Path] = []
         kept: list[Path] = []  # stored intact before this call, perhaps not yet durable
@@ -218,9 +252,6 @@ class LocalCheckpointStore:
                             if target not in written:
                                 kept.append(target)
                             raise _Stored
-                        if sync_each:
-                            tmp.flush()
-                            os.fsync(tmp.fileno())
                     target.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(tmp_name, target)
                 except _Stored:
@@ -231,14 +262,18 @@ class LocalCheckpointStore:
                     raise
                 refs.append(CheckpointRef(ref=ref, size=sink.size))
                 written.append(target)
-            if sync_each:
-                for target in kept:  # a clean file's fsync returns at once
-                    self._fsync(target)
-                for directory in {t.parent for t in (*written, *kept)}:
-                    self._fsync(directory)
-            elif written or kept:
-                self._syncfs()
-            actual = [file_sha256(self.path(r.ref)) if self.path(r.ref) in written else r.ref for r in refs]
+            # the stored files are hashed again while they are made durable (a kept one's fsync
+            # returns at once: it is clean unless an earlier call failed before its sync)
+            def verify() -> dict[Path, str]:
+                return {t: file_sha256(t) for t in written}
+
+            sync = functools.partial(self._sync, [*written, *kept], sync_each)
+            if sum(r.size for r in refs) >= _BESIDE_BYTES:
+                stored_hash = _beside(verify, sync)[0]
+            else:  # small: a helper thread's hand-over would cost more than it saves
+                sync()
+                stored_hash = verify()
+            actual = [stored_hash.get(self.path(r.ref), r.ref) for r in refs]
         except OSError as exc:
             size = sum(r.size for r in refs)
             raise StorageError(f"writing {len(writers)} checkpoint(s) ({size} bytes written) under {self.root} "
@@ -247,6 +282,17 @@ class LocalCheckpointStore:
             if got != r.ref:
                 raise CheckpointCorrupt(r.ref, got)
         return refs
+
+    def _sync(self, paths: list[Path], each: bool) -> None:
+        """Make the files ``paths`` durable: an fsync of each and of their directories, or
+        (``each`` False) one syncfs of the filesystem."""
+        if each:
+            for path in paths:
+                self._fsync(path)
+            for directory in {path.parent for path in paths}:
+                self._fsync(directory)
+        elif paths:
+            self._syncfs()
 
     def _syncfs(self) -> None:
         assert _syncfs is not None

@@ -321,10 +321,12 @@ def test_corrupted_object_raises_on_get_and_put_repairs_it(backend: Backend, dam
     assert store.get(ref) == data
 
 
-def test_put_verifies_the_stored_object_before_returning(backend: Backend) -> None:
-    """A write that stores other bytes than were sent makes put raise instead of returning a ref."""
+@pytest.mark.parametrize("size", [11_000, 3_000_000], ids=["small", "hashed beside the write and the sync"])
+def test_put_verifies_the_stored_object_before_returning(backend: Backend, size: int) -> None:
+    """A write that stores other bytes than were sent makes put raise instead of returning a ref
+    (from 1 MB on, the local store hashes while it writes and verifies while it syncs)."""
     store = backend.store
-    data = b"sent bytes " * 1000
+    data = (b"sent bytes " * (size // 11 + 1))[:size]
     backend.sabotage[0] = True
     with pytest.raises(CheckpointCorrupt) as caught:
         store.put(data)
@@ -856,7 +858,8 @@ def test_pooled_snapshots_encode_as_the_state_and_reuse_buffers_only_once_given_
 
 def test_put_written_stores_what_its_writers_stream_hashed_as_written(tmp_path: Path) -> None:
     store = LocalCheckpointStore(tmp_path)
-    state = {"weights": torch.arange(1000, dtype=torch.float32), "step": 4}
+    # 4 MB of weights: from 1 MB on, a write is hashed on a helper thread beside the write
+    state = {"weights": torch.arange(1_000_000, dtype=torch.float32), "step": 4, "small": torch.ones(3)}
     chunks = [b"several ", b"chunks", b""]
     already = store.put(b"already here")
     refs = store.put_written([lambda sink: write_state(state, sink), lambda sink: [sink.write(c) for c in chunks],
