@@ -127,6 +127,13 @@ def _beside(task: Callable[[], _T], work: Callable[[], _U]) -> tuple[_T, _U]:
     return future.result(), done
 
 
+def _forget_helper_pool() -> None:
+    global _helper_pool, _helper_lock
+    _helper_pool, _helper_lock = None, threading.Lock()  # a forked child has no helper thread
+
+
+os.register_at_fork(after_in_child=_forget_helper_pool)
+
 _BESIDE_BYTES = 1 << 20
 """Writes of at least this many bytes are hashed on the helper thread while they are written."""
 

@@ -925,6 +925,28 @@ def test_objects_a_failed_call_renamed_into_place_are_made_durable_by_the_retry(
         assert synced == [f"syncfs:{tmp_path}"]
 
 
+def _put_in_child(root: str, data: bytes) -> None:
+    LocalCheckpointStore(root).put(data)
+
+
+def test_a_process_forked_after_a_large_write_writes_large_objects_too(tmp_path: Path) -> None:
+    """Large writes are hashed on a helper thread; a process forked afterwards has no such thread
+    and must start its own instead of waiting forever on the parent's."""
+    import multiprocessing
+
+    store = LocalCheckpointStore(tmp_path)
+    store.put(b"x" * (3 << 20))  # the helper thread now runs in this process
+    child = multiprocessing.get_context("fork").Process(target=_put_in_child, args=(str(tmp_path), b"y" * (3 << 20)))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail("the forked process hung writing a large object")
+    assert child.exitcode == 0
+    assert store.get(hashlib.sha256(b"y" * (3 << 20)).hexdigest()) == b"y" * (3 << 20)
+
+
 def test_file_sha256_hashes_the_stored_bytes(tmp_path: Path) -> None:
     for name, data in {"empty": b"", "small": b"state", "large": bytes(range(256)) * 40_000}.items():
         (tmp_path / name).write_bytes(data)
