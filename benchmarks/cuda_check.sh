@@ -5,7 +5,12 @@
 # /tmp/cuda-check); the logs and the two benchmarks' JSON files (5 files) are copied to $OUT (default
 # runs/cuda-check). Where the project's dependencies are missing (the lent device
 # machine has torch but not pydantic, orjson, rocksdict, ...), wheels in .whl/ are installed into
-# /tmp/site first, and a `stagetree` console script is written next to the interpreter.
+# /tmp/site first, and a `stagetree` console script is written next to the interpreter. To fetch
+# them here for a Python 3.12 device (pin each to the version `.venv/bin/pip list` shows):
+#   .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#       pydantic pydantic_core annotated-types typing-inspection typing_extensions orjson rocksdict \
+#       opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions importlib_metadata
 set -u
 OUT=${OUT:-runs/cuda-check}
 WORK=${WORK:-/tmp/cuda-check}
