@@ -234,14 +234,15 @@ class LocalCheckpointStore:
         Linux, a fraction of an fsync per object when a worker's queue holds several; ``fsync``
         of each file and its directory for a single object or elsewhere); each written object is
         hashed again from its stored file (a read-only map) while the sync runs, and checked
-        against the hash of what was written. Large writes are hashed while they are written (a helper
-        thread: on a free core, hashing and I/O overlap). An object already stored intact is
-        left as it is (its temporary file removed) but made durable with the group: it may have
-        been renamed into place by an earlier call that failed before its sync (a retry after a
-        writer raised). Returns the refs in order; raises as :meth:`put`, and what a writer
+        against the hash of what was written. Large writes are hashed while they are written (a
+        helper thread: on a free core, hashing and I/O overlap). An object already stored intact
+        is left as it is (its temporary file removed) but made durable with the group: it may
+        have been renamed into place by an earlier call that failed before its sync (a retry
+        after a writer raised). Returns the refs in order; raises as :meth:`put`, and what a writer
         raises (no temporary file is left)."""
         refs: list[CheckpointRef] = []
         written: list[Path] = []
+        written_bytes = 0  # what is hashed again below
         kept: list[Path] = []  # stored intact before this call, perhaps not yet durable
         sync_each = len(writers) == 1 or _syncfs is None
         try:
@@ -269,13 +270,14 @@ class LocalCheckpointStore:
                     raise
                 refs.append(CheckpointRef(ref=ref, size=sink.size))
                 written.append(target)
+                written_bytes += sink.size
             # the stored files are hashed again while they are made durable (a kept one's fsync
             # returns at once: it is clean unless an earlier call failed before its sync)
             def verify() -> dict[Path, str]:
                 return {t: file_sha256(t) for t in written}
 
             sync = functools.partial(self._sync, [*written, *kept], sync_each)
-            if sum(r.size for r in refs) >= _BESIDE_BYTES:
+            if written_bytes >= _BESIDE_BYTES:
                 stored_hash = _beside(verify, sync)[0]
             else:  # small: a helper thread's hand-over would cost more than it saves
                 sync()
