@@ -60,16 +60,15 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _executor(trainer: Any, store_dir: Path, device_spec: str) -> Any:
+def _executor(trainer: Any, store_dir: Path, device: Any) -> Any:
     import torch
 
     from gpu_worker.checkpoint import LocalCheckpointStore
-    from gpu_worker.executor import PathExecutor, resolve_device
+    from gpu_worker.executor import PathExecutor
     from gpu_worker.process import warm_up
 
     torch.set_num_threads(1)
     shutil.rmtree(store_dir, ignore_errors=True)
-    device = resolve_device(device_spec)
     warm_up(trainer, device)
     return PathExecutor(trainer, "w0", LocalCheckpointStore(store_dir), device)
 
@@ -104,8 +103,10 @@ def _dispatch(i: int, stages: list[tuple[str, dict[str, Any], int, int, bool]], 
 
 def tiny(stages: int, out: Path, device: str = "cpu") -> dict[str, Any]:
     from events.hp import Constant
+    from gpu_worker.executor import resolve_device
     from gpu_worker.loader import load_trainer
 
+    dev = resolve_device(device)
     trainer = load_trainer(ROOT / "benchmarks" / "studies" / "trivial.py")
     hp = {"target": Constant(0.5)}
     figures: dict[str, Any] = {}
@@ -115,7 +116,7 @@ def tiny(stages: int, out: Path, device: str = "cpu") -> dict[str, Any]:
             _dispatch(i, [(f"n{i}", {"target": Constant(i / stages)}, 0, 1, True)]) for i in range(stages)],
     }
     for name, dispatches in cases.items():
-        wall, finished, _ = _run(_executor(trainer, out / "tiny", device), dispatches)
+        wall, finished, _ = _run(_executor(trainer, out / "tiny", dev), dispatches)
         overhead = [1000 * (e.seconds - e.train_seconds) for e in finished]
         figures[name] = {"stages": len(finished), "wall_ms_per_stage": 1000 * wall / len(finished),
                          "overhead_ms_median": statistics.median(overhead), "overhead_ms_p90": _quantile(overhead, 0.9),
@@ -160,6 +161,7 @@ trainer = Big()
 def big(steps: int, out: Path, device: str = "cpu") -> dict[str, Any]:
     from events.hp import Constant
     from events.models import CheckpointSaved, CheckpointSource
+    from gpu_worker.executor import resolve_device
     from gpu_worker.loader import load_trainer
 
     out.mkdir(parents=True, exist_ok=True)
@@ -167,8 +169,9 @@ def big(steps: int, out: Path, device: str = "cpu") -> dict[str, Any]:
     study.write_text(BIG_TRAINER)
     trainer = load_trainer(study)
     hp = {"lr": Constant(0.01)}
-    executor = _executor(trainer, out / "big", device)
-    bare = _bare_stage_seconds(trainer, steps, device)
+    dev = resolve_device(device)
+    executor = _executor(trainer, out / "big", dev)
+    bare = _bare_stage_seconds(trainer, steps, dev)
     # a path of 3 stages from a fresh start, then a path resumed from its last checkpoint (a load)
     _, first, events = _run(executor, [_dispatch(0, [(f"n{s}", hp, s * steps, (s + 1) * steps, False)
                                                      for s in range(3)])])
@@ -185,16 +188,13 @@ def big(steps: int, out: Path, device: str = "cpu") -> dict[str, Any]:
                         "path_end": e is first[-1] or e is resumed[-1]} for e in rows]}
 
 
-def _bare_stage_seconds(trainer: Any, steps: int, device_spec: str, repeats: int = 3) -> list[float]:
+def _bare_stage_seconds(trainer: Any, steps: int, device: Any, repeats: int = 3) -> list[float]:
     """Seconds of ``steps`` plain training steps of ``trainer`` (no worker, nothing written beside
     them), ``repeats`` times: what a stage's training costs when nothing competes with it for
     the CPU. ``seconds - train_seconds`` leaves out the slowdown of training by the writer thread
     (it falls inside ``train_seconds``); ``seconds`` against this does not."""
     import torch
 
-    from gpu_worker.executor import resolve_device
-
-    device = resolve_device(device_spec)
     trainer.build(0, device)
     indices = torch.empty(0, dtype=torch.int64)
     timings = []
