@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import shutil
 import struct
 import tempfile
@@ -24,11 +23,9 @@ from typing import Protocol
 from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
 from events.codec import encode
+from events.errors import LogError  # the root of the errors below (defined apart: importable cheaply)
+from events.keys import KEY_ENV, secret_from  # noqa: F401 (re-exported from their old home)
 from events.models import Event, WorkerJoined, WorkerLost
-
-
-class LogError(Exception):
-    """Root of log transport errors."""
 
 
 class LogLocked(LogError):
@@ -147,16 +144,6 @@ def chain_next(prev: bytes, stream: str, offset: int, key: str, value: bytes, se
     if secret:
         return hmac.new(secret, msg, hashlib.sha256).digest()
     return hashlib.sha256(msg).digest()
-
-
-KEY_ENV = "STAGETREE_LOG_KEY"
-"""The environment variable holding the HMAC secret of the hash chain."""
-
-
-def secret_from(flag: str | None) -> bytes | None:
-    """The chain's HMAC secret: the flag's value, else ``$STAGETREE_LOG_KEY``, else None."""
-    value = flag if flag is not None else os.environ.get(KEY_ENV)
-    return value.encode() if value else None
 
 
 def chain_algorithm(secret: bytes | None) -> str:

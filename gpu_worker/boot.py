@@ -3,7 +3,8 @@
 multiprocessing's spawn start method unpickles the process target in the new interpreter before
 calling it, importing the target's module; this module is that target, so a worker process
 starts at once and imports torch (through :mod:`gpu_worker.process`) as its first piece of work,
-while the coordinator goes on without torch.
+while the coordinator goes on without torch. (With the forkserver start method the server has
+imported all that already: :mod:`gpu_worker.preload`.)
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ STOP = b"stop"
 
 
 def embedded_worker_main(conn: Connection, worker_id: str, index: int, study_file: str, checkpoint_dir: str,
-                         device: str = "auto", threads: int = 1, otel_exporter: str = "none") -> None:
-    """Entry point of a worker subprocess (multiprocessing, spawn start method).
+                         device: str = "auto", threads: int = 1, otel_exporter: str = "none",
+                         environ: dict[str, str] | None = None) -> None:
+    """Entry point of a worker subprocess (multiprocessing, spawn or forkserver start method).
 
     Args:
         conn: duplex pipe to the coordinator.
@@ -26,6 +28,9 @@ def embedded_worker_main(conn: Connection, worker_id: str, index: int, study_fil
         threads: torch intra-op threads (1 keeps N workers on N cores from oversubscribing, and
             keeps float reductions identical whatever the worker count).
         otel_exporter: the coordinator's ``--otel-exporter`` (see events.tracing).
+        environ: the coordinator's environment when it started this worker, made this process's
+            own (a spawned process has it already; one forked from a fork server has the
+            server's, from when the server started).
 
     A worker that finished cleanly (asked to stop, or its coordinator gone) leaves with
     ``os._exit(0)`` once its spans are exported and its output flushed: every checkpoint it wrote
@@ -33,6 +38,9 @@ def embedded_worker_main(conn: Connection, worker_id: str, index: int, study_fil
     interpreter that has imported torch costs seconds. An error takes the normal path
     (traceback, exit code 1).
     """
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     from events import tracing
     from gpu_worker.process import serve
 

@@ -10,23 +10,28 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
-from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from events import topics
-from events.log import secret_from
+from events.keys import secret_from
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
 
 
 def _progress(console: Console, quiet: bool) -> Progress:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=console, disable=quiet, transient=True)
 
 
 # Handlers import what they use when they run: building the parser (every command, and every
-# spawned worker process re-importing the CLI) must not import torch, matplotlib or the audit.
+# worker process re-importing the CLI) must not import torch, pydantic, matplotlib or the audit.
 
 
 def cmd_export(args: argparse.Namespace, console: Console) -> int:

@@ -36,17 +36,13 @@ cache).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 from events.models import CheckpointSource, StageDispatched, StageSpec
 from projections.state import Plan, State
 from scheduler.critical_path import Path, critical_path, descendants, ready_stages, top_down
+from scheduler.policies import POLICIES, Policy, check_policy  # noqa: F401 (exported here too)
 from scheduler.stage_index import index_of
 from scheduler.stage_tree import COLD_SEC_PER_STEP, StageTree, build_stage_tree, measured_profile
-
-Policy = Literal["critical-path", "bfs", "most-children"]
-POLICIES: tuple[Policy, ...] = get_args(Policy)
-"""The scheduling policies ``decide`` accepts, Hippo's critical path first (for the CLI)."""
 
 _MEMO = "decide.choice"  # plan.cache key prefix: (_MEMO, policy) -> (revision, choice)
 
@@ -62,13 +58,6 @@ class Choice:
 
     path: Path
     rank: tuple[float, ...]
-
-
-def check_policy(policy: str) -> Policy:
-    """``policy`` if it is one of :data:`POLICIES`. Raises ValueError naming it otherwise."""
-    if policy not in POLICIES:
-        raise ValueError(f"`policy` is {policy!r}, but must be one of {', '.join(map(repr, POLICIES))}")
-    return policy  # type: ignore[return-value]
 
 
 def _choose(tree: StageTree, policy: Policy) -> Choice | None:

@@ -13,40 +13,40 @@ broke; 2 bad input (study file, flags, run directory), reported before anything 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import faulthandler
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from rich.console import Console
-from rich.markup import escape
 
-from events import topics, tracing
-from events.log import LogError, secret_from
-
-if TYPE_CHECKING:
-    from events.kafka_log import KafkaLog
-    from stagetree.embedded import PrestartedWorkers
-    from stagetree.tuners import Tuner, TunerResult
+from events import topics
+from events.errors import LogError
 from replay.commands import register
-from stagetree.dashboard.cli import Beside, DashboardError, port_number, reserve
+from stagetree.dashboard.cli import port_number, reserve
 from stagetree.dashboard.cli import register as register_dashboard
 from stagetree.errors import RuntimeError_, TrialFailed, TrialsFailed, UsageError
 from stagetree.export.commands import register as register_export
 from stagetree.simulate_cli import register as register_simulate
 from stagetree.sizes import parse_size
 
-# Everything else is imported by the command that uses it: building the parser must stay cheap,
-# for every command and for every worker process (multiprocessing's spawn imports this module
-# again in each of them).
+if TYPE_CHECKING:
+    import subprocess
+
+    from rich.console import Console
+
+    from events.kafka_log import KafkaLog
+    from stagetree.dashboard.cli import Beside
+    from stagetree.tuners import Tuner, TunerResult
+    from stagetree.worker_processes import PrestartedWorkers
+
+# Everything else is imported by the command that uses it: importing this module and building
+# the parser must stay cheap (tests/test_public_api.py checks what it imports): every command
+# pays for it before its work, `stagetree run` before it starts its workers, and every worker
+# process imports this module again (multiprocessing runs the parent's main module in each).
 
 
 def _study_file(path: str) -> tuple[Any, Any, Tuner, int, str]:
@@ -165,7 +165,8 @@ def _studies_in(log_dir: Path) -> set[str]:
         log.close()
 
 
-async def _run_embedded(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: PrestartedWorkers
+                        ) -> dict[str, Any]:
     """Run the study in ``--out``: a new directory, the same study again (``--resume``), or a new
     study appended to a log that holds other studies (sharing their plan when the keys match).
 
@@ -173,18 +174,11 @@ async def _run_embedded(args: argparse.Namespace, console: Console) -> dict[str,
     flag and the value). ``--resume`` continues the study's own run; in a directory that holds
     no run yet (a run killed before its log had a study) it starts the run; in a directory
     whose runs are all of other studies it is refused (adding a study is done without it).
+    ``prestarted``: the workers :func:`cmd_run` started first.
     """
-    from stagetree.embedded import PrestartedWorkers
+    import asyncio
 
-    prestarted = PrestartedWorkers(args.workers)  # their start-up overlaps checking and loading
-    try:
-        return await _run_embedded_started(args, console, prestarted)
-    finally:
-        prestarted.close()
-
-
-async def _run_embedded_started(args: argparse.Namespace, console: Console, prestarted: PrestartedWorkers
-                                ) -> dict[str, Any]:
+    from events.keys import secret_from
     from stagetree.embedded import EmbeddedCoordinator
 
     loaded = _study_file(args.file)
@@ -227,6 +221,10 @@ async def _run_embedded_started(args: argparse.Namespace, console: Console, pres
 def _start_dashboard(where: str, port: int, secret: bytes | None, console: Console) -> Beside | None:
     """Start ``stagetree dashboard`` beside the run and print its address; a dashboard that
     fails to start is reported and the run goes on without it."""
+    from rich.markup import escape
+
+    from stagetree.dashboard.cli import Beside, DashboardError
+
     dashboard = Beside(where, port, secret)
     try:
         url = dashboard.start()
@@ -238,12 +236,20 @@ def _start_dashboard(where: str, port: int, secret: bytes | None, console: Conso
 
 
 def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
+    import subprocess
+
     return subprocess.Popen([sys.executable, "-m", "stagetree.cli", *args], start_new_session=False)
 
 
 async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     """Kafka mode: submit through the SDK; with --workers N > 0 also run `stagetree serve` and N
     workers for the duration (a one-machine deployment on real Kafka)."""
+    import asyncio
+    import subprocess
+    import uuid
+
+    from events import tracing
+    from events.keys import secret_from
     from stagetree.kafka_runtime import KafkaRuntime
 
     loaded = _study_file(args.file)
@@ -302,6 +308,8 @@ async def _sealed(runtime: Any, upto: dict[int, int], console: Console, timeout_
     study's records as the runtime folded them), as the runtime folds them, so that stopping the
     ``serve`` this command started leaves a stream ``replay verify`` finds sealed to its end;
     after ``timeout_s`` seconds a warning says it is not."""
+    import asyncio
+
     deadline = time.monotonic() + timeout_s
     while runtime.unsealed(upto):
         if time.monotonic() > deadline:
@@ -313,6 +321,8 @@ async def _sealed(runtime: Any, upto: dict[int, int], console: Console, timeout_
 
 
 def _print_summary(summary: dict[str, Any], console: Console) -> None:
+    from rich.markup import escape
+
     best = next((t for t in summary["trials"] if t["trial_id"] == summary["best_trial"]), None)
     console.print(f"[bold]{summary['name']}[/bold] ({summary['mode']}, {summary['workers']} workers): "
                   f"{len(summary['trials'])} trials, best {summary['best_trial']} = {summary['best_metric']}")
@@ -464,6 +474,7 @@ def _kafka_log(args: argparse.Namespace, client_id: str = "stagetree") -> KafkaL
 
 
 def cmd_serve(args: argparse.Namespace, console: Console) -> int:
+    from events.keys import secret_from
     from gpu_worker.object_store import open_checkpoint_store
     from stagetree.serve import default_instance, serve
 
@@ -486,6 +497,9 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_worker(args: argparse.Namespace, console: Console) -> int:
+    import socket
+
+    from events import tracing
     from gpu_worker.kafka_worker import KafkaWorker, TrainingRunner
     from gpu_worker.object_store import open_checkpoint_store
 
@@ -507,6 +521,10 @@ def cmd_worker(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
+    import asyncio
+
+    from stagetree.worker_processes import PrestartedWorkers, worker_start_method
+
     if args.bootstrap_servers:
         if args.resume or args.log_key:
             raise UsageError("--resume and --log-key are for embedded mode; on Kafka the log is the topics")
@@ -515,7 +533,13 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         if args.workers < 1:
             raise UsageError(f"--workers is {args.workers!r}, but must be >= 1 in embedded mode "
                              "(0 is for Kafka mode with a running deployment)")
-        summary = asyncio.run(_run_embedded(args, console))
+        # the workers start first: their start-up (importing torch) overlaps checking the
+        # arguments, loading the study file and opening the log
+        prestarted = PrestartedWorkers(args.workers, worker_start_method(args.device))
+        try:
+            summary = asyncio.run(_run_embedded(args, console, prestarted))
+        finally:
+            prestarted.close()
     _print_summary(summary, console)
     failed = [t for t in summary["trials"] if t["status"] == "failed"]
     if failed:
@@ -526,6 +550,11 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from rich.console import Console
+    from rich.markup import escape
+
+    from events import tracing
+
     console = Console(soft_wrap=True)
     err = Console(stderr=True, soft_wrap=True)
     try:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
-import signal
+import os
 import sys
 import threading
 import time
@@ -40,11 +40,12 @@ from events.codec import InvalidEvent, decode_batch, encode
 from events.deadletter import dead_letter
 from events.log import EmbeddedLog, append_event_streams, event_key
 from events.models import DeadLettered, Event, StageDispatched, WorkerJoined, WorkerLost
-from gpu_worker.boot import STOP, embedded_worker_main, prestarted_worker_main
+from gpu_worker.boot import STOP, embedded_worker_main
 from gpu_worker.checkpoint import LocalCheckpointStore
 from projections.store import ProjectionStore, Projector
 from scheduler.service import SchedulerService
 from stagetree.runtime import RuntimeBase, RuntimeError_
+from stagetree.worker_processes import PrestartedWorkers, describe_exit, start_process, worker_start_method
 
 
 class CoordinatorError(RuntimeError_):
@@ -53,62 +54,6 @@ class CoordinatorError(RuntimeError_):
 
 MAX_RESTARTS = 3
 """How many times a worker slot is started again after its process exited unexpectedly."""
-
-
-def describe_exit(code: int | None) -> str:
-    """A process exit code in words: ``exited with code 1``, ``was killed by SIGKILL``."""
-    if code is None:
-        return "is gone (its pipe closed)"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def _start(target: Callable[..., None], args: tuple[object, ...], name: str
-           ) -> tuple[mp.process.BaseProcess, Connection]:
-    """Start ``target(child_end, *args)`` in a spawned daemon process; returns it and the
-    coordinator's end of the pipe."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, *args), name=name, daemon=True)
-    proc.start()
-    child.close()
-    return proc, parent
-
-
-class PrestartedWorkers:
-    """``n`` worker processes started before their run's arguments are checked: each imports
-    torch and the worker at once (seconds) while the coordinator loads the study file and opens
-    the log, and waits for its arguments (see :func:`gpu_worker.boot.prestarted_worker_main`).
-    The coordinator takes them in :meth:`take`; :meth:`close` kills those not taken (the run was
-    refused or failed): they have not touched the run directory.
-
-    Args:
-        n: processes to start (>= 0).
-    """
-
-    def __init__(self, n: int) -> None:
-        self._free = [_start(prestarted_worker_main, (), "stagetree-worker") for _ in range(n)]
-
-    def take(self) -> tuple[mp.process.BaseProcess, Connection] | None:
-        """A started process and its pipe that still runs, or None when none is left."""
-        while self._free:
-            proc, conn = self._free.pop(0)
-            if proc.is_alive():
-                return proc, conn
-            conn.close()
-        return None
-
-    def close(self) -> None:
-        """Kill the processes not taken: they have only imported modules, touched nothing."""
-        for proc, conn in self._free:
-            proc.kill()
-            proc.join()
-            conn.close()
-        self._free.clear()
 
 
 @dataclass
@@ -142,6 +87,8 @@ class EmbeddedCoordinator(RuntimeBase):
             ``scheduler.eviction``.
         prestarted: processes started earlier (:class:`PrestartedWorkers`), used for the
             workers' first start instead of starting new ones.
+        start_method: how worker processes start (``auto``, ``spawn``, ``forkserver``; default
+            ``$STAGETREE_WORKER_START``, else ``auto``): see :func:`worker_start_method`.
 
     Use as an async context manager inside a running loop.
     """
@@ -151,9 +98,10 @@ class EmbeddedCoordinator(RuntimeBase):
     def __init__(self, run_dir: str | Path, study_file: str | Path, workers: int, *, device: str = "auto",
                  threads: int = 1, secret: bytes | None = None, max_restarts: int = MAX_RESTARTS,
                  say: Callable[[str], None] | None = None, checkpoint_budget: int | None = None,
-                 prestarted: PrestartedWorkers | None = None) -> None:
+                 prestarted: PrestartedWorkers | None = None, start_method: str | None = None) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"`workers` is {workers!r}, but must be an int >= 1 in embedded mode")
+        self.start_method = worker_start_method(device, start_method)
         self.run_dir = Path(run_dir)
         self.study_file = Path(study_file)
         self.workers = workers
@@ -202,13 +150,14 @@ class EmbeddedCoordinator(RuntimeBase):
         """Start a worker process for ``slot`` and a thread reading its pipe."""
         assert self._loop is not None
         args = (slot.worker_id, slot.index, str(self.study_file), str(self.checkpoint_dir), self.device,
-                self.threads, tracing.spec())
+                self.threads, tracing.spec(), dict(os.environ))
         taken = self.prestarted.take() if self.prestarted is not None and slot.generation == 0 else None
         if taken is not None:
             proc, parent = taken
             parent.send(args)
         else:
-            proc, parent = _start(embedded_worker_main, args, f"stagetree-worker-{slot.worker_id}")
+            proc, parent = start_process(embedded_worker_main, args, f"stagetree-worker-{slot.worker_id}",
+                                         self.start_method)
         slot.generation += 1
         slot.process, slot.conn, slot.joined = proc, parent, False
         threading.Thread(target=self._read_pipe, args=(self._loop, slot.worker_id, slot.generation, parent),

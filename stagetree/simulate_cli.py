@@ -20,7 +20,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from scheduler.decide import POLICIES
+from scheduler.policies import POLICIES
 from stagetree.sizes import parse_size
 
 if TYPE_CHECKING:

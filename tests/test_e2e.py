@@ -31,9 +31,9 @@ STUDY = Path(__file__).parent / "studies" / "tiny_sha.py"
 STAGETREE = [sys.executable, "-m", "stagetree.cli"]
 
 
-def run(out: Path, *flags: str) -> dict:
+def run(out: Path, *flags: str, env: dict[str, str] | None = None) -> dict:
     proc = subprocess.run([*STAGETREE, "run", str(STUDY), "--workers", "2", "--out", str(out), "--quiet", *flags],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return orjson.loads((out / "summary.json").read_bytes())
 
@@ -102,6 +102,15 @@ def _events(out: Path) -> list:
         return [decode(r.value) for r in log.read(topics.PLAN)]
     finally:
         log.close()
+
+
+def test_spawned_and_forked_workers_give_identical_results(merged: dict, tmp_path: Path) -> None:
+    """Where no GPU can be used the workers fork from a server that imported torch once; where
+    one can they are spawned (stagetree.worker_processes.worker_start_method). Either way every
+    trial gets the same steps and metrics, bit for bit, as the default run (``merged``)."""
+    for method in ("spawn", "forkserver"):
+        summary = run(tmp_path / method, env={"STAGETREE_WORKER_START": method})
+        assert per_trial(summary) == per_trial(merged), method
 
 
 def test_kill_and_resume_finishes_with_the_same_results(merged: dict, tmp_path: Path) -> None:

@@ -48,6 +48,20 @@ def test_importing_the_package_imports_nothing_heavy() -> None:
     assert out.strip() == "[]"
 
 
+def test_the_command_line_imports_nothing_heavy_before_its_command_runs() -> None:
+    """Importing ``stagetree.cli`` and parsing a command line is what every command pays first,
+    what ``stagetree run`` pays before it starts its workers, and what every worker process pays
+    again (multiprocessing runs the parent's main module in each): none of it imports torch,
+    pydantic, the log or asyncio (issue 15 goal 1: start-up)."""
+    heavy = ("torch", "pydantic", "rocksdict", "confluent_kafka", "opentelemetry", "asyncio", "events.models",
+             "events.log", "scheduler.decide", "replay.audit")
+    code = ("import sys, stagetree.cli\n"
+            "stagetree.cli.parser().parse_args(['run', 'study.py', '--workers', '2'])\n"
+            f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_the_package_is_typed() -> None:
     assert (Path(stagetree.__file__).parent / "py.typed").is_file()
 

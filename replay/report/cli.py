@@ -11,8 +11,7 @@ from typing import Any
 
 import orjson
 
-from events.log import secret_from
-from replay.report.load import ReportError
+from events.keys import secret_from
 from replay.report.style import SHARED_COLOR, UNIQUE_COLOR
 
 # ----------------------------------------------------------------------------- entry points
@@ -119,6 +118,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _load_audit(path: str) -> dict[str, Any]:
+    from replay.report.load import ReportError
+
     try:
         audit = orjson.loads(Path(path).read_bytes())
     except OSError as exc:
@@ -132,6 +133,7 @@ def _load_audit(path: str) -> dict[str, Any]:
 
 def _verify(source: str, secret: bytes | None) -> dict[str, Any]:
     from replay.audit import AuditError, open_source
+    from replay.report.load import ReportError
     from replay.tuner import verify_all
 
     try:
@@ -143,6 +145,8 @@ def _verify(source: str, secret: bytes | None) -> dict[str, Any]:
 def cmd_report(args: argparse.Namespace, console: Any = None) -> int:
     """Handle parsed ``stagetree report`` arguments. Exit code: 0 written (whatever the audit
     says), 2 bad input (source, --audit file)."""
+    from replay.report.load import ReportError
+
     secret = secret_from(args.log_key)
     try:
         audit = _load_audit(args.audit) if args.audit else _verify(args.source, secret) if args.verify else None

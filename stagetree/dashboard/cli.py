@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import select
 import signal
@@ -14,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from events.log import KEY_ENV, secret_from
+from events.keys import KEY_ENV, secret_from
 
 DEFAULT_PORT = 8080
 READY = "dashboard: "
@@ -73,6 +72,8 @@ async def serve(where: str, sock: socket.socket, *, secret: bytes | None = None,
     Raises:
         SourceError: ``where`` cannot be read (see :func:`open_dashboard_source`).
     """
+    import asyncio
+
     from aiohttp import web
 
     from stagetree.dashboard.server import DashboardServer, is_loopback
@@ -100,6 +101,8 @@ async def serve(where: str, sock: socket.socket, *, secret: bytes | None = None,
 
 def cmd_dashboard(args: argparse.Namespace, console: Any = None) -> int:
     """Handle ``stagetree dashboard``. Exit code 0 when stopped, 2 bad input (source, port)."""
+    import asyncio
+
     from stagetree.dashboard.source import SourceError
 
     try:

@@ -33,7 +33,8 @@ from typing import Any
 
 from events import topics
 from events.kafka_log import KafkaLog, security_from_env
-from events.log import EventLog, LogError, secret_from
+from events.keys import secret_from
+from events.log import EventLog, LogError
 from events.shared_log import SharedEmbeddedLog
 from stagetree.integration import require
 
