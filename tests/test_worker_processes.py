@@ -7,6 +7,8 @@ Spawned and forked workers giving the same results bit for bit: tests/test_e2e.p
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import orjson
@@ -58,3 +60,12 @@ def test_a_forked_worker_runs_with_the_environment_of_its_coordinator(monkeypatc
     summary = orjson.loads((out / "summary.json").read_bytes())
     assert summary["best_metric"] == 0.25
 
+
+
+def test_the_preload_only_imports_outside_the_fork_server() -> None:
+    """gpu_worker.preload freezes the collector's view and leaves with os._exit(0) only in the
+    fork server; imported by any other process it changes neither (its exit code stays its own)."""
+    code = "import gc, sys, gpu_worker.preload as p\nprint(p.in_fork_server(), gc.get_freeze_count())\nsys.exit(3)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout.split() == ["False", "0"]
