@@ -129,11 +129,18 @@ _PROFILE = "stage_tree.profile"  # plan.cache key: (profile revision, steps, sec
 
 def measured_profile(plan: Plan) -> tuple[int, float]:
     """``(steps, seconds)`` of training measured on the plan's nodes (summed in node order),
-    memoised per :attr:`Plan.profile_revision`: summed again only when a measurement changed."""
+    memoised per :attr:`Plan.profile_revision`: summed again only when a measurement changed.
+
+    The seconds are added one by one, left to right, not with ``sum()``, whose float result
+    differs between Python versions (3.12 compensates its rounding errors): a decision that
+    reads this must be recomputed bit for bit by ``replay verify`` on any Python (invariant 3).
+    """
     memo = plan.cache.get(_PROFILE)
     if memo is None or memo[0] != plan.profile_revision:
-        steps = sum(n.profile_steps for n in plan.nodes.values())
-        seconds = sum(n.profile_seconds for n in plan.nodes.values())
+        steps, seconds = 0, 0.0
+        for n in plan.nodes.values():
+            steps += n.profile_steps
+            seconds += n.profile_seconds
         memo = plan.cache[_PROFILE] = (plan.profile_revision, steps, seconds)
     return memo[1], memo[2]
 

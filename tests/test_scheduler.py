@@ -12,7 +12,7 @@ from events.models import StageDispatched, TrialCancelled
 from projections.state import Checkpoint, Node, Plan
 from scheduler.critical_path import critical_path
 from scheduler.simulation import Simulation, fake_ref
-from scheduler.stage_tree import build_stage_tree
+from scheduler.stage_tree import build_stage_tree, measured_profile
 
 
 def _node(plan: Plan, node_id: str, parent: str | None, start: int, hp, ckpt=(), metrics=(), requests=()) -> Node:
@@ -270,6 +270,18 @@ def _measured(sim: Simulation, plan_key: str, trial_id: str, steps: int, train_s
     sim.emit(MetricsReported(**base, step=steps, metrics={"m": 1.0}))
     sim.emit(StageFinished(**base, worker_id=d.worker_id, from_step=0, to_step=steps, seconds=train_seconds,
                            train_seconds=train_seconds))
+
+
+def test_a_plan_s_measured_seconds_are_summed_left_to_right_on_any_python() -> None:
+    """Decisions read the plan's measured seconds per step; ``sum()`` of floats rounds
+    differently from Python 3.12 on (compensated), so a log decided on one Python would not
+    replay bit for bit on another. The sum is the plain left-to-right one everywhere."""
+    plan = Plan("p", seed=0)
+    for i, seconds in enumerate([1e16, 1.0, -1e16]):
+        _node(plan, f"n{i}", None, 0, {"lr": Constant(0.1 * (i + 1))}).profile_seconds = seconds
+        plan.nodes[f"n{i}"].profile_steps = 1
+    plan.profile_revision += 1
+    assert measured_profile(plan) == (3, (1e16 + 1.0) + -1e16) == (3, 0.0)  # 3.12's sum() gives 1.0
 
 
 def test_a_never_measured_plan_is_estimated_from_the_measured_ones() -> None:
