@@ -47,6 +47,7 @@ workers on a 2-core machine). Exit status 0 when both runs finished, whatever th
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import resource
 import shutil
@@ -97,13 +98,37 @@ def _children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _adopt_descendants() -> None:
+    """Make this process the reaper of its orphaned descendants (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``;
+    elsewhere nothing): a run's workers are children of its fork server, which outlives the
+    ``stagetree`` process by a moment, so their CPU time reaches ``RUSAGE_CHILDREN`` only if this
+    process reaps the server (:func:`_reap_adopted`)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def _reap_adopted(timeout_s: float = 30.0) -> None:
+    """Wait (up to ``timeout_s`` seconds) for every child left, adopted ones included."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            time.sleep(0.01)
+
+
 def run_mode(study: Path, workers: int, out: Path, *, merge: bool) -> dict[str, float | None]:
     """Run ``study`` in one mode into ``out`` (removed first).
 
     Returns ``wall_s`` (subprocess wall seconds), ``own_cpu_s`` (CPU seconds of the run's
-    process tree: coordinator and workers) and ``other_cpu_s`` (CPU seconds the rest of the
-    machine used meanwhile; None off Linux). Benchmarks on a shared machine are only
-    comparable when ``other_cpu_s`` is small next to ``wall_s x cores``.
+    process tree: coordinator, fork server and workers, see :func:`_adopt_descendants`) and
+    ``other_cpu_s`` (CPU seconds the rest of the machine used meanwhile; None off Linux).
+    Benchmarks on a shared machine are only comparable when ``other_cpu_s`` is small next to
+    ``wall_s x cores``.
 
     Raises:
         RuntimeError: the run exited non-zero (its stderr is in the message).
@@ -112,9 +137,12 @@ def run_mode(study: Path, workers: int, out: Path, *, merge: bool) -> dict[str, 
     cmd = [str(stagetree_script()), "run", str(study), "--workers", str(workers), "--out", str(out), "--quiet"]
     if not merge:
         cmd.append("--no-merge")
+    _adopt_descendants()
     busy0, own0, started = _machine_busy_seconds(), _children_cpu_seconds(), time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall, own, busy1 = time.monotonic() - started, _children_cpu_seconds() - own0, _machine_busy_seconds()
+    wall = time.monotonic() - started
+    _reap_adopted()
+    own, busy1 = _children_cpu_seconds() - own0, _machine_busy_seconds()
     if proc.returncode != 0:
         raise RuntimeError(f"`{' '.join(cmd)}` exited with {proc.returncode}:\n{proc.stderr[-4000:]}")
     other = None if busy0 is None or busy1 is None else max(0.0, busy1 - busy0 - own)
