@@ -29,8 +29,7 @@ import sys
 
 import torch._dynamo  # noqa: F401  (every torch optimizer step imports it)
 
-import gpu_worker.boot  # noqa: F401
-import gpu_worker.process  # noqa: F401  (torch, the executor, the checkpoint store)
+import gpu_worker.process  # noqa: F401  (torch, the executor, the checkpoint store, gpu_worker.boot)
 
 
 def in_fork_server() -> bool:

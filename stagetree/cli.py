@@ -206,7 +206,7 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
     try:
         async with EmbeddedCoordinator(out, args.file, args.workers, device=args.device,
                                        secret=secret_from(args.log_key), checkpoint_budget=budget,
-                                       prestarted=prestarted) as coord:
+                                       prestarted=prestarted, start_method=prestarted.method) as coord:
             if port is not None:  # the log exists now: the dashboard follows it while workers start
                 dashboard = await asyncio.get_running_loop().run_in_executor(
                     None, _start_dashboard, str(out), port, secret_from(args.log_key), console)

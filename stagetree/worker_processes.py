@@ -109,10 +109,12 @@ class PrestartedWorkers:
 
     Args:
         n: processes to start (>= 0).
-        method: their start method (:func:`worker_start_method`).
+        method: their start method (:func:`worker_start_method`), kept as :attr:`method` for
+            the processes the coordinator starts later (restarts).
     """
 
     def __init__(self, n: int, method: str = "spawn") -> None:
+        self.method = method
         self._free: list[tuple[mp.process.BaseProcess, Connection]] = []
         self._starting = threading.Thread(target=self._start_all, args=(n, method), daemon=True,
                                           name="stagetree-prestart")

@@ -17,6 +17,8 @@ import pytest
 from stagetree.cli import main
 from stagetree.worker_processes import WORKER_START_ENV, PrestartedWorkers, worker_start_method
 
+ECHO = Path(__file__).parent / "studies" / "env_echo.py"
+
 
 def test_workers_fork_from_a_server_where_no_gpu_can_be_used(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(WORKER_START_ENV, raising=False)
@@ -42,8 +44,6 @@ def test_a_bad_start_method_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch
     assert "$STAGETREE_WORKER_START is 'threads'" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
-
-ECHO = Path(__file__).parent / "studies" / "env_echo.py"
 
 
 def test_a_forked_worker_runs_with_the_environment_of_its_coordinator(monkeypatch: pytest.MonkeyPatch,
