@@ -11,7 +11,8 @@ the coordinator's pipe), in one process on one CPU thread, without a coordinator
 1. **tiny model** (``benchmarks/studies/trivial.py``'s one-weight trainer), ``--stages`` stages of
    one step each: (a) as one dispatched path (a checkpoint at every stage end, written while the
    next stage trains), (b) as that many one-stage paths from a fresh start (every trial of
-   ``benchmarks/trivial_trials.py``: the path's end waits for its durable write). Per stage, from
+   ``benchmarks/trivial_trials.py``), handed on at each path's end (PathTrained) and, as a Kafka
+   worker does, waiting at each path's end for its durable write. Per stage, from
    the StageFinished events: ``seconds - train_seconds`` (the worker's overhead), median and p90;
    and the wall time per stage of the whole loop.
 2. **100 MB checkpoint** (a ``torch.nn.Linear(5000, 5000)`` without bias, plain SGD: 100,000,000
@@ -21,8 +22,10 @@ the coordinator's pipe), in one process on one CPU thread, without a coordinator
    stage's wall time beyond the median of three bare stages (the same steps in a plain loop, no
    worker, measured first in the same process): the writer thread's competition for the CPU
    slows training, which ``seconds - train_seconds`` does not show (it falls inside
-   ``train_seconds``). A path's last stage holds its worker until every write of the path is
-   verified (its end batch carries the CheckpointSaved), so it also counts that wait.
+   ``train_seconds``). Both paths run twice: as the embedded worker runs them, whose path's
+   last stage hands the worker on with PathTrained while its writes are verified (the end
+   batches follow), and as the Kafka worker runs them, whose path's last stage holds its worker
+   until every write of the path is verified (so it also counts that wait).
 3. **resident memory**: the peak RSS (``ru_maxrss``) of a fresh process that runs the worker on
    the 100 MB model for two stages, next to a fresh process that imports torch and trains the
    same model the same number of steps with a plain loop (goal: within 1.5x).
@@ -73,10 +76,13 @@ def _executor(trainer: Any, store_dir: Path, device: Any) -> Any:
     return PathExecutor(trainer, "w0", LocalCheckpointStore(store_dir), device)
 
 
-def _run(executor: Any, dispatches: list[Any]) -> tuple[float, list[Any], list[Any]]:
+def _run(executor: Any, dispatches: list[Any], hand_off: bool = True) -> tuple[float, list[Any], list[Any]]:
     """Run each dispatch as the worker does (decoded from its bytes, events encoded for the pipe);
-    wall seconds, the StageFinished events and every event."""
+    wall seconds (until every end batch went out), the StageFinished events and every event.
+    ``hand_off``: as the embedded worker, a path's end does not wait for its writes (PathTrained;
+    its end batches go out while the next path runs); else as the Kafka worker, it waits."""
     from events.codec import decode, encode, encode_batch
+    from events.execution import EndBatches
     from events.models import StageFinished
 
     raws = [encode(d) for d in dispatches]
@@ -86,9 +92,12 @@ def _run(executor: Any, dispatches: list[Any]) -> tuple[float, list[Any], list[A
         encode_batch(events)
         emitted.extend(events)
 
+    ends = EndBatches(emit) if hand_off else None
     t0 = time.perf_counter()
     for raw in raws:
-        executor.run(decode(raw), emit)
+        executor.run(decode(raw), emit, ends=ends)
+    if ends is not None:
+        ends.release(True)
     wall = time.perf_counter() - t0
     return wall, [e for e in emitted if isinstance(e, StageFinished)], emitted
 
@@ -110,13 +119,14 @@ def tiny(stages: int, out: Path, device: str = "cpu") -> dict[str, Any]:
     trainer = load_trainer(ROOT / "benchmarks" / "studies" / "trivial.py")
     hp = {"target": Constant(0.5)}
     figures: dict[str, Any] = {}
+    fresh = [_dispatch(i, [(f"n{i}", {"target": Constant(i / stages)}, 0, 1, True)]) for i in range(stages)]
     cases = {
-        "one path of one-step stages": [_dispatch(0, [(f"n{s}", hp, s, s + 1, False) for s in range(stages)])],
-        "one-step paths from a fresh start": [
-            _dispatch(i, [(f"n{i}", {"target": Constant(i / stages)}, 0, 1, True)]) for i in range(stages)],
+        "one path of one-step stages": ([_dispatch(0, [(f"n{s}", hp, s, s + 1, False) for s in range(stages)])], True),
+        "one-step paths from a fresh start": (fresh, True),
+        "one-step paths from a fresh start, each end waits for its write": (fresh, False),
     }
-    for name, dispatches in cases.items():
-        wall, finished, _ = _run(_executor(trainer, out / "tiny", dev), dispatches)
+    for name, (dispatches, hand_off) in cases.items():
+        wall, finished, _ = _run(_executor(trainer, out / "tiny", dev), dispatches, hand_off)
         overhead = [1000 * (e.seconds - e.train_seconds) for e in finished]
         figures[name] = {"stages": len(finished), "wall_ms_per_stage": 1000 * wall / len(finished),
                          "overhead_ms_median": statistics.median(overhead), "overhead_ms_p90": _quantile(overhead, 0.9),
@@ -172,20 +182,23 @@ def big(steps: int, out: Path, device: str = "cpu") -> dict[str, Any]:
     dev = resolve_device(device)
     executor = _executor(trainer, out / "big", dev)
     bare = _bare_stage_seconds(trainer, steps, dev)
-    # a path of 3 stages from a fresh start, then a path resumed from its last checkpoint (a load)
-    _, first, events = _run(executor, [_dispatch(0, [(f"n{s}", hp, s * steps, (s + 1) * steps, False)
-                                                     for s in range(3)])])
-    ref = [e for e in events if isinstance(e, CheckpointSaved)][-1].ref
-    executor.abandon()  # the next path loads its source, as a worker that ran something else would
-    _, resumed, _ = _run(executor, [_dispatch(1, [("m0", hp, 3 * steps, 4 * steps, False)],
-                                              CheckpointSource(node_id="n2", step=3 * steps, ref=ref))])
-    rows = first + resumed
+    rows: list[tuple[Any, bool, bool]] = []  # (StageFinished, path end, handed off)
+    for hand_off in (True, False):
+        # a path of 3 stages from a fresh start, then a path resumed from its last checkpoint (a load)
+        _, first, events = _run(executor, [_dispatch(0, [(f"n{s}", hp, s * steps, (s + 1) * steps, False)
+                                                         for s in range(3)])], hand_off)
+        ref = [e for e in events if isinstance(e, CheckpointSaved)][-1].ref
+        executor.abandon()  # the next path loads its source, as a worker that ran something else would
+        _, resumed, _ = _run(executor, [_dispatch(1, [("m0", hp, 3 * steps, 4 * steps, False)],
+                                                  CheckpointSource(node_id="n2", step=3 * steps, ref=ref))], hand_off)
+        executor.abandon()
+        rows += [(e, e is first[-1] or e is resumed[-1], hand_off) for e in first + resumed]
     return {"checkpoint_bytes": BIG * BIG * 4, "steps_per_stage": steps, "bare_stage_seconds": bare,
             "stages": [{"from_step": e.from_step, "seconds": e.seconds, "train_seconds": e.train_seconds,
                         "overhead_s": e.seconds - e.train_seconds,
                         "overhead_share": (e.seconds - e.train_seconds) / e.seconds,
                         "beyond_bare_share": (e.seconds - statistics.median(bare)) / e.seconds,
-                        "path_end": e is first[-1] or e is resumed[-1]} for e in rows]}
+                        "path_end": end, "handed_off": hand_off} for e, end, hand_off in rows]}
 
 
 def _bare_stage_seconds(trainer: Any, steps: int, device: Any, repeats: int = 3) -> list[float]:
@@ -281,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         how = "loaded from its source" if s["from_step"] == 3 * args.big_steps else (
             "fresh start" if s["from_step"] == 0 else "continued in memory")
         if s["path_end"]:
-            how += ", path end: waits for its writes"
+            how += ", path end: " + ("PathTrained, its writes follow" if s["handed_off"] else "waits for its writes")
+        elif not s["handed_off"]:
+            how += ", in a path whose end waits"
         table.add_row(f"100 MB checkpoint, {args.big_steps} steps from step {s['from_step']} ({how})",
                       f"{s['overhead_s']:.3f} s = {100 * s['overhead_share']:.1f} % of the stage",
                       f"{s['seconds']:.2f} s ({100 * s['beyond_bare_share']:+.0f} % beyond bare)")

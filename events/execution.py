@@ -12,7 +12,9 @@ moves weights (real training, a cost model, or nothing at all):
    hand were never stored), and its end goes out as ONE batch ``[MetricsReported?,
    CheckpointSaved?, StageFinished]``, which the transport appends atomically: no crash can leave
    metrics recorded without the stage's checkpoint and accounting (a checkpoint is written and
-   verified before the batch that names it, invariant 4);
+   verified before the batch that names it, invariant 4); a worker that can emit between paths
+   (:class:`EndBatches`) does not wait for its last writes: ``[PathTrained]`` frees it for the
+   next path, and the end batches still waiting follow once their writes are verified;
 3. a failure ends the path with one ``[StageFailed]`` for the stage: ``kind`` from the
    :class:`StageFault` a backend raised (a corrupt or missing source, a failing store), else
    "error" with the exception (the trainer's own code raised).
@@ -45,6 +47,7 @@ from events.models import (
     Event,
     MetricsReported,
     PathPreempted,
+    PathTrained,
     StageDispatched,
     StageFailed,
     StageFinished,
@@ -193,18 +196,65 @@ class _Steering:
 
 
 class _Pending:
-    """An end batch waiting for its checkpoint's write: the events before CheckpointSaved, and
-    ``after()``, the events after it, made when the batch goes out (a path's last StageFinished
-    counts the time its worker waited for the writes)."""
+    """An end batch of dispatch ``dispatch_id`` waiting for its checkpoint's write (``handle``;
+    None: nothing written): ``batch(saved)`` makes its events once the write is verified
+    (``saved``: its ``(ref, size)``, None without a write), ``failed(fault)`` the StageFailed that
+    ends the path when the write failed."""
 
-    def __init__(self, spec: StageSpec, step: int, handle: SaveHandle | None, before: list[Event],
-                 after: Callable[[], list[Event]]) -> None:
-        self.spec, self.step, self.handle, self.before, self.after = spec, step, handle, before, after
+    def __init__(self, dispatch_id: str, handle: SaveHandle | None,
+                 batch: Callable[[tuple[str, int] | None], list[Event]],
+                 failed: Callable[[StageFault], list[Event]]) -> None:
+        self.dispatch_id, self.handle, self.batch, self.failed = dispatch_id, handle, batch, failed
+
+
+class EndBatches:
+    """A worker's end batches waiting for their checkpoints' writes, in the order they were made,
+    across the paths it runs: a path handed off with PathTrained leaves its ends here while the
+    worker's next path trains (:func:`run_path` with ``ends``). Each goes out through ``emit``
+    once its write is verified, in order (a worker's writes complete in order)."""
+
+    def __init__(self, emit: Emit) -> None:
+        self.emit = emit
+        self._queue: deque[_Pending] = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def add(self, entry: _Pending) -> None:
+        self._queue.append(entry)
+
+    def holds(self, dispatch_id: str) -> bool:
+        """Whether an end batch of ``dispatch_id`` is still waiting."""
+        return any(e.dispatch_id == dispatch_id for e in self._queue)
+
+    def ready(self) -> bool:
+        """Whether the first waiting batch can go out now (its write is done)."""
+        return bool(self._queue) and (self._queue[0].handle is None or self._queue[0].handle.done())
+
+    def release(self, block: bool) -> str | None:
+        """Emit the end batches whose writes are done (every one, waiting for the writes, with
+        ``block``), in order. When a write failed: its path's StageFailed is emitted instead, its
+        other waiting batches are dropped, and its dispatch id is returned (the batches after it
+        are left waiting); else None."""
+        while self._queue and (block or self.ready()):
+            entry = self._queue.popleft()
+            saved = None
+            if entry.handle is not None:
+                try:
+                    saved = entry.handle.result()
+                except StageFault as fault:
+                    self._queue = deque(e for e in self._queue if e.dispatch_id != entry.dispatch_id)
+                    self.emit(entry.failed(fault))
+                    return entry.dispatch_id
+            batch = entry.batch(saved)
+            if batch:
+                self.emit(batch)
+        return None
 
 
 def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: str,
              stamp: Callable[[Event], Event] = lambda e: e, control: Control | None = None,
-             should_stop: Callable[[], bool] | None = None) -> bool:
+             should_stop: Callable[[], bool] | None = None, ends: EndBatches | None = None) -> bool:
     """Execute every stage of ``d`` in order on ``backend``, emitting the event batches described
     in the module docstring through ``emit`` (each event passed through ``stamp`` first: producer,
     timestamp, trace context), acting on what ``control`` says at step boundaries. Never raises
@@ -219,15 +269,37 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
     when it answers True the path ends there, once the finished stages' writes are verified and
     their end batches emitted, and ``run_path`` returns False (the rest is for the worker to hand
     back); True otherwise.
+
+    ``ends``: the worker's :class:`EndBatches`, kept between its paths. With it the path's end
+    does not wait for its writes: when some are still going after the last stage has trained,
+    ``[PathTrained]`` goes out and ``run_path`` returns; their end batches follow from ``ends``
+    (released at the next path's step boundaries, or by the worker while it waits for work), and
+    the last stage's ``seconds`` end at the hand-off. Without it (a transport that cannot emit
+    between paths) the last stage holds the worker until every write is verified, and its
+    ``seconds`` count that wait.
     """
     base = {"dispatch_id": d.dispatch_id, "plan_key": d.plan_key}
     first = d.stages[0]
     steering = _Steering(d, control if control is not None else NoControl())
-    pending: deque[_Pending] = deque()
+    hand_off = ends is not None
+    pending = ends if ends is not None else EndBatches(emit)
+
+    def stage_failed(spec: StageSpec, kind: FaultKind, error: str, ref: str | None = None) -> list[Event]:
+        return [stamp(StageFailed(**base, worker_id=worker_id, node_id=spec.node_id, from_step=spec.from_step,
+                                  to_step=spec.to_step, kind=kind, error=error, ref=ref))]
 
     def failed(spec: StageSpec, kind: FaultKind, error: str, ref: str | None = None) -> None:
-        emit([stamp(StageFailed(**base, worker_id=worker_id, node_id=spec.node_id, from_step=spec.from_step,
-                                to_step=spec.to_step, kind=kind, error=error, ref=ref))])
+        emit(stage_failed(spec, kind, error, ref))
+
+    def ending(spec: StageSpec, step: int, handle: SaveHandle | None, before: list[Event],
+               after: Callable[[], list[Event]]) -> _Pending:
+        """The end batch ``[*before, CheckpointSaved?, *after()]`` of ``spec`` at ``step``."""
+        def batch(saved: tuple[str, int] | None) -> list[Event]:
+            checkpoint = [] if saved is None else [stamp(CheckpointSaved(**base, node_id=spec.node_id, step=step,
+                                                                         ref=saved[0], size=saved[1]))]
+            return [*before, *checkpoint, *after()]
+        return _Pending(d.dispatch_id, handle, batch,
+                        lambda fault: stage_failed(spec, fault.kind, fault.error, fault.ref))
 
     def save(spec: StageSpec, step: int, waited: bool = False) -> SaveHandle | None:
         with tracing.span("checkpoint.save", attributes={"stagetree.node_id": spec.node_id, "stagetree.step": step}):
@@ -235,27 +307,16 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
 
     def release(block: bool) -> bool:
         """Emit the end batches whose writes are done (all of them with ``block``), in order;
-        False when a write failed (its stage's StageFailed is emitted; the path ends)."""
-        while pending and (block or pending[0].handle is None or pending[0].handle.done()):
-            entry = pending.popleft()
-            saved: list[Event] = []
-            if entry.handle is not None:
-                try:
-                    ref, size = entry.handle.result()
-                except StageFault as fault:
-                    pending.clear()
-                    backend.abandon()
-                    failed(entry.spec, fault.kind, fault.error, fault.ref)
-                    return False
-                saved = [stamp(CheckpointSaved(**base, node_id=entry.spec.node_id, step=entry.step, ref=ref,
-                                               size=size))]
-            batch = [*entry.before, *saved, *entry.after()]
-            if batch:
-                emit(batch)
+        False when a write of this path failed (its StageFailed is emitted; the path ends). A
+        failed write of an earlier path ended that path only."""
+        while (failed_id := pending.release(block)) is not None:
+            if failed_id == d.dispatch_id:
+                backend.abandon()
+                return False
         return True
 
     def interrupt() -> bool:
-        return steering.control.waiting() or bool(pending and (pending[0].handle is None or pending[0].handle.done()))
+        return steering.control.waiting() or pending.ready()
 
     started = backend.now()
     try:
@@ -287,7 +348,7 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
                         now = backend.now()
                         stopped = stamp(StageStopped(**base, worker_id=worker_id, **stage, step=at,
                                                      seconds=now - started, train_seconds=train_seconds))
-                        pending.append(_Pending(spec, at, handle, [], lambda e=stopped: [e]))
+                        pending.add(ending(spec, at, handle, [], lambda e=stopped: [e]))
                         release(True)
                         return True
                     if at >= spec.to_step:
@@ -304,7 +365,7 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
                         if evaluate:
                             before.append(stamp(MetricsReported(**base, node_id=spec.node_id, step=at,
                                                                 metrics=dict(backend.evaluate(spec, at)))))
-                        pending.append(_Pending(spec, at, save(spec, at), before, list))
+                        pending.add(ending(spec, at, save(spec, at), before, list))
                 end: list[Event] = []
                 if spec.evaluate:
                     with tracing.span("evaluate", attributes=attrs):
@@ -325,13 +386,16 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
             now = backend.now()
             finish = StageFinished(**base, worker_id=worker_id, **stage, seconds=now - started,
                                    train_seconds=train_seconds)
-            if i + 1 < len(d.stages):
+            if i + 1 < len(d.stages) or hand_off:
                 stamped = stamp(finish)
-                pending.append(_Pending(spec, spec.to_step, handle, end, lambda e=stamped: [e]))
+                pending.add(ending(spec, spec.to_step, handle, end, lambda e=stamped: [e]))
                 started = now
             else:  # the last stage holds the worker until every write of the path is verified
                 t0 = started
-                pending.append(_Pending(spec, spec.to_step, handle, end, lambda f=finish, t0=t0: [
+                pending.add(ending(spec, spec.to_step, handle, end, lambda f=finish, t0=t0: [
                     stamp(f.model_copy(update={"seconds": backend.now() - t0}))]))
                 release(True)
+    if hand_off:
+        if release(False) and pending.holds(d.dispatch_id):  # writes still going: the worker is free
+            emit([stamp(PathTrained(**base, worker_id=worker_id))])
     return True

@@ -238,6 +238,23 @@ class StageStarted(Event):
     plan_key: Ident | None = None
 
 
+class PathTrained(Event):
+    """A worker trained the last stage of dispatch ``dispatch_id`` and handed its checkpoint to
+    its writer: the worker is free for the next dispatch, while the path's end batches (each with
+    its verified CheckpointSaved and its StageFinished) follow once the writes are verified
+    (issue 15 goal 2: a path's end no longer holds its worker for the write, hash and sync).
+
+    Until they do, the dispatch stays running: its stages keep their running ranges (nothing is
+    dispatched twice) and its worker's loss still releases it. A worker whose writes were done
+    by the time the path ended sends no PathTrained (its last batch ends the dispatch).
+    """
+
+    type: ClassVar[str] = "PathTrained"
+    dispatch_id: Ident
+    worker_id: Ident
+    plan_key: Ident
+
+
 class CheckpointSaved(Event):
     """A checkpoint object was written and verified (sha256) before this event was published."""
 
@@ -493,6 +510,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         DeadLettered,
         LogSealed,
         StageStopped,
+        PathTrained,
         PathPreempted,
         CheckpointRequested,
         CheckpointEvicted,

@@ -24,7 +24,7 @@ import torch
 from opentelemetry.trace import SpanKind
 
 from events import topics, tracing
-from events.execution import Control, Emit, Saved, SaveHandle, StageFault, run_path
+from events.execution import Control, Emit, EndBatches, Saved, SaveHandle, StageFault, run_path
 from events.models import Event, StageDispatched, StageSpec
 from gpu_worker.checkpoint import (
     CheckpointCorrupt,
@@ -255,9 +255,9 @@ class PathExecutor:
         copy of the tensors, here on the training thread: ``TrainingSession.snapshot``), and store
         the snapshot on the writer thread: encoded, hashed, written and verified by sha256 before
         the handle completes (and before the event that names it), while the next stage trains.
-        ``waited`` (a path's end: nothing trains before the write is verified): the weights are
-        encoded here at once, without the copy, while the writer finishes the path's earlier
-        writes."""
+        ``waited`` (a path's end): the live weights are handed to the writer without the copy.
+        Nothing trains them before the write is verified: the next path reuses them only as the
+        checkpoint this write verified (:meth:`begin`), and builds or loads its own otherwise."""
         if not self._dirty:
             return None
         session = self._require()
@@ -321,9 +321,10 @@ class PathExecutor:
         return self.clock()
 
     def run(self, d: StageDispatched, emit: Emit, control: Control | None = None,
-            should_stop: Callable[[], bool] | None = None) -> bool:
+            should_stop: Callable[[], bool] | None = None, ends: EndBatches | None = None) -> bool:
         """Execute every stage of ``d`` in order, emitting event batches through ``emit``: the
-        one event sequence of :func:`events.execution.run_path`.
+        one event sequence of :func:`events.execution.run_path` (``ends``: the worker's end
+        batches, kept between paths; with them a path's end does not wait for its writes).
 
         Never raises for a failing stage: a corrupt or missing source checkpoint, an exception
         from the trainer, or a store that keeps failing becomes a StageFailed event and ends the
@@ -334,4 +335,4 @@ class PathExecutor:
         with tracing.span("dispatch.process", parent=d.trace, kind=SpanKind.CONSUMER,
                           attributes=tracing.messaging("process", topics.DISPATCH, d.event_id,
                                                        dispatch_id=d.dispatch_id, worker_id=self.worker_id)):
-            return run_path(d, self, emit, self.worker_id, self.stamp, control, should_stop)
+            return run_path(d, self, emit, self.worker_id, self.stamp, control, should_stop, ends)

@@ -16,7 +16,8 @@ partition), and each worker as the partitions agree on it:
 
 * alive only when every partition has folded its latest arrival and none its loss (a worker
   whose WorkerJoined some partition has not read yet is not offered work);
-* busy when any partition has a dispatch of it running.
+* busy when any partition has a dispatch of it training (a path it trained whose end it is still
+  writing, PathTrained, does not keep it busy).
 
 Checkpoint objects and their bytes are summed over the partitions, so a checkpoint budget is
 one budget for the deployment (``peak_checkpoint_bytes`` of the view is the sum of the
@@ -70,7 +71,7 @@ def merge(states: Mapping[int, State]) -> State:
         busy = next((w.dispatch_id for w in known if w.dispatch_id is not None), None)
         view.workers[worker_id] = Worker(worker_id, known[0].device,
                                          alive=len(known) == len(parts) and all(w.alive for w in known),
-                                         dispatch_id=busy)
+                                         dispatch_id=busy, writing=[d for w in known for d in w.writing])
     view.stats = Stats(
         executed_steps=sum(p.stats.executed_steps for p in parts),
         worker_seconds=sum(p.stats.worker_seconds for p in parts),

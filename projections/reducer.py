@@ -20,6 +20,7 @@ from events.models import (
     LogSealed,
     MetricsReported,
     PathPreempted,
+    PathTrained,
     StageDispatched,
     StageFailed,
     StageFinished,
@@ -340,7 +341,19 @@ def _release(state: State, dispatch: Dispatch, touched: set[Key], status: str) -
     if worker is not None and worker.dispatch_id == dispatch.dispatch_id:
         worker.dispatch_id = None
         touched.add(("worker", worker.worker_id))
+    if worker is not None and dispatch.dispatch_id in worker.writing:
+        worker.writing.remove(dispatch.dispatch_id)
+        touched.add(("worker", worker.worker_id))
     touched.add(("dispatch", dispatch.dispatch_id))
+
+
+def _release_worker(state: State, worker: Worker, touched: set[Key]) -> None:
+    """Release every running dispatch of ``worker`` (it was lost, or joined again): the path it
+    was training and the paths whose ends it was still writing."""
+    for dispatch_id in [*([worker.dispatch_id] if worker.dispatch_id is not None else []), *worker.writing]:
+        dispatch = state.dispatches[dispatch_id]
+        if dispatch.status == "running":
+            _release(state, dispatch, touched, "lost")
 
 
 def _dispatched_stage(state: State, ev: StageFinished | StageFailed | StageStopped) -> Dispatch:
@@ -402,6 +415,24 @@ def _stage_stopped(state: State, ev: StageStopped, touched: set[Key]) -> None:
         _release(state, dispatch, touched, "preempted")
 
 
+def _path_trained(state: State, ev: PathTrained, touched: set[Key]) -> None:
+    """The worker trained the dispatch's last stage: it is free, while the dispatch runs on until
+    its end batches (verified checkpoints, StageFinished) come (see :class:`PathTrained`)."""
+    dispatch = state.dispatches.get(ev.dispatch_id)
+    if dispatch is None or dispatch.status != "running":
+        raise Rejected(f"dispatch {ev.dispatch_id!r} is not running")
+    if dispatch.worker_id != ev.worker_id or dispatch.plan_key != ev.plan_key:
+        raise Rejected(f"dispatch {ev.dispatch_id!r} is worker {dispatch.worker_id!r}'s, of plan "
+                       f"{dispatch.plan_key!r}, not worker {ev.worker_id!r}'s of plan {ev.plan_key!r}")
+    worker = state.workers[ev.worker_id]
+    if worker.dispatch_id != ev.dispatch_id:
+        raise Rejected(f"worker {ev.worker_id!r} is not training dispatch {ev.dispatch_id!r}")
+    worker.dispatch_id = None
+    worker.writing.append(ev.dispatch_id)
+    dispatch.trained = True
+    touched |= {("worker", worker.worker_id), ("dispatch", dispatch.dispatch_id)}
+
+
 def _running_dispatch(state: State, ev: PathPreempted | CheckpointRequested) -> Dispatch:
     dispatch = state.dispatches.get(ev.dispatch_id)
     if dispatch is None or dispatch.status != "running":
@@ -453,8 +484,8 @@ def _stage_failed(state: State, ev: StageFailed, touched: set[Key]) -> None:
 
 def _worker_joined(state: State, ev: WorkerJoined, touched: set[Key]) -> None:
     old = state.workers.get(ev.worker_id)
-    if old is not None and old.dispatch_id is not None:
-        _release(state, state.dispatches[old.dispatch_id], touched, "lost")
+    if old is not None:
+        _release_worker(state, old, touched)
     state.workers[ev.worker_id] = Worker(ev.worker_id, ev.device)
     touched.add(("worker", ev.worker_id))
 
@@ -463,8 +494,7 @@ def _worker_lost(state: State, ev: WorkerLost, touched: set[Key]) -> None:
     worker = state.workers.get(ev.worker_id)
     if worker is None:
         raise Rejected(f"unknown worker {ev.worker_id!r}")
-    if worker.dispatch_id is not None:
-        _release(state, state.dispatches[worker.dispatch_id], touched, "lost")
+    _release_worker(state, worker, touched)
     worker.alive = False
     touched.add(("worker", worker.worker_id))
 
@@ -512,6 +542,7 @@ _HANDLERS = {
     DeadLettered: _dead_lettered,
     LogSealed: _log_sealed,
     StageStopped: _stage_stopped,
+    PathTrained: _path_trained,
     PathPreempted: _path_preempted,
     CheckpointRequested: _checkpoint_requested,
     CheckpointEvicted: _checkpoint_evicted,

@@ -193,18 +193,25 @@ class Decided:
 
 @dataclass
 class Worker:
+    """A worker: ``dispatch_id`` the path it is training (None: idle), ``writing`` the paths it
+    trained (PathTrained) whose end batches have not all come yet, in dispatch order: its loss
+    releases those too."""
+
     worker_id: str
     device: str
     alive: bool = True
     dispatch_id: str | None = None
+    writing: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
+        # "writing" only when there is some: the records of a log without PathTrained events stay
+        # byte for byte what they were (exports carry their projection's digest)
         return {"worker_id": self.worker_id, "device": self.device, "alive": self.alive,
-                "dispatch_id": self.dispatch_id}
+                "dispatch_id": self.dispatch_id, **({"writing": list(self.writing)} if self.writing else {})}
 
     @classmethod
     def from_json(cls, o: dict[str, Any]) -> Worker:
-        return cls(**o)
+        return cls(o["worker_id"], o["device"], o["alive"], o["dispatch_id"], list(o.get("writing", [])))
 
 
 @dataclass
@@ -212,7 +219,9 @@ class Dispatch:
     """A dispatched path: its stages ``(node_id, from_step, to_step)`` in order, the checkpoint
     ``source`` (ref) it starts from (None: a fresh start), the checkpoints its worker was asked to
     save inside its stages (``requested``: ``(node_id, step, evaluate)``), and, once preempted,
-    how far it may still train (``until``: ``(stage index, step)``, or ``(-1, -1)``: stop now)."""
+    how far it may still train (``until``: ``(stage index, step)``, or ``(-1, -1)``: stop now).
+    ``trained``: its worker trained the last stage and is free (PathTrained); the dispatch runs
+    until its end batches come."""
 
     dispatch_id: str
     worker_id: str
@@ -223,6 +232,7 @@ class Dispatch:
     source: str | None = None
     requested: list[tuple[str, int, bool]] = field(default_factory=list)
     until: tuple[int, int] | None = None
+    trained: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -235,6 +245,7 @@ class Dispatch:
             "source": self.source,
             "requested": [list(r) for r in self.requested],
             "until": list(self.until) if self.until is not None else None,
+            **({"trained": True} if self.trained else {}),  # only then, as Worker's "writing"
         }
 
     @classmethod
@@ -250,6 +261,7 @@ class Dispatch:
             source=o.get("source"),
             requested=[(n, s, e) for n, s, e in o.get("requested", [])],
             until=(until[0], until[1]) if until is not None else None,
+            trained=o.get("trained", False),
         )
 
 

@@ -8,6 +8,8 @@ decision and recorded in the log with the prefix they were decided from (DESIGN.
   worker is told to stop. What is still needed, if anything, is kept: the worker trains on to the
   last needed step (``until_stage``/``until_step``), keeps a checkpoint of what it trained, and is
   free for other work.
+  A path its worker has trained to the end (PathTrained) gets neither decision: its end batches
+  are on their way.
 * **Split during execution** (:class:`~events.models.CheckpointRequested`, HIPPO_SPEC §10.1): when
   a request puts a boundary inside a stage of a running path (a trial asking for metrics there,
   or a child node branching there with work below it), the worker is told to save a checkpoint
@@ -60,7 +62,7 @@ def preemptions(state: State, budget: int | None = None) -> list[PathPreempted]:
     out = []
     needs_of: dict[str, Mapping[str, tuple[int, int]]] = {}
     for d in running_dispatches(state):
-        if d.until is not None:
+        if d.until is not None or d.trained:  # a trained path (PathTrained) has nothing left to stop
             continue
         plan = state.plans[d.plan_key]
         needs = needs_of.get(d.plan_key)
@@ -93,6 +95,8 @@ def split_requests(state: State, budget: int | None = None) -> list[CheckpointRe
     spare = None if budget is None else budget - state.stats.checkpoint_bytes - reserved_bytes(state)
     needs_of: dict[str, Mapping[str, tuple[int, int]]] = {}
     for d in running_dispatches(state):
+        if d.trained:  # every step of it is trained (PathTrained): too late to save inside
+            continue
         plan = state.plans[d.plan_key]
         needs = needs_of.get(d.plan_key)
         if needs is None:

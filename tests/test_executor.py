@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import errno
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import BinaryIO
@@ -17,12 +19,14 @@ from typing import BinaryIO
 import pytest
 import torch
 
+from events.execution import EndBatches
 from events.hp import Constant, MultiStep
 from events.models import (
     CheckpointSaved,
     CheckpointSource,
     Event,
     MetricsReported,
+    PathTrained,
     StageDispatched,
     StageFailed,
     StageFinished,
@@ -30,10 +34,11 @@ from events.models import (
     StageStarted,
     TrialSubmitted,
     WorkerJoined,
+    WorkerLost,
 )
 from gpu_worker.checkpoint import CheckpointRef, LocalCheckpointStore, StorageError
 from gpu_worker.executor import PathExecutor
-from projections.reducer import apply
+from projections.reducer import Rejected, apply
 from projections.state import State
 from scheduler.decide import decide
 
@@ -235,3 +240,138 @@ def test_a_store_without_streamed_writes_gets_the_same_checkpoints(tmp_path: Pat
     assert streamed and saved(PutOnly(tmp_path / "put-only"), DigitsTrainer()) == streamed
     (failed,) = saved(PutOnly(tmp_path / "unserializable"), Unserializable())
     assert failed[0] == "error"
+
+
+# ----------------------------------------------------------------------------- PathTrained (issue 15 goal 2)
+
+
+class Gated(FullDisk):
+    """A local store whose writes wait until ``gate`` is set (a slow disk, a large checkpoint),
+    then fail while the disk is full (``full`` tries, as FullDisk)."""
+
+    def __init__(self, root: Path, full: int = 0) -> None:
+        super().__init__(root, full)
+        self.gate = threading.Event()
+
+    def put_written(self, writers: Sequence[Callable[[BinaryIO], object]]) -> list[CheckpointRef]:
+        self.gate.wait(60)
+        return super().put_written(writers)
+
+
+OTHER = {**CONFIG, "lr": Constant(0.3)}  # no prefix in common with CONFIG: a path of its own
+
+
+def events_of(batches: list[list[Event]], kind: type[Event], dispatch_id: str | None = None) -> list[Event]:
+    return [e for b in batches for e in b
+            if isinstance(e, kind) and (dispatch_id is None or getattr(e, "dispatch_id", None) == dispatch_id)]
+
+
+def test_a_paths_end_frees_its_worker_while_its_writes_are_verified(cluster: Cluster, tmp_path: Path) -> None:
+    """The path's last stage trained: PathTrained frees the worker at once, its stages stay
+    running (nothing is dispatched twice), and the end batches follow once the writes are done,
+    each still [metrics, checkpoint, finish]; the worker-seconds end at the hand-off."""
+    store = Gated(tmp_path)
+    ends = EndBatches(cluster.emit)
+    d = cluster.dispatch()
+    t0 = time.perf_counter()
+    assert executor(store).run(d, cluster.emit, ends=ends)
+    handed_off = time.perf_counter() - t0
+    assert [type(e) for b in cluster.batches[-3:] for e in b] == [StageStarted, StageStarted, PathTrained]
+    assert len(ends) == 2 and not ends.ready()
+    state = cluster.state
+    assert state.workers["w0"].dispatch_id is None and state.workers["w0"].writing == [d.dispatch_id]
+    assert state.dispatches[d.dispatch_id].status == "running" and state.dispatches[d.dispatch_id].trained
+    assert all(node.running for node in state.plans["p"].nodes.values())
+    assert decide(state) is None  # both requests are on their way: nothing to train twice
+    time.sleep(0.3)  # the disk is slow
+    store.gate.set()
+    ends.release(True)
+    tail = cluster.batches[-2:]
+    assert [[type(e) for e in b] for b in tail] == [[MetricsReported, CheckpointSaved, StageFinished]] * 2
+    assert [(b[-1].from_step, b[-1].to_step) for b in tail] == [(0, 2), (2, 5)]
+    assert tail[1][-1].seconds < handed_off  # not the 0.3 s the write waited
+    assert state.dispatches[d.dispatch_id].status == "done"
+    assert state.workers["w0"].writing == [] and not any(n.running for n in state.plans["p"].nodes.values())
+    assert state.trials["short"].status == state.trials["long"].status == "done"
+    assert state.stats.executed_steps == 5
+
+
+def test_the_next_path_trains_while_the_path_before_is_written(cluster: Cluster, tmp_path: Path) -> None:
+    store = Gated(tmp_path)
+    ends = EndBatches(cluster.emit)
+    worker = executor(store)
+    first = cluster.dispatch()
+    worker.run(first, cluster.emit, ends=ends)
+    cluster.emit([TrialSubmitted(study_id="s", trial_id="other", plan_key="p", seed=3, hp=OTHER, steps=4)])
+    second = cluster.dispatch()  # to the same worker, whose first path is still being written
+    assert second.worker_id == "w0" and cluster.state.dispatches[first.dispatch_id].status == "running"
+    store.gate.set()
+    assert worker.run(second, cluster.emit, ends=ends)
+    ends.release(True)
+    # the first path's ends went out while the second trained or when it ended, in stage order
+    finished = [(e.dispatch_id, e.from_step) for e in events_of(cluster.batches, StageFinished)]
+    assert finished.index((first.dispatch_id, 0)) < finished.index((first.dispatch_id, 2))
+    assert {f for f in finished if f[0] == second.dispatch_id} == {(second.dispatch_id, 0)}
+    assert {t.trial_id: t.status for t in cluster.state.trials.values()} == \
+        {"short": "done", "long": "done", "other": "done"}
+    assert not events_of(cluster.batches, StageFailed)
+
+
+def test_a_worker_lost_after_its_path_trained_releases_that_path_too(cluster: Cluster, tmp_path: Path) -> None:
+    store = Gated(tmp_path)
+    first = cluster.dispatch()
+    executor(store).run(first, cluster.emit, ends=EndBatches(cluster.emit))
+    cluster.emit([TrialSubmitted(study_id="s", trial_id="other", plan_key="p", seed=3, hp=OTHER, steps=4)])
+    second = cluster.dispatch()
+    cluster.emit([WorkerLost(worker_id="w0", reason="kill -9 while its first path was written")])
+    state = cluster.state
+    assert state.dispatches[first.dispatch_id].status == state.dispatches[second.dispatch_id].status == "lost"
+    assert state.workers["w0"].writing == [] and not any(n.running for n in state.plans["p"].nodes.values())
+    cluster.emit([WorkerJoined(worker_id="w0", device="cpu")])
+    again = cluster.dispatch()  # the critical path again: the first path, whose checkpoints never came
+    assert again.stages == first.stages and again.source is None
+    store.gate.set()
+
+
+def test_a_write_that_fails_after_its_path_trained_hands_back_that_path_only(cluster: Cluster,
+                                                                              tmp_path: Path) -> None:
+    store = Gated(tmp_path, full=3)  # every try of the first write fails, once the disk answers
+    ends = EndBatches(cluster.emit)
+    worker = executor(store)
+    first = cluster.dispatch()
+    worker.run(first, cluster.emit, ends=ends)
+    cluster.emit([TrialSubmitted(study_id="s", trial_id="other", plan_key="p", seed=3, hp=OTHER, steps=4)])
+    second = cluster.dispatch()
+    store.gate.set()
+    assert worker.run(second, cluster.emit, ends=ends)
+    ends.release(True)
+    failed = events_of(cluster.batches, StageFailed)
+    assert [(f.dispatch_id, f.kind, f.from_step) for f in failed] == [(first.dispatch_id, "storage", 0)]
+    assert not events_of(cluster.batches, StageFinished, first.dispatch_id)  # its later ends were dropped
+    state = cluster.state
+    assert state.dispatches[first.dispatch_id].status == "failed" and state.workers["w0"].writing == []
+    assert state.trials["other"].status == "done"  # the path after it trained on its own weights
+    assert state.trials["short"].status == state.trials["long"].status == "pending"  # no trial failed
+    again = cluster.dispatch()
+    assert again.stages == first.stages
+    worker.run(again, cluster.emit, ends=ends)
+    ends.release(True)
+    assert {t.status for t in state.trials.values()} == {"done"}
+
+
+def test_path_trained_is_refused_unless_its_worker_is_training_that_path(cluster: Cluster) -> None:
+    d = cluster.dispatch()
+    cluster.emit([WorkerJoined(worker_id="w1", device="cpu")])
+    base = {"dispatch_id": d.dispatch_id, "plan_key": "p"}
+    for event, reason in [
+        (PathTrained(dispatch_id="d9", worker_id="w0", plan_key="p"), "is not running"),
+        (PathTrained(**{**base, "plan_key": "q"}, worker_id="w0"), "of plan 'p'"),
+        (PathTrained(**base, worker_id="w1"), "worker 'w0'"),
+    ]:
+        before = cluster.state.workers["w0"].to_json(), cluster.state.dispatches[d.dispatch_id].to_json()
+        with pytest.raises(Rejected, match=reason):
+            apply(cluster.state, event, 100)
+        assert (cluster.state.workers["w0"].to_json(), cluster.state.dispatches[d.dispatch_id].to_json()) == before
+    cluster.emit([PathTrained(**base, worker_id="w0")])
+    with pytest.raises(Rejected, match="is not training"):  # twice
+        apply(cluster.state, PathTrained(**base, worker_id="w0"), 100)
