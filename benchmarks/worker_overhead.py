@@ -11,8 +11,8 @@ the coordinator's pipe), in one process on one CPU thread, without a coordinator
 1. **tiny model** (``benchmarks/studies/trivial.py``'s one-weight trainer), ``--stages`` stages of
    one step each: (a) as one dispatched path (a checkpoint at every stage end, written while the
    next stage trains), (b) as that many one-stage paths from a fresh start (every trial of
-   ``benchmarks/trivial_trials.py``), handed on at each path's end (PathTrained) and, as a Kafka
-   worker does, waiting at each path's end for its durable write. Per stage, from
+   ``benchmarks/trivial_trials.py``), handed on at each path's end (PathTrained) and, as workers
+   did before, waiting at each path's end for its durable write. Per stage, from
    the StageFinished events: ``seconds - train_seconds`` (the worker's overhead), median and p90;
    and the wall time per stage of the whole loop.
 2. **100 MB checkpoint** (a ``torch.nn.Linear(5000, 5000)`` without bias, plain SGD: 100,000,000
@@ -22,10 +22,10 @@ the coordinator's pipe), in one process on one CPU thread, without a coordinator
    stage's wall time beyond the median of three bare stages (the same steps in a plain loop, no
    worker, measured first in the same process): the writer thread's competition for the CPU
    slows training, which ``seconds - train_seconds`` does not show (it falls inside
-   ``train_seconds``). Both paths run twice: as the embedded worker runs them, whose path's
-   last stage hands the worker on with PathTrained while its writes are verified (the end
-   batches follow), and as the Kafka worker runs them, whose path's last stage holds its worker
-   until every write of the path is verified (so it also counts that wait).
+   ``train_seconds``). Both paths run twice: as the workers run them, whose path's last stage
+   hands the worker on with PathTrained while its writes are verified (the end batches follow),
+   and as workers did before that, whose path's last stage holds the worker until every write
+   of the path is verified (so it also counts that wait).
 3. **resident memory**: the peak RSS (``ru_maxrss``) of a fresh process that runs the worker on
    the 100 MB model for two stages, next to a fresh process that imports torch and trains the
    same model the same number of steps with a plain loop (goal: within 1.5x).
@@ -79,8 +79,8 @@ def _executor(trainer: Any, store_dir: Path, device: Any) -> Any:
 def _run(executor: Any, dispatches: list[Any], hand_off: bool = True) -> tuple[float, list[Any], list[Any]]:
     """Run each dispatch as the worker does (decoded from its bytes, events encoded for the pipe);
     wall seconds (until every end batch went out), the StageFinished events and every event.
-    ``hand_off``: as the embedded worker, a path's end does not wait for its writes (PathTrained;
-    its end batches go out while the next path runs); else as the Kafka worker, it waits."""
+    ``hand_off``: as the workers run them, a path's end does not wait for its writes (PathTrained;
+    its end batches go out while the next path runs); else it waits, as workers did before."""
     from events.codec import decode, encode, encode_batch
     from events.execution import EndBatches
     from events.models import StageFinished

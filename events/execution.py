@@ -207,6 +207,11 @@ class _Pending:
         self.dispatch_id, self.handle, self.batch, self.failed = dispatch_id, handle, batch, failed
 
 
+END_POLL_S = 0.001
+"""Seconds an idle worker waits for its next message before it looks at its checkpoint writes
+again, while end batches wait for them: how late an end batch may go out after its write."""
+
+
 class EndBatches:
     """A worker's end batches waiting for their checkpoints' writes, in the order they were made,
     across the paths it runs: a path handed off with PathTrained leaves its ends here while the

@@ -45,7 +45,7 @@ import orjson
 from events import topics
 from events.codec import InvalidEvent, decode, encode
 from events.deadletter import dead_letter
-from events.execution import Control
+from events.execution import END_POLL_S, Control, EndBatches
 from events.kafka_log import (
     Fenced,
     Follower,
@@ -93,10 +93,12 @@ class Runner(Protocol):
     def prepare(self) -> None:
         """Start-up work before joining (not counted in worker-seconds)."""
 
-    def run(self, dispatch: StageDispatched, emit: Emit, control: Control, should_stop: Callable[[], bool]) -> bool:
+    def run(self, dispatch: StageDispatched, emit: Emit, control: Control, should_stop: Callable[[], bool],
+            ends: EndBatches | None = None) -> bool:
         """Run ``dispatch``, emitting its event batches in order (``events.execution.run_path``),
         steered by ``control``; stop before a stage when ``should_stop()``, returning False (the
-        rest handed back); True otherwise."""
+        rest handed back); True otherwise. ``ends``: the worker's end batches, kept between
+        paths (a path's end does not wait for its writes: PathTrained)."""
 
 
 def base_plan_key(plan_key: str) -> str:
@@ -286,10 +288,14 @@ class KafkaWorker:
         beat = threading.Thread(target=self._beat, name=f"heartbeat-{self.worker_id}", daemon=True)
         beat.start()
         handed_back = False
+        ends = EndBatches(self.emit)  # a path's end does not wait for its writes (PathTrained)
         try:
             while not self.stop.is_set():
                 if not self.pending:
-                    self.pending += [(r, e) for r in self.follower.poll(0.2) if (e := self.decoded(r)) is not None]
+                    # while end batches wait for their writes, look at them every END_POLL_S
+                    wait = END_POLL_S if ends else 0.2
+                    self.pending += [(r, e) for r in self.follower.poll(wait) if (e := self.decoded(r)) is not None]
+                    ends.release(False)
                 while self.pending and not self.stop.is_set():
                     record, event = self.pending.pop(0)
                     if isinstance(event, StageDispatched):
@@ -297,7 +303,7 @@ class KafkaWorker:
                         self._hold = self._hold_hook()
                         if os.environ.get(SIGTERM_HOOK_ENV) and len(event.stages) > 1 and not self._hooked:
                             self._hooked, self._sigterm_hook = True, event
-                        if not self.runner.run(event, self.emit, StreamControl(self), self.stop.is_set):
+                        if not self.runner.run(event, self.emit, StreamControl(self), self.stop.is_set, ends):
                             handed_back = True
                     elif isinstance(event, (PathPreempted, CheckpointRequested)):
                         continue  # about a path that has ended (it finished first): nothing to do
@@ -307,6 +313,7 @@ class KafkaWorker:
                     else:
                         self._dead_letter(record.offset, record.value, f"a {event.type} event does not belong on "
                                                                        "a dispatch stream")
+            ends.release(True)  # the paths it trained end before it leaves
             reason = "drained (SIGTERM) with its path handed back" if handed_back else "drained (SIGTERM)"
             self.publish([WorkerLost(producer=self.producer, ts=time.time(), worker_id=self.worker_id,
                                      reason=reason)])
@@ -385,5 +392,7 @@ class TrainingRunner:
             raise LookupError(f"no StudyStarted with a study file for plan {key!r}: pass --study")
         return self._studies[key]
 
-    def run(self, dispatch: StageDispatched, emit: Emit, control: Control, should_stop: Callable[[], bool]) -> bool:
-        return self._executor(self._study_file_for(dispatch.plan_key)).run(dispatch, emit, control, should_stop)
+    def run(self, dispatch: StageDispatched, emit: Emit, control: Control, should_stop: Callable[[], bool],
+            ends: EndBatches | None = None) -> bool:
+        return self._executor(self._study_file_for(dispatch.plan_key)).run(dispatch, emit, control, should_stop,
+                                                                            ends)

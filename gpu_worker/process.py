@@ -19,7 +19,7 @@ import torch
 
 from events.codec import InvalidEvent, decode, encode_batch
 from events.deadletter import dead_letter
-from events.execution import EndBatches
+from events.execution import END_POLL_S, EndBatches
 from events.models import CheckpointRequested, Event, PathPreempted, StageDispatched, WorkerJoined
 from gpu_worker.boot import STOP
 from gpu_worker.checkpoint import LocalCheckpointStore
@@ -86,10 +86,6 @@ def serve(conn: Connection, worker_id: str, index: int, study_file: str, checkpo
             executor.run(event, emit, PipeControl(conn, backlog, worker_id, emit), ends=ends)
         # a decision about a path that has ended already (it finished first) needs nothing
 
-
-END_POLL_S = 0.001
-"""Seconds an idle worker waits for a message before it looks at its checkpoint writes again
-(while end batches wait for them): how late an end batch may go out after its write."""
 
 
 def _decode(msg: bytes, worker_id: str, emit: Callable[[list[Event]], None]) -> Event | None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import orjson
 
-from events.execution import Control, Emit, StageFault, run_path
+from events.execution import Control, Emit, EndBatches, StageFault, run_path
 from events.kafka_log import DEFAULT_PLAN_PARTITIONS, KafkaLog, security_from_env
 from events.models import Event, StageDispatched
 from gpu_worker.kafka_worker import KafkaWorker
@@ -99,8 +99,9 @@ class SimulatedRunner:
     def _stamp(self, event: Event) -> Event:
         return event.model_copy(update={"producer": f"worker:{self.worker_id}", "ts": time.time()})
 
-    def run(self, dispatch: StageDispatched, emit: Emit, control: Control, should_stop: Callable[[], bool]) -> bool:
-        return run_path(dispatch, self.backend, emit, self.worker_id, self._stamp, control, should_stop)
+    def run(self, dispatch: StageDispatched, emit: Emit, control: Control, should_stop: Callable[[], bool],
+            ends: EndBatches | None = None) -> bool:
+        return run_path(dispatch, self.backend, emit, self.worker_id, self._stamp, control, should_stop, ends)
 
 
 def main(argv: list[str] | None = None) -> int:

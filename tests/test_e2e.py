@@ -20,7 +20,14 @@ import pytest
 from events import topics
 from events.codec import decode
 from events.log import EmbeddedLog
-from events.models import CheckpointSaved, MetricsReported, StageDispatched, StageFailed, StageFinished
+from events.models import (
+    CheckpointSaved,
+    MetricsReported,
+    PathTrained,
+    StageDispatched,
+    StageFailed,
+    StageFinished,
+)
 from projections.state import State
 from projections.store import ProjectionStore, fold_records, snapshot
 from scheduler.decide import decide, same_decision
@@ -81,6 +88,28 @@ def test_every_dispatch_is_what_the_scheduler_computes_from_the_log_prefix(merge
         assert store.records() == snapshot(state)
     finally:
         store.close()
+
+
+def test_a_paths_end_hands_its_worker_on_and_its_end_batches_follow(merged_dir: Path) -> None:
+    """PathTrained (issue 15 goal 2): a worker's path ends without waiting for its writes; every
+    trained path's last stage still finishes, once, after it, with the stage's checkpoint in
+    the same batch (verified before it was sent), and every dispatch ended."""
+    events = _events(merged_dir)
+    trained = {e.dispatch_id: i for i, e in enumerate(events) if isinstance(e, PathTrained)}
+    assert trained, "no path of the run was handed on before its writes were verified"
+    dispatched = {e.dispatch_id: e for e in events if isinstance(e, StageDispatched)}
+    for dispatch_id, at in trained.items():
+        last = dispatched[dispatch_id].stages[-1]
+        ends = [i for i, e in enumerate(events) if isinstance(e, StageFinished) and e.dispatch_id == dispatch_id
+                and (e.node_id, e.from_step, e.to_step) == (last.node_id, last.from_step, last.to_step)]
+        assert len(ends) == 1 and ends[0] > at, (dispatch_id, at, ends)
+        if last.to_step > last.from_step:  # it trained: its checkpoint is in its end batch
+            saved = events[ends[0] - 1]
+            assert isinstance(saved, CheckpointSaved) and (saved.node_id, saved.step) == (last.node_id, last.to_step)
+    state = State()
+    fold_records(state, EmbeddedLog(merged_dir / "log", read_only=True).read(topics.PLAN))
+    assert {d.status for d in state.dispatches.values()} == {"done"}
+    assert all(not w.writing and w.dispatch_id is None for w in state.workers.values())
 
 
 def test_merged_and_trial_based_runs_give_identical_metrics(merged: dict, tmp_path: Path) -> None:
