@@ -20,6 +20,7 @@ import torch
 from events.codec import InvalidEvent, decode, encode_batch
 from events.deadletter import dead_letter
 from events.execution import END_POLL_S, EndBatches
+from events.faults import fault_point
 from events.models import CheckpointRequested, Event, PathPreempted, StageDispatched, WorkerJoined
 from gpu_worker.boot import STOP
 from gpu_worker.checkpoint import LocalCheckpointStore
@@ -84,6 +85,8 @@ def serve(conn: Connection, worker_id: str, index: int, study_file: str, checkpo
         event = _decode(msg, worker_id, emit)
         if isinstance(event, StageDispatched):
             executor.run(event, emit, PipeControl(conn, backlog, worker_id, emit), ends=ends)
+            if ends:  # handed on (PathTrained sent) before its writes were verified
+                fault_point("worker-after-path-trained")
         # a decision about a path that has ended already (it finished first) needs nothing
 
 

@@ -27,6 +27,7 @@ from events.models import (
     StageDispatched,
     StageFailed,
     StageFinished,
+    WorkerLost,
 )
 from projections.state import State
 from projections.store import ProjectionStore, fold_records, snapshot
@@ -226,6 +227,35 @@ def test_a_failing_trainer_fails_its_trial_with_the_error(tmp_path: Path) -> Non
     verified = subprocess.run([*STAGETREE, "replay", "verify", str(out), "--quiet"], capture_output=True, text=True,
                               timeout=600)
     assert verified.returncode == 0 and "tuner decisions of 1 study recomputed" in verified.stdout, verified.stdout
+
+
+def test_a_worker_killed_after_path_trained_loses_nothing(merged: dict, tmp_path: Path) -> None:
+    """kill -9 of a worker right after its PathTrained, before the path's end batches: the
+    coordinator declares it lost, which releases the trained path too (its stages were never
+    finished, so they are trained again), starts it again, and the run gives the same results;
+    the log verifies."""
+    out = tmp_path / "run"
+    env = {"STAGETREE_FAULT": f"worker-after-path-trained@{tmp_path / 'killed-once'}"}
+    proc = subprocess.run([*STAGETREE, "run", str(STUDY), "--workers", "2", "--out", str(out), "--quiet"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "was killed by SIGKILL while running; starting it again" in proc.stderr, proc.stderr
+    summary = orjson.loads((out / "summary.json").read_bytes())
+    assert per_trial(summary) == per_trial(merged)
+    events = _events(out)
+    lost_at = next(i for i, e in enumerate(events) if isinstance(e, WorkerLost))
+    trained = [e for e in events[:lost_at] if isinstance(e, PathTrained) and e.worker_id == events[lost_at].worker_id]
+    dead = trained[-1]  # the path whose writes the kill cut off
+    finished = {(e.dispatch_id, e.node_id, e.from_step) for e in events if isinstance(e, StageFinished)}
+    dispatched = next(e for e in events if isinstance(e, StageDispatched) and e.dispatch_id == dead.dispatch_id)
+    last = dispatched.stages[-1]
+    assert (dead.dispatch_id, last.node_id, last.from_step) not in finished
+    again = [e for e in events[lost_at:] if isinstance(e, StageFinished)
+             and (e.node_id, e.from_step, e.to_step) == (last.node_id, last.from_step, last.to_step)]
+    assert again, "the stage the lost worker had trained was not trained again"
+    verified = subprocess.run([*STAGETREE, "replay", "verify", str(out), "--quiet"], capture_output=True, text=True,
+                              timeout=600)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
 DIES = Path(__file__).parent / "studies" / "dies_at_startup.py"

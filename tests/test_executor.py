@@ -38,6 +38,7 @@ from events.models import (
 )
 from gpu_worker.checkpoint import CheckpointRef, LocalCheckpointStore, StorageError
 from gpu_worker.executor import PathExecutor
+from projections.partitions import merge
 from projections.reducer import Rejected, apply
 from projections.state import State
 from scheduler.decide import decide
@@ -375,3 +376,41 @@ def test_path_trained_is_refused_unless_its_worker_is_training_that_path(cluster
     cluster.emit([PathTrained(**base, worker_id="w0")])
     with pytest.raises(Rejected, match="is not training"):  # twice
         apply(cluster.state, PathTrained(**base, worker_id="w0"), 100)
+
+
+def test_a_worker_that_trained_a_path_of_one_partition_is_free_for_another() -> None:
+    """On a partitioned plan stream (Kafka) a worker may train a path of one partition while the
+    end of its path of another is written: the merged view offers it work once PathTrained is
+    folded, counts it busy while any partition has it training, and its broadcast loss releases
+    both paths."""
+    parts = {0: State(), 1: State()}
+    offsets = {0: -1, 1: -1}
+
+    def fold(partition: int, *events: Event) -> None:
+        for event in events:
+            offsets[partition] += 1
+            apply(parts[partition], event, offsets[partition])
+
+    for p in parts:
+        fold(p, WorkerJoined(worker_id="w0", device="cpu"))
+    fold(0, TrialSubmitted(study_id="s", trial_id="a", plan_key="p", seed=3, hp=CONFIG, steps=2))
+    fold(1, TrialSubmitted(study_id="t", trial_id="b", plan_key="q", seed=3, hp=CONFIG, steps=2))
+    first = decide(merge(parts))
+    assert first is not None and first.worker_id == "w0"
+    home = 0 if first.plan_key == "p" else 1
+    fold(home, first)
+    assert decide(merge(parts)) is None  # busy
+    fold(home, PathTrained(dispatch_id=first.dispatch_id, worker_id="w0", plan_key=first.plan_key))
+    view = merge(parts)
+    assert view.idle_workers() == ["w0"] and view.workers["w0"].writing == [first.dispatch_id]
+    second = decide(view)
+    assert second is not None and second.worker_id == "w0" and second.plan_key != first.plan_key
+    fold(1 - home, second)
+    view = merge(parts)
+    assert view.idle_workers() == [] and view.workers["w0"].dispatch_id == second.dispatch_id
+    for p in parts:  # WorkerLost is written to every partition
+        fold(p, WorkerLost(worker_id="w0", reason="kill -9"))
+    view = merge(parts)
+    assert {d.dispatch_id: d.status for d in view.dispatches.values()} == \
+        {first.dispatch_id: "lost", second.dispatch_id: "lost"}
+    assert not view.workers["w0"].alive and view.workers["w0"].writing == []
