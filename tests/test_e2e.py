@@ -109,7 +109,7 @@ def test_a_paths_end_hands_its_worker_on_and_its_end_batches_follow(merged_dir: 
             assert isinstance(saved, CheckpointSaved) and (saved.node_id, saved.step) == (last.node_id, last.to_step)
     state = State()
     fold_records(state, EmbeddedLog(merged_dir / "log", read_only=True).read(topics.PLAN))
-    assert {d.status for d in state.dispatches.values()} == {"done"}
+    assert not [d.dispatch_id for d in state.dispatches.values() if d.status == "running"]  # every one ended
     assert all(not w.writing and w.dispatch_id is None for w in state.workers.values())
 
 
@@ -250,9 +250,11 @@ def test_a_worker_killed_after_path_trained_loses_nothing(merged: dict, tmp_path
     dispatched = next(e for e in events if isinstance(e, StageDispatched) and e.dispatch_id == dead.dispatch_id)
     last = dispatched.stages[-1]
     assert (dead.dispatch_id, last.node_id, last.from_step) not in finished
-    again = [e for e in events[lost_at:] if isinstance(e, StageFinished)
-             and (e.node_id, e.from_step, e.to_step) == (last.node_id, last.from_step, last.to_step)]
-    assert again, "the stage the lost worker had trained was not trained again"
+    # trained again after the loss (maybe in stages split otherwise: the plan may have grown)
+    again = [(e.from_step, e.to_step) for e in events[lost_at:] if isinstance(e, StageFinished)
+             and e.plan_key == dispatched.plan_key and e.node_id == last.node_id]
+    missing = [s for s in range(last.from_step, last.to_step) if not any(a <= s < b for a, b in again)]
+    assert not missing, f"steps {missing} of the stage the lost worker had trained were not trained again"
     verified = subprocess.run([*STAGETREE, "replay", "verify", str(out), "--quiet"], capture_output=True, text=True,
                               timeout=600)
     assert verified.returncode == 0, verified.stdout + verified.stderr
