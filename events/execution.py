@@ -275,13 +275,13 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
     their end batches emitted, and ``run_path`` returns False (the rest is for the worker to hand
     back); True otherwise.
 
-    ``ends``: the worker's :class:`EndBatches`, kept between its paths. With it the path's end
-    does not wait for its writes: when some are still going after the last stage has trained,
-    ``[PathTrained]`` goes out and ``run_path`` returns; their end batches follow from ``ends``
-    (released at the next path's step boundaries, or by the worker while it waits for work), and
-    the last stage's ``seconds`` end at the hand-off. Without it (a transport that cannot emit
-    between paths) the last stage holds the worker until every write is verified, and its
-    ``seconds`` count that wait.
+    ``ends``: the worker's :class:`EndBatches` (emitting through ``emit`` too), kept between its
+    paths. With it the path's end does not wait for its writes: when some are still going after
+    the last stage has trained, ``[PathTrained]`` goes out and ``run_path`` returns; their end
+    batches follow from ``ends`` (released at the next path's step boundaries, or by the worker
+    while it waits for work), and the last stage's ``seconds`` end at the hand-off. Without it (a
+    transport that cannot emit between paths) the last stage holds the worker until every write
+    is verified, and its ``seconds`` count that wait.
     """
     base = {"dispatch_id": d.dispatch_id, "plan_key": d.plan_key}
     first = d.stages[0]

@@ -90,7 +90,6 @@ def serve(conn: Connection, worker_id: str, index: int, study_file: str, checkpo
         # a decision about a path that has ended already (it finished first) needs nothing
 
 
-
 def _decode(msg: bytes, worker_id: str, emit: Callable[[list[Event]], None]) -> Event | None:
     """The event of a coordinator message; a message that is not a worker's event is
     dead-lettered (one rule: never crash, never drop silently) and None returned."""

@@ -67,6 +67,13 @@ def running_dispatches(state: State) -> list[Dispatch]:
     return [dispatches[i] for i in running]
 
 
+def handed_on(state: State, d: Dispatch) -> bool:
+    """Whether the worker of the running dispatch ``d`` has trained it to its end and is free
+    while its end batches are written (PathTrained: ``d`` is in its :attr:`Worker.writing`)."""
+    worker = state.workers.get(d.worker_id)
+    return worker is not None and d.dispatch_id in worker.writing
+
+
 def ancestors(plan: Plan, node: Node) -> Iterator[Node]:
     """``node``, its parent, ..., the root."""
     current: Node | None = node

@@ -429,8 +429,7 @@ def _path_trained(state: State, ev: PathTrained, touched: set[Key]) -> None:
         raise Rejected(f"worker {ev.worker_id!r} is not training dispatch {ev.dispatch_id!r}")
     worker.dispatch_id = None
     worker.writing.append(ev.dispatch_id)
-    dispatch.trained = True
-    touched |= {("worker", worker.worker_id), ("dispatch", dispatch.dispatch_id)}
+    touched.add(("worker", worker.worker_id))
 
 
 def _running_dispatch(state: State, ev: PathPreempted | CheckpointRequested) -> Dispatch:

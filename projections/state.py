@@ -220,8 +220,8 @@ class Dispatch:
     ``source`` (ref) it starts from (None: a fresh start), the checkpoints its worker was asked to
     save inside its stages (``requested``: ``(node_id, step, evaluate)``), and, once preempted,
     how far it may still train (``until``: ``(stage index, step)``, or ``(-1, -1)``: stop now).
-    ``trained``: its worker trained the last stage and is free (PathTrained); the dispatch runs
-    until its end batches come."""
+    Whether its worker has trained it to the end and is writing its end batches (PathTrained) is
+    its worker's :attr:`Worker.writing` (``projections.queries.handed_on``)."""
 
     dispatch_id: str
     worker_id: str
@@ -232,7 +232,6 @@ class Dispatch:
     source: str | None = None
     requested: list[tuple[str, int, bool]] = field(default_factory=list)
     until: tuple[int, int] | None = None
-    trained: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -245,7 +244,6 @@ class Dispatch:
             "source": self.source,
             "requested": [list(r) for r in self.requested],
             "until": list(self.until) if self.until is not None else None,
-            **({"trained": True} if self.trained else {}),  # only then, as Worker's "writing"
         }
 
     @classmethod
@@ -261,7 +259,6 @@ class Dispatch:
             source=o.get("source"),
             requested=[(n, s, e) for n, s, e in o.get("requested", [])],
             until=(until[0], until[1]) if until is not None else None,
-            trained=o.get("trained", False),
         )
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from events.models import CheckpointRequested, Event, PathPreempted
-from projections.queries import running_dispatches
+from projections.queries import handed_on, running_dispatches
 from projections.state import Dispatch, Plan, State
 from scheduler.eviction import checkpoint_size, reserved_bytes
 from scheduler.stage_index import index_of
@@ -62,7 +62,7 @@ def preemptions(state: State, budget: int | None = None) -> list[PathPreempted]:
     out = []
     needs_of: dict[str, Mapping[str, tuple[int, int]]] = {}
     for d in running_dispatches(state):
-        if d.until is not None or d.trained:  # a trained path (PathTrained) has nothing left to stop
+        if d.until is not None or handed_on(state, d):  # a trained path (PathTrained): nothing left to stop
             continue
         plan = state.plans[d.plan_key]
         needs = needs_of.get(d.plan_key)
@@ -95,7 +95,7 @@ def split_requests(state: State, budget: int | None = None) -> list[CheckpointRe
     spare = None if budget is None else budget - state.stats.checkpoint_bytes - reserved_bytes(state)
     needs_of: dict[str, Mapping[str, tuple[int, int]]] = {}
     for d in running_dispatches(state):
-        if d.trained:  # every step of it is trained (PathTrained): too late to save inside
+        if handed_on(state, d):  # every step of it is trained (PathTrained): too late to save inside
             continue
         plan = state.plans[d.plan_key]
         needs = needs_of.get(d.plan_key)

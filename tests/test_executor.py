@@ -39,6 +39,7 @@ from events.models import (
 from gpu_worker.checkpoint import CheckpointRef, LocalCheckpointStore, StorageError
 from gpu_worker.executor import PathExecutor
 from projections.partitions import merge
+from projections.queries import handed_on
 from projections.reducer import Rejected, apply
 from projections.state import State
 from scheduler.decide import decide
@@ -281,7 +282,7 @@ def test_a_paths_end_frees_its_worker_while_its_writes_are_verified(cluster: Clu
     assert len(ends) == 2 and not ends.ready()
     state = cluster.state
     assert state.workers["w0"].dispatch_id is None and state.workers["w0"].writing == [d.dispatch_id]
-    assert state.dispatches[d.dispatch_id].status == "running" and state.dispatches[d.dispatch_id].trained
+    assert state.dispatches[d.dispatch_id].status == "running" and handed_on(state, state.dispatches[d.dispatch_id])
     assert all(node.running for node in state.plans["p"].nodes.values())
     assert decide(state) is None  # both requests are on their way: nothing to train twice
     time.sleep(0.3)  # the disk is slow
