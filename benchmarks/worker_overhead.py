@@ -18,9 +18,13 @@ the coordinator's pipe), in one process on one CPU thread, without a coordinator
 2. **100 MB checkpoint** (a ``torch.nn.Linear(5000, 5000)`` without bias, plain SGD: 100,000,000
    bytes of weights), stages of ``--big-steps`` steps (default 10) resumed from each other: the
    overhead (load of the source for the first stage, save, hash, durable write, verify; the
-   writes overlap the next stage's training) as seconds and as a share of the stage; and each
-   stage's wall time beyond the median of three bare stages (the same steps in a plain loop, no
-   worker, measured first in the same process): the writer thread's competition for the CPU
+   writes overlap the next stage's training) as seconds and as a share of the stage, for a
+   path from a fresh start, a sibling of its last stage loaded from the checkpoint before it
+   (into the trainer already built with the seed), a second path from a fresh start (the state
+   the trainer had after its build restored) and a path loaded after the worker dropped
+   its trainer (built again beside the read, as after a failed path); and each stage's wall
+   time beyond the median of three bare stages (the same steps in a plain loop, no worker,
+   measured first in the same process): the writer thread's competition for the CPU
    slows training, which ``seconds - train_seconds`` does not show (it falls inside
    ``train_seconds``). Both paths run twice: as the workers run them, whose path's last stage
    hands the worker on with PathTrained while its writes are verified (the end batches follow),
@@ -182,23 +186,34 @@ def big(steps: int, out: Path, device: str = "cpu") -> dict[str, Any]:
     dev = resolve_device(device)
     executor = _executor(trainer, out / "big", dev)
     bare = _bare_stage_seconds(trainer, steps, dev)
-    rows: list[tuple[Any, bool, bool]] = []  # (StageFinished, path end, handed off)
+    rows: list[tuple[Any, str, bool, bool]] = []  # (StageFinished, how it started, path end, handed off)
     for hand_off in (True, False):
-        # a path of 3 stages from a fresh start, then a path resumed from its last checkpoint (a load)
+        # a path of 3 stages from a fresh start; a sibling of its last stage, loaded from the
+        # checkpoint before it into the trainer built for the first path; then a path resumed from
+        # the first path's last checkpoint by a worker that must build its trainer again
         _, first, events = _run(executor, [_dispatch(0, [(f"n{s}", hp, s * steps, (s + 1) * steps, False)
                                                          for s in range(3)])], hand_off)
-        ref = [e for e in events if isinstance(e, CheckpointSaved)][-1].ref
-        executor.abandon()  # the next path loads its source, as a worker that ran something else would
-        _, resumed, _ = _run(executor, [_dispatch(1, [("m0", hp, 3 * steps, 4 * steps, False)],
-                                                  CheckpointSource(node_id="n2", step=3 * steps, ref=ref))], hand_off)
+        refs = [e.ref for e in events if isinstance(e, CheckpointSaved)]
+        _, sibling, _ = _run(executor, [_dispatch(1, [("s2", {"lr": Constant(0.02)}, 2 * steps, 3 * steps, False)],
+                                                  CheckpointSource(node_id="n1", step=2 * steps, ref=refs[1]))],
+                             hand_off)
+        _, root, _ = _run(executor, [_dispatch(3, [("r0", {"lr": Constant(0.02)}, 0, steps, False)])], hand_off)
+        executor.abandon()  # as a worker that failed a path (or ran another trainer) would
+        _, resumed, _ = _run(executor, [_dispatch(2, [("m0", hp, 3 * steps, 4 * steps, False)],
+                                                  CheckpointSource(node_id="n2", step=3 * steps, ref=refs[2]))],
+                             hand_off)
         executor.abandon()
-        rows += [(e, e is first[-1] or e is resumed[-1], hand_off) for e in first + resumed]
+        rows += [(e, "fresh start" if e is first[0] else "continued in memory", e is first[-1], hand_off)
+                 for e in first]
+        rows += [(sibling[0], "loaded from a checkpoint into the trainer built before", True, hand_off),
+                 (root[0], "fresh start, the trainer's state after its build restored", True, hand_off),
+                 (resumed[0], "loaded from a checkpoint, trainer built again", True, hand_off)]
     return {"checkpoint_bytes": BIG * BIG * 4, "steps_per_stage": steps, "bare_stage_seconds": bare,
-            "stages": [{"from_step": e.from_step, "seconds": e.seconds, "train_seconds": e.train_seconds,
+            "stages": [{"from_step": e.from_step, "how": how, "seconds": e.seconds, "train_seconds": e.train_seconds,
                         "overhead_s": e.seconds - e.train_seconds,
                         "overhead_share": (e.seconds - e.train_seconds) / e.seconds,
                         "beyond_bare_share": (e.seconds - statistics.median(bare)) / e.seconds,
-                        "path_end": end, "handed_off": hand_off} for e, end, hand_off in rows]}
+                        "path_end": end, "handed_off": hand_off} for e, how, end, hand_off in rows]}
 
 
 def _bare_stage_seconds(trainer: Any, steps: int, device: Any, repeats: int = 3) -> list[float]:
@@ -291,8 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"({f['overhead_ms_p90']:.2f} ms)", f"{f['wall_ms_per_stage']:.2f} ms")
     bare = statistics.median(result["big"]["bare_stage_seconds"])
     for s in result["big"]["stages"]:
-        how = "loaded from its source" if s["from_step"] == 3 * args.big_steps else (
-            "fresh start" if s["from_step"] == 0 else "continued in memory")
+        how = s["how"]
         if s["path_end"]:
             how += ", path end: " + ("PathTrained, its writes follow" if s["handed_off"] else "waits for its writes")
         elif not s["handed_off"]:

@@ -18,6 +18,7 @@ import re
 import sys
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -69,7 +70,9 @@ class CheckpointStore(Protocol):
     ``put`` returns only after the object is durable and verified; putting
     bytes already stored is a no-op. A store may also offer ``put_many`` (several
     objects, one group commit), which writers use when several are queued. ``get`` verifies the hash and raises
-    CheckpointMissing or CheckpointCorrupt. ``delete`` of an absent object is
+    CheckpointMissing or CheckpointCorrupt; a store may also offer ``load(ref, decode)`` (``decode``
+    of the verified bytes, hashed while decoded: :meth:`LocalCheckpointStore.load`), which
+    workers use to load a checkpoint. ``delete`` of an absent object is
     a no-op. Any method raises StorageError when the store itself fails (a full
     disk, an unreachable server). Methods taking a ``ref`` raise ValueError when
     it is not 64 lowercase hex digits.
@@ -110,15 +113,27 @@ _helper_pool: futures.ThreadPoolExecutor | None = None
 _helper_lock = threading.Lock()
 
 
-def _beside(task: Callable[[], _T], work: Callable[[], _U]) -> tuple[_T, _U]:
+def _beside(task: Callable[[], _T], work: Callable[[], _U], start_first: bool = False) -> tuple[_T, _U]:
     """Run ``task`` on a helper thread while ``work`` runs on this one, and return both results
     once both are done (``work``'s exception first, then ``task``'s). For hashing and I/O, which
-    release the GIL: the two take the time of the longer one where a second core is free."""
+    release the GIL: the two take the time of the longer one where a second core is free.
+    ``start_first``: ``work`` starts once ``task`` has, for a ``work`` that holds the GIL for
+    long (a large memory copy), which would otherwise keep the helper thread from starting
+    until it is done."""
     global _helper_pool
+    started = threading.Event()
+
+    def run() -> _T:
+        started.set()
+        return task()
+
     with _helper_lock:
         if _helper_pool is None:
-            _helper_pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stagetree-checkpoint")
-        future = _helper_pool.submit(task)
+            # two: a worker's reader (hashing a load) never waits behind its writer's hashing
+            _helper_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="stagetree-checkpoint")
+        future = _helper_pool.submit(run)
+    if start_first:
+        started.wait()
     try:
         done = work()
     except BaseException:
@@ -135,7 +150,8 @@ def _forget_helper_pool() -> None:
 os.register_at_fork(after_in_child=_forget_helper_pool)
 
 _BESIDE_BYTES = 1 << 20
-"""Writes of at least this many bytes are hashed on the helper thread while they are written."""
+"""Writes of at least this many bytes are hashed on the helper thread while they are written, and
+loads of at least this many bytes are hashed there while they are decoded."""
 
 
 class _HashingSink:
@@ -204,6 +220,11 @@ class LocalCheckpointStore:
 
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root)
+        self._read_buffer = bytearray()  # reused by load(): see there
+        self._read_lock = threading.Lock()
+
+    def __reduce__(self) -> tuple[type[LocalCheckpointStore], tuple[Path]]:
+        return LocalCheckpointStore, (self.root,)  # the read buffer and its lock stay here
 
     def path(self, ref: str) -> Path:
         """Return the file path of object ``ref`` (ValueError on a malformed ref)."""
@@ -329,6 +350,58 @@ class LocalCheckpointStore:
         if actual != ref:
             raise CheckpointCorrupt(ref, actual)
         return data
+
+    def load(self, ref: str, decode: Callable[[memoryview], _T]) -> _T:
+        """Return ``decode(view)`` of the bytes of object ``ref``, once they hash to ``ref``.
+
+        How a worker loads a checkpoint (``decode`` = :func:`decode_state`): the object is read
+        into a buffer this store keeps for the next load (grown to the largest object read, so
+        its memory is not faulted in again at every load: 18 ms against 54 ms for 100 MB here),
+        and an object of at least 1 MiB is hashed on a helper thread while ``decode`` runs on
+        this one, so a load costs the read plus the longer of hashing and decoding instead of
+        their sum. Nothing decoded from bytes that do not verify is returned. ``decode`` must
+        copy what it keeps (``torch.load`` copies every storage): the next load overwrites the
+        view. Loads through one store run one at a time.
+
+        Raises CheckpointMissing when absent, CheckpointCorrupt when the bytes hash to something
+        else (whatever ``decode`` did with them), StorageError when the disk cannot be read;
+        else what ``decode`` raises.
+        """
+        path = self.path(ref)
+        with self._read_lock:
+            try:
+                with open(path, "rb", buffering=0) as file:
+                    size = os.fstat(file.fileno()).st_size
+                    if len(self._read_buffer) < size:
+                        self._read_buffer = bytearray(size)
+                    view = memoryview(self._read_buffer)[:size]
+                    got = 0
+                    while got < size and (n := file.readinto(view[got:])):
+                        got += n
+            except FileNotFoundError:
+                raise CheckpointMissing(ref) from None
+            except OSError as exc:
+                raise StorageError(f"reading checkpoint {ref} under {self.root} failed: {exc}") from exc
+            data = view[:got].toreadonly()
+
+            def decoded() -> tuple[_T | None, Exception | None]:
+                try:
+                    return decode(data), None
+                except Exception as exc:  # reported only for bytes that verify
+                    return None, exc
+
+            def digest() -> str:
+                return hashlib.sha256(data).hexdigest()
+
+            if got < _BESIDE_BYTES:
+                actual, (value, error) = digest(), decoded()
+            else:
+                actual, (value, error) = _beside(digest, decoded, start_first=True)
+        if actual != ref:
+            raise CheckpointCorrupt(ref, actual)
+        if error is not None:
+            raise error
+        return value  # type: ignore[return-value]
 
     def exists(self, ref: str) -> bool:
         """Return whether an object is stored under ``ref`` (its bytes are not checked)."""
@@ -509,15 +582,102 @@ def write_state(obj: Any, file: BinaryIO) -> None:
     torch.save(_canonical(obj), file)
 
 
-def decode_state(data: bytes) -> Any:
+def decode_state(data: bytes | memoryview) -> Any:
     """Inverse of ``encode_state``: ``torch.load(weights_only=True, map_location="cpu")``.
+
+    ``data``: the bytes, or a view of them (read without a copy of the whole; every storage is
+    copied out of it, so the view may be reused afterwards).
 
     Raises CheckpointError when ``data`` is not a checkpoint or holds objects
     that ``weights_only`` loading refuses.
     """
     import torch
 
+    view = memoryview(data)
     try:
-        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        return torch.load(_ViewReader(view), weights_only=True, map_location="cpu")
     except Exception as exc:
-        raise CheckpointError(f"cannot decode checkpoint state ({len(data)} bytes): {exc}") from exc
+        raise CheckpointError(f"cannot decode checkpoint state ({view.nbytes} bytes): {exc}") from exc
+
+
+class HeldState:
+    """A state encoded once (as :func:`encode_state` encodes it) and kept in host memory, to be
+    decoded again and again: each :meth:`decode` gives tensors of their own (changing them
+    changes neither the kept state nor what the next :meth:`decode` gives).
+
+    On Linux the encoding is kept in an anonymous memory file and decoded by mapping it
+    (``torch.load(mmap=True)``: private, copy-on-write), so a decode copies no tensor until it is
+    written: a restore into a model of 100 MB takes 14 to 30 ms here, against 55 ms to decode
+    the bytes and 10 ms to copy them in. Elsewhere it is kept as bytes and decoded with
+    :func:`decode_state`. Costs the size of the encoding in host memory until :meth:`close`.
+
+    Raises what :func:`write_state` raises for a state it cannot encode; :meth:`decode` raises
+    CheckpointError when the kept encoding cannot be decoded.
+    """
+
+    def __init__(self, state: Any) -> None:
+        self._fd: int | None = None
+        self._data = b""
+        if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
+            fd = os.memfd_create("stagetree-state", os.MFD_CLOEXEC)
+            try:
+                with open(fd, "wb", closefd=False) as file:
+                    write_state(state, file)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd = fd
+            self._closing = weakref.finalize(self, os.close, fd)
+        else:
+            self._data = encode_state(state)
+
+    def decode(self) -> Any:
+        """The state, decoded (tensors on the CPU)."""
+        if self._fd is None:
+            return decode_state(self._data)
+        import torch
+
+        try:
+            return torch.load(f"/proc/self/fd/{self._fd}", mmap=True, weights_only=True, map_location="cpu")
+        except Exception as exc:
+            raise CheckpointError(f"cannot decode the held state: {exc}") from exc
+
+    def close(self) -> None:
+        """Let the encoding's memory go (tensors decoded from it stay valid); also when this
+        object is collected."""
+        if self._fd is not None:
+            self._closing()
+        self._fd, self._data = None, b""
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable binary reader over a bytes-like view that copies only what is read:
+    ``io.BytesIO`` copies a view (not ``bytes``) whole first, and ``torch.load`` reads each
+    storage with ``readinto`` straight into the tensor's memory."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self.view, self.position = view.cast("B"), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        chunk = self.view[self.position:self.position + target.nbytes]
+        target[:chunk.nbytes] = chunk
+        self.position += chunk.nbytes
+        return chunk.nbytes
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.view.nbytes}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self.position = base + offset
+        return self.position
+
+    def tell(self) -> int:
+        return self.position

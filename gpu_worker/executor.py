@@ -18,7 +18,7 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import BinaryIO, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import torch
 from opentelemetry.trace import SpanKind
@@ -30,9 +30,11 @@ from gpu_worker.checkpoint import (
     CheckpointCorrupt,
     CheckpointMissing,
     CheckpointStore,
+    HeldState,
     Snapshot,
     SnapshotBuffers,
     StorageError,
+    decode_state,
     encode_state,
     write_state,
 )
@@ -175,6 +177,11 @@ class PathExecutor:
         self._latest: SaveHandle | None = None  # the last checkpoint of the weights in memory
         self._dirty = False  # trained since that checkpoint (or fresh)
         self._seed = 0
+        self._built: int | None = None  # the seed the trainer was last built with, while reusable
+        self._build_s = 0.0  # seconds the trainer's last build took
+        # (seed, encoded state at step 0 after the build, build seconds): a fresh start again
+        self._initial: tuple[int, Future[HeldState], float] | None = None
+        self._live: SaveHandle | None = None  # the write holding the live state (a path's end)
         self._buffers = SnapshotBuffers()
         self._writer = _Writer(self._put_many, self._buffers.give_back, f"checkpoint-writer-{worker_id}")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"checkpoint-reader-{worker_id}")
@@ -200,21 +207,33 @@ class PathExecutor:
 
     def begin(self, d: StageDispatched) -> None:
         """Hold the weights ``d`` starts from; the weights this worker just saved are reused
-        without reloading (same bytes, same result, invariant 1)."""
+        without reloading (same bytes, same result, invariant 1).
+
+        A source checkpoint is read, verified and decoded on the reader thread
+        (``store.load``: hashed while decoded where the store offers it) while the trainer is
+        built here. The trainer is not built again when this worker built it with the same seed
+        and nothing since left it unusable (a failure, :meth:`abandon`), unless the write of a
+        path's end still holds its live state (:meth:`save`): ``TrainingSession.load(rebuild=
+        False)``, the same result without the build.
+
+        A fresh start likewise restores the state the trainer had right after its build with
+        the seed (encoded on the reader thread at the first fresh start, kept in host memory:
+        the size of a checkpoint at step 0), when that build took at least
+        ``REUSE_MIN_BUILD_S`` and restoring it is not slower than the build was."""
         self._seed = d.seed
         if d.source is not None and self._session is not None and self._held() == (d.seed, d.source.ref):
             return
-        self._session, self._latest, self._dirty = None, None, False
+        reuse = self._built == d.seed and (self._live is None or self._live.done())
+        self._session, self._latest, self._dirty, self._built, self._live = None, None, False, None, None
         session = TrainingSession(self.trainer, d.seed, self.device)
         if d.source is None:
-            session.start_fresh()
+            self._start_fresh(session, reuse)
             self._dirty = True  # fresh weights are stored nowhere
         else:
             ref = d.source.ref
-            # read and verified on the reader thread while the trainer builds here
-            fetched = self._reader.submit(self._stored, functools.partial(self.store.get, ref))
+            fetched = self._reader.submit(self._stored, functools.partial(self._load, ref))
             try:
-                session.load(fetched.result)
+                session.load(fetched.result, rebuild=not reuse)
             except CheckpointCorrupt as exc:
                 raise StageFault("checkpoint_corrupt", str(exc), ref) from exc
             except CheckpointMissing as exc:
@@ -222,7 +241,46 @@ class PathExecutor:
             except StorageError as exc:
                 raise StageFault("storage", str(exc)) from exc
             self._latest = Saved(ref, 0)
-        self._session = session
+        if session.build_seconds is not None:
+            self._build_s = session.build_seconds
+        self._session, self._built = session, d.seed
+
+    REUSE_MIN_BUILD_S = 0.01
+    """A trainer whose build takes at least this long (seconds) is kept for the next path
+    (a tiny model builds faster than its state decodes or copies): its state at step 0 is kept
+    for the next fresh start with the seed, and a path's end writes a copy of its state rather
+    than the live one (:meth:`save`), so the next path need not wait for that write."""
+
+    def _start_fresh(self, session: TrainingSession, reuse: bool) -> None:
+        """Start ``session`` at step 0: restore the initial state kept from the trainer's build
+        with this seed (see :meth:`begin`), else build the trainer and maybe keep its state."""
+        initial, self._initial = self._initial, None
+        if reuse and initial is not None and initial[0] == session.seed:
+            try:
+                t0 = self.clock()
+                session.load(initial[1].result().decode, rebuild=False)
+                if self.clock() - t0 <= initial[2]:
+                    self._initial = initial
+                return  # else building is faster: the next fresh start builds
+            except Exception:  # the state did not encode or decode: the build below starts anew
+                pass  # (an unencodable state fails the stage when it is saved)
+        session.start_fresh()
+        built = session.build_seconds or 0.0
+        if built >= self.REUSE_MIN_BUILD_S:
+            snapshot = session.snapshot(self._buffers)
+            self._initial = (session.seed, self._reader.submit(self._hold, snapshot), built)
+
+    def _hold(self, snapshot: Snapshot) -> HeldState:
+        """A fresh start's state kept (on the reader thread), its snapshot's buffers given back."""
+        try:
+            return HeldState(snapshot.state)
+        finally:
+            self._buffers.give_back(snapshot)
+
+    def _load(self, ref: str) -> Any:
+        """The decoded state of checkpoint ``ref``, from verified bytes (on the reader thread)."""
+        load = getattr(self.store, "load", None)
+        return load(ref, decode_state) if load is not None else decode_state(self.store.get(ref))
 
     def _held(self) -> tuple[int, str] | None:
         """``(seed, ref)`` when the weights in memory are exactly a stored checkpoint."""
@@ -255,16 +313,21 @@ class PathExecutor:
         copy of the tensors, here on the training thread: ``TrainingSession.snapshot``), and store
         the snapshot on the writer thread: encoded, hashed, written and verified by sha256 before
         the handle completes (and before the event that names it), while the next stage trains.
-        ``waited`` (a path's end): the live weights are handed to the writer without the copy.
-        Nothing trains them before the write is verified: the next path reuses them only as the
-        checkpoint this write verified (:meth:`begin`), and builds or loads its own otherwise."""
+        ``waited`` (a path's end) of a trainer that builds in under ``REUSE_MIN_BUILD_S``: the
+        live weights are handed to the writer without the copy. Nothing trains them before the
+        write is verified: the next path reuses them only as the checkpoint this write verified,
+        and builds a trainer or loads its own otherwise (:meth:`begin`). A trainer that takes
+        longer to build is copied (a memory copy, against a build), so the next path may load
+        into it at once."""
         if not self._dirty:
             return None
         session = self._require()
-        # waited: nothing trains before the write is verified, so the live state is written
-        snapshot = Snapshot(session.state(), ()) if waited else session.snapshot(self._buffers)
+        live = waited and self._build_s < self.REUSE_MIN_BUILD_S
+        snapshot = Snapshot(session.state(), ()) if live else session.snapshot(self._buffers)
         self._dirty = False
         self._latest = _Write(self._writer.submit(snapshot))
+        if live:
+            self._live = self._latest  # the trainer's tensors: not loaded into before it is done
         return self._latest
 
     def _put_many(self, snapshots: list[Snapshot]) -> list[tuple[str, int] | StageFault]:
@@ -315,7 +378,9 @@ class PathExecutor:
         return [results[i] for i in range(len(snapshots))]
 
     def abandon(self) -> None:
-        self._session, self._latest, self._dirty = None, None, False
+        """Drop the weights in memory (a failed path, a drain): the next path builds the trainer
+        again (after a failure its state outside the state dict is not to be trusted)."""
+        self._session, self._latest, self._dirty, self._built = None, None, False, None
 
     def now(self) -> float:
         return self.clock()

@@ -13,7 +13,9 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -120,6 +122,8 @@ class TrainingSession:
         self._step = 0
         self._hp: dict[str, float | int] = {}
         self._setup_all = True
+        self.build_seconds: float | None = None
+        """Seconds the trainer's build took in this session (None: not built by it)."""
 
     @property
     def step(self) -> int:
@@ -134,12 +138,21 @@ class TrainingSession:
         self._hp = {}
         self._setup_all = True
 
-    def load(self, data: bytes | Callable[[], bytes]) -> None:
+    def load(self, data: bytes | Callable[[], Any], rebuild: bool = True) -> None:
         """Build the trainer from the seed, then restore a checkpoint made by ``save``.
 
-        ``data``: the checkpoint's bytes, or a function returning them, called once the trainer
-        is built (a worker reads and verifies the checkpoint on another thread meanwhile); what
-        it raises propagates.
+        ``data``: the checkpoint's bytes, or a function returning its decoded state
+        (:func:`~gpu_worker.checkpoint.decode_state` of the verified bytes), called once the
+        trainer is built (a worker reads, verifies and decodes the checkpoint on another thread
+        meanwhile); what it raises propagates, and the trainer is left as it was.
+
+        ``rebuild=False``: the trainer is not built again. For a trainer already built with this
+        seed on this device (by an earlier session) and only trained since: by the Trainer's
+        determinism contract every piece of mutable training state is in its state dict, which
+        this load overwrites, and what ``build`` derived from the seed alone (the data, the
+        split) is the same; the gradients of ``trainer.model``'s parameters are dropped, as
+        after a build. The result is then the same, bit for bit, without the build's cost (the
+        model's construction and initialization, the data's preparation).
 
         Restores the trainer state (model, optimizer), the sampler (generator
         state, permutation, position), the step and the hyper-parameter
@@ -156,8 +169,14 @@ class TrainingSession:
         when the format is not ``CHECKPOINT_FORMAT`` or the sampler state
         does not fit the trainer's ``train_size()``.
         """
-        self._build()
-        state = decode_state(data if isinstance(data, bytes) else data())
+        if rebuild:
+            self._build()
+        state = decode_state(data) if isinstance(data, bytes) else data()
+        if not rebuild:
+            model = getattr(self.trainer, "model", None)
+            if isinstance(model, torch.nn.Module):
+                for parameter in model.parameters():
+                    parameter.grad = None
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"checkpoint format must be {CHECKPOINT_FORMAT}, got {found!r}")
@@ -274,8 +293,10 @@ class TrainingSession:
         return {str(name): float(metrics[name]) for name in sorted(metrics)}
 
     def _build(self) -> None:
+        t0 = time.perf_counter()
         seed_global_rng(self.seed, self.device)
         self.trainer.build(self.seed, self.device)
+        self.build_seconds = time.perf_counter() - t0
 
     def _require_started(self) -> ResumableSampler:
         if self._sampler is None:

@@ -88,7 +88,12 @@ class Trainer(abc.ABC):
         The train/validation split must be fixed by ``seed``. Called once per
         session, before any other method, also when resuming from a
         checkpoint (the checkpoint then overwrites the model and optimizer
-        state).
+        state), except that a worker resuming from a checkpoint with a trainer
+        it built with the same seed on the same device, and only trained since,
+        does not build it again: ``load_state_dict`` then overwrites its state
+        and the gradients of ``self.model``'s parameters are dropped
+        (``TrainingSession.load(rebuild=False)``). The determinism contract
+        below makes both the same.
         """
 
     @abc.abstractmethod

@@ -37,6 +37,7 @@ from gpu_worker.checkpoint import (
     CheckpointMissing,
     CheckpointRef,
     CheckpointStore,
+    HeldState,
     LocalCheckpointStore,
     SnapshotBuffers,
     StorageError,
@@ -973,3 +974,68 @@ def test_local_put_many_stores_several_objects_with_one_group_commit(tmp_path: P
     for data, ref in zip(datas, refs):
         assert store.get(ref.ref) == data
     assert sorted(p.name for p in all_files(tmp_path)) == sorted({r.ref for r in refs})  # no temporary file left
+
+
+def test_local_load_decodes_verified_bytes_from_a_reused_buffer(tmp_path: Path) -> None:
+    """A worker's load: small and large checkpoints (hashed beside the decoding from 1 MiB), one
+    after another through the same store, each decoded as from its own bytes; the read buffer
+    is reused, so a large load after a small one still sees only its own bytes."""
+    store = LocalCheckpointStore(tmp_path)
+    states = {"large": {"w": torch.randn(700, 700), "step": 3},  # about 1.9 MB
+              "small": {"w": torch.arange(5.0), "nested": [1, {"b": torch.ones(2, dtype=torch.int64)}]},
+              "larger": {"w": torch.randn(900, 800), "v": torch.randn(10)}}
+    refs = {name: store.put(encode_state(state)).ref for name, state in states.items()}
+    for name in ["large", "small", "larger", "small", "large"]:
+        loaded = store.load(refs[name], decode_state)
+        assert encode_state(loaded) == encode_state(states[name]) == store.get(refs[name])
+    seen: list[bytes] = []
+    assert store.load(refs["small"], lambda view: seen.append(bytes(view))) is None
+    assert seen == [store.get(refs["small"])]
+    assert pickle.loads(pickle.dumps(store)).load(refs["small"], decode_state)["w"].tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("name", ["small", "large"])
+def test_local_load_never_returns_what_it_decoded_from_bytes_that_do_not_verify(tmp_path: Path, name: str) -> None:
+    """Damaged bytes raise CheckpointCorrupt whether the decoding succeeded (a flipped weight)
+    or failed (a flipped header), never the decoded state; bytes that verify but are no
+    checkpoint raise the decoding's error; an absent object CheckpointMissing."""
+    store = LocalCheckpointStore(tmp_path)
+    state = {"w": torch.randn(1000, 1000) if name == "large" else torch.randn(10)}
+    data = encode_state(state)
+    ref = store.put(data).ref
+    weight_at = data.index(state["w"].numpy().tobytes()[:64])
+    for at in (weight_at + 10, 0):
+        store.path(ref).write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1:])
+        decoded: list[Any] = []
+        with pytest.raises(CheckpointCorrupt) as caught:
+            store.load(ref, lambda view, into=decoded: into.append(decode_state(view)))  # a flipped weight decodes
+        assert caught.value.ref == ref and caught.value.actual != ref
+        assert bool(decoded) == (at != 0)
+    junk = store.put(b"no checkpoint" * (100_000 if name == "large" else 1)).ref
+    with pytest.raises(CheckpointError, match="cannot decode"):
+        store.load(junk, decode_state)
+    store.path(ref).unlink()
+    with pytest.raises(CheckpointMissing):
+        store.load(ref, decode_state)
+    assert store.put(data).ref == ref and store.load(ref, decode_state)["w"].equal(state["w"])
+
+
+@pytest.mark.parametrize("memory_file", [True, False], ids=["memfd", "bytes"])
+def test_a_held_state_decodes_again_and_again_to_tensors_of_their_own(memory_file: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh start's kept state: every decode equals the state as encoded, and writing into
+    what one decode gave (training, an optimizer's buffers loaded without a copy) changes
+    neither the next decode nor the first; without memory files it is kept as bytes."""
+    if not memory_file:
+        monkeypatch.delattr(os, "memfd_create", raising=False)
+    state = {"w": torch.randn(600, 600), "opt": {"state": {}, "groups": [{"lr": 0.1}]}, "step": 0}
+    held = HeldState(state)
+    first = held.decode()
+    assert encode_state(first) == encode_state(state)
+    first["w"].add_(1.0)
+    second = held.decode()
+    assert torch.equal(second["w"], state["w"]) and not torch.equal(first["w"], state["w"])
+    held.close()
+    assert torch.equal(first["w"], state["w"] + 1.0) and torch.equal(second["w"], state["w"])
+    with pytest.raises(CheckpointError, match="cannot decode"):
+        HeldState({"object": Opaque()}).decode()  # encodes (torch.save pickles it), never loads

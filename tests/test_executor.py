@@ -319,6 +319,88 @@ def test_the_next_path_trains_while_the_path_before_is_written(cluster: Cluster,
     assert not events_of(cluster.batches, StageFailed)
 
 
+class CountedBuilds(DigitsTrainer):
+    """The digits trainer, counting its builds; ``build_s``: seconds each build takes at least
+    (a large model's construction)."""
+
+    builds = 0
+    build_s = 0.0
+
+    def build(self, seed: int, device: torch.device) -> None:
+        self.builds += 1
+        time.sleep(self.build_s)
+        super().build(seed, device)
+
+
+def dispatch_of(i: int, stages: list[tuple[str, int, int]], source: CheckpointSource | None = None,
+                hp: dict[str, Constant | MultiStep] = CONFIG, seed: int = 3) -> StageDispatched:
+    return StageDispatched(dispatch_id=f"d{i}", worker_id="w0", plan_key="p", seed=seed, decided_at=i, source=source,
+                           stages=[StageSpec(node_id=n, hp=hp, from_step=a, to_step=b, evaluate=True)
+                                   for n, a, b in stages])
+
+
+def saved_by(worker: PathExecutor, store: Gated, *paths: StageDispatched) -> dict[str, str]:
+    """Run ``paths`` on ``worker`` one after another, each end handed on (PathTrained); open
+    ``store``'s gate, and return the checkpoint of each node."""
+    events: list[Event] = []
+    ends = EndBatches(events.extend)
+    for d in paths:
+        worker.run(d, events.extend, ends=ends)
+    store.gate.set()
+    ends.release(True)
+    assert not events_of([events], StageFailed)
+    return {e.node_id: e.ref for e in events if isinstance(e, CheckpointSaved)}
+
+
+def test_a_worker_loads_a_siblings_source_into_the_trainer_it_built_unless_a_write_holds_it(tmp_path: Path) -> None:
+    """A worker whose trainer is built with the dispatch's seed loads another stage's checkpoint
+    into it without building it again, and saves what a worker that builds saves. While the
+    write of a path's end still holds the trainer's live weights (PathTrained went out), it
+    builds a new trainer instead, and that write stores what the path trained."""
+    store = Gated(tmp_path)
+    store.gate.set()
+    first = dispatch_of(0, [("n0", 0, 2), ("n1", 2, 5)])
+    straight = saved_by(PathExecutor(DigitsTrainer(), "w0", store, torch.device("cpu")), store, first)
+    sibling = dispatch_of(1, [("m1", 2, 5)], CheckpointSource(node_id="n0", step=2, ref=straight["n0"]),
+                          {**CONFIG, "lr": MultiStep(0.1, [3], 0.5)})
+    expected = saved_by(PathExecutor(DigitsTrainer(), "w0", store, torch.device("cpu")), store, sibling)
+    assert expected["m1"] != straight["n1"]
+
+    trainer = CountedBuilds()
+    worker = PathExecutor(trainer, "w0", store, torch.device("cpu"))
+    worker.REUSE_MIN_BUILD_S = float("inf")  # fresh starts build, a path's end writes its live weights
+    assert saved_by(worker, store, first) == straight and trainer.builds == 1
+    assert saved_by(worker, store, sibling) == expected and trainer.builds == 1  # loaded into the built trainer
+    store.gate.clear()  # the end of the next path is written slowly
+    assert saved_by(worker, store, first.model_copy(update={"dispatch_id": "d2"}), sibling) == {**straight, **expected}
+    assert trainer.builds == 3  # a fresh start, then a new trainer beside the one being written
+    worker.abandon()  # as after a failed path
+    assert saved_by(worker, store, sibling) == expected and trainer.builds == 4
+
+
+def test_a_fresh_start_restores_the_state_the_trainer_was_built_with(tmp_path: Path) -> None:
+    """A worker whose trainer takes long to build keeps its state at step 0 and restores it at
+    the next fresh start with the same seed instead of building again: the same checkpoints as
+    workers that build, for paths of other hyper-parameters too; another seed builds. Its
+    path's end writes a copy, so the next path loads into the trainer while that write goes on."""
+    store = Gated(tmp_path)
+    paths = [dispatch_of(0, [("a0", 0, 2), ("a1", 2, 4)]), dispatch_of(1, [("b0", 0, 3)], hp=OTHER),
+             dispatch_of(2, [("a0", 0, 2), ("a1", 2, 4)]), dispatch_of(3, [("c0", 0, 3)], hp=OTHER, seed=4)]
+    expected = [saved_by(PathExecutor(DigitsTrainer(), "w0", store, torch.device("cpu")), store, d) for d in paths]
+    assert expected[0] == expected[2] and expected[1]["b0"] != expected[3]["c0"]
+    trainer = CountedBuilds()
+    trainer.build_s = 0.3  # longer than decoding its state, even on a busy machine
+    worker = PathExecutor(trainer, "w0", store, torch.device("cpu"))
+    assert [saved_by(worker, store, d) for d in paths] == expected
+    assert trainer.builds == 2  # seed 3 once, seed 4 once
+    # a path's end writes a copy of such a trainer's state: the next path loads into it at once
+    sibling = dispatch_of(4, [("s1", 2, 4)], CheckpointSource(node_id="a0", step=2, ref=expected[0]["a0"]), OTHER)
+    expected_sibling = saved_by(PathExecutor(DigitsTrainer(), "w0", store, torch.device("cpu")), store, sibling)
+    store.gate.clear()
+    assert saved_by(worker, store, paths[0], sibling) == {**expected[0], **expected_sibling}
+    assert trainer.builds == 3  # seed 3 again (seed 4's state was kept), then none
+
+
 def test_a_worker_lost_after_its_path_trained_releases_that_path_too(cluster: Cluster, tmp_path: Path) -> None:
     store = Gated(tmp_path)
     first = cluster.dispatch()

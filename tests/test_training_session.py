@@ -172,6 +172,49 @@ def test_branches_from_a_shared_prefix_equal_independent_runs(device: str) -> No
         assert_same_training(straight(branch, steps, device=device), resumed)
 
 
+class CountedBuilds(digits.DigitsTrainer):
+    """The digits trainer, counting its builds."""
+
+    builds = 0
+
+    def build(self, seed: int, device: torch.device) -> None:
+        self.builds += 1
+        super().build(seed, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("at", [0, 20])
+def test_a_trainer_trained_on_one_branch_loads_another_without_a_build_bit_for_bit(device: str, at: int) -> None:
+    """``load(rebuild=False)``, as a worker that built the trainer with the same seed loads a
+    sibling's source: momentum buffers, weights, gradients and tuned values of the branch it
+    trained are all replaced, also by a checkpoint taken before any step (no optimizer state);
+    the training that follows equals a fresh build's, bit for bit."""
+    steps = 45
+    shared = {"lr": Constant(0.1), "batch_size": Constant(32), "momentum": Constant(0.9)}
+    branch_a = {"lr": MultiStep(0.1, [at + 5], 0.1), "batch_size": Constant(32), "momentum": MultiStep(0.9, [30], 0.5)}
+    branch_b = {"lr": MultiStep(0.1, [at + 5], 0.3), "batch_size": MultiStep(32, [at + 3], 2),
+                "momentum": Constant(0.9)}
+    trainer = CountedBuilds()
+    session = TrainingSession(trainer, 7, device)
+    session.start_fresh()
+    session.train(shared, at)
+    prefix = session.save()
+    session.train(branch_a, steps)  # this trainer now holds branch a's state, gradients included
+    assert trainer.builds == 1 and trainer.optimizer.state
+    for branch in (branch_b, branch_a):
+        resumed = TrainingSession(trainer, 7, device)
+        resumed.load(prefix, rebuild=False)
+        assert trainer.builds == 1
+        assert all(p.grad is None for p in trainer.model.parameters())
+        assert resumed.save() == prefix
+        resumed.train(branch, steps)
+        reference = new_session(device=device)
+        reference.load(prefix)
+        reference.train(branch, steps)
+        assert_same_training(reference, resumed)
+        assert_same_training(straight(branch, steps, device=device), resumed)
+
+
 @pytest.mark.parametrize("pooled", [False, True], ids=["fresh", "pooled-buffers"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_snapshot_encodes_to_the_checkpoint_and_stays_as_it_was_while_training_goes_on(device: str,
