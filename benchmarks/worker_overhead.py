@@ -20,8 +20,8 @@ the coordinator's pipe), in one process on one CPU thread, without a coordinator
    overhead (load of the source for the first stage, save, hash, durable write, verify; the
    writes overlap the next stage's training) as seconds and as a share of the stage, for a
    path from a fresh start, a sibling of its last stage loaded from the checkpoint before it
-   (into the trainer already built with the seed), a second path from a fresh start (the state
-   the trainer had after its build restored) and a path loaded after the worker dropped
+   (into the trainer already built with the seed), two more paths from a fresh start (the
+   second build's state is kept, the third restores it) and a path loaded after the worker dropped
    its trainer (built again beside the read, as after a failed path); and each stage's wall
    time beyond the median of three bare stages (the same steps in a plain loop, no worker,
    measured first in the same process): the writer thread's competition for the CPU
@@ -184,10 +184,10 @@ def big(steps: int, out: Path, device: str = "cpu") -> dict[str, Any]:
     trainer = load_trainer(study)
     hp = {"lr": Constant(0.01)}
     dev = resolve_device(device)
-    executor = _executor(trainer, out / "big", dev)
     bare = _bare_stage_seconds(trainer, steps, dev)
     rows: list[tuple[Any, str, bool, bool]] = []  # (StageFinished, how it started, path end, handed off)
     for hand_off in (True, False):
+        executor = _executor(trainer, out / "big", dev)  # a worker of its own for each way
         # a path of 3 stages from a fresh start; a sibling of its last stage, loaded from the
         # checkpoint before it into the trainer built for the first path; then a path resumed from
         # the first path's last checkpoint by a worker that must build its trainer again
@@ -197,7 +197,8 @@ def big(steps: int, out: Path, device: str = "cpu") -> dict[str, Any]:
         _, sibling, _ = _run(executor, [_dispatch(1, [("s2", {"lr": Constant(0.02)}, 2 * steps, 3 * steps, False)],
                                                   CheckpointSource(node_id="n1", step=2 * steps, ref=refs[1]))],
                              hand_off)
-        _, root, _ = _run(executor, [_dispatch(3, [("r0", {"lr": Constant(0.02)}, 0, steps, False)])], hand_off)
+        _, kept, _ = _run(executor, [_dispatch(3, [("r0", {"lr": Constant(0.02)}, 0, steps, False)])], hand_off)
+        _, root, _ = _run(executor, [_dispatch(4, [("q0", {"lr": Constant(0.03)}, 0, steps, False)])], hand_off)
         executor.abandon()  # as a worker that failed a path (or ran another trainer) would
         _, resumed, _ = _run(executor, [_dispatch(2, [("m0", hp, 3 * steps, 4 * steps, False)],
                                                   CheckpointSource(node_id="n2", step=3 * steps, ref=refs[2]))],
@@ -206,6 +207,7 @@ def big(steps: int, out: Path, device: str = "cpu") -> dict[str, Any]:
         rows += [(e, "fresh start" if e is first[0] else "continued in memory", e is first[-1], hand_off)
                  for e in first]
         rows += [(sibling[0], "loaded from a checkpoint into the trainer built before", True, hand_off),
+                 (kept[0], "fresh start, built again and its state kept", True, hand_off),
                  (root[0], "fresh start, the trainer's state after its build restored", True, hand_off),
                  (resumed[0], "loaded from a checkpoint, trainer built again", True, hand_off)]
     return {"checkpoint_bytes": BIG * BIG * 4, "steps_per_stage": steps, "bare_stage_seconds": bare,
