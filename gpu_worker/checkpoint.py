@@ -71,8 +71,8 @@ class CheckpointStore(Protocol):
     bytes already stored is a no-op. A store may also offer ``put_many`` (several
     objects, one group commit), which writers use when several are queued. ``get`` verifies the hash and raises
     CheckpointMissing or CheckpointCorrupt; a store may also offer ``load(ref, decode)`` (``decode``
-    of the verified bytes, hashed while decoded: :meth:`LocalCheckpointStore.load`), which
-    workers use to load a checkpoint. ``delete`` of an absent object is
+    of the verified bytes, hashed while decoded: :func:`decode_verified`), which workers use
+    to load a checkpoint. ``delete`` of an absent object is
     a no-op. Any method raises StorageError when the store itself fails (a full
     disk, an unreachable server). Methods taking a ``ref`` raise ValueError when
     it is not 64 lowercase hex digits.
@@ -203,6 +203,37 @@ def _check_ref(ref: str) -> str:
     if not isinstance(ref, str) or _REF_PATTERN.fullmatch(ref) is None:
         raise ValueError(f"ref must be a sha256 hex digest (64 lowercase hex digits), got {ref!r}")
     return ref
+
+
+def decode_verified(ref: str, data: bytes | memoryview, decode: Callable[[memoryview], _T]) -> _T:
+    """Return ``decode(view of data)`` once ``data`` hashes to ``ref``: how stores load a
+    checkpoint (``load(ref, decode)``). Data of at least 1 MiB is hashed on a helper thread
+    while ``decode`` runs on this one, so the load costs the longer of the two, not their sum
+    (100 MB: 0.056 s each here). Nothing decoded from data that does not verify is returned.
+
+    Raises CheckpointCorrupt when ``data`` hashes to something else (whatever ``decode`` did
+    with it); else what ``decode`` raises.
+    """
+    view = memoryview(data)
+
+    def decoded() -> tuple[_T | None, Exception | None]:
+        try:
+            return decode(view), None
+        except Exception as exc:  # reported only for data that verifies
+            return None, exc
+
+    def digest() -> str:
+        return hashlib.sha256(view).hexdigest()
+
+    if view.nbytes < _BESIDE_BYTES:
+        actual, (value, error) = digest(), decoded()
+    else:
+        actual, (value, error) = _beside(digest, decoded, start_first=True)
+    if actual != ref:
+        raise CheckpointCorrupt(ref, actual)
+    if error is not None:
+        raise error
+    return value  # type: ignore[return-value]
 
 
 class LocalCheckpointStore:
@@ -357,11 +388,11 @@ class LocalCheckpointStore:
         How a worker loads a checkpoint (``decode`` = :func:`decode_state`): the object is read
         into a buffer this store keeps for the next load (grown to the largest object read, so
         its memory is not faulted in again at every load: 18 ms against 54 ms for 100 MB here),
-        and an object of at least 1 MiB is hashed on a helper thread while ``decode`` runs on
-        this one, so a load costs the read plus the longer of hashing and decoding instead of
-        their sum. Nothing decoded from bytes that do not verify is returned. ``decode`` must
-        copy what it keeps (``torch.load`` copies every storage): the next load overwrites the
-        view. Loads through one store run one at a time.
+        and hashed while ``decode`` runs (:func:`decode_verified`), so a load costs the read
+        plus the longer of hashing and decoding instead of their sum. Nothing decoded from
+        bytes that do not verify is returned. ``decode`` must copy what it keeps (``torch.load``
+        copies every storage): the next load overwrites the view. Loads through one store run
+        one at a time.
 
         Raises CheckpointMissing when absent, CheckpointCorrupt when the bytes hash to something
         else (whatever ``decode`` did with them), StorageError when the disk cannot be read;
@@ -382,26 +413,7 @@ class LocalCheckpointStore:
                 raise CheckpointMissing(ref) from None
             except OSError as exc:
                 raise StorageError(f"reading checkpoint {ref} under {self.root} failed: {exc}") from exc
-            data = view[:got].toreadonly()
-
-            def decoded() -> tuple[_T | None, Exception | None]:
-                try:
-                    return decode(data), None
-                except Exception as exc:  # reported only for bytes that verify
-                    return None, exc
-
-            def digest() -> str:
-                return hashlib.sha256(data).hexdigest()
-
-            if got < _BESIDE_BYTES:
-                actual, (value, error) = digest(), decoded()
-            else:
-                actual, (value, error) = _beside(digest, decoded, start_first=True)
-        if actual != ref:
-            raise CheckpointCorrupt(ref, actual)
-        if error is not None:
-            raise error
-        return value  # type: ignore[return-value]
+            return decode_verified(ref, view[:got].toreadonly(), decode)
 
     def exists(self, ref: str) -> bool:
         """Return whether an object is stored under ``ref`` (its bytes are not checked)."""

@@ -24,10 +24,10 @@ from __future__ import annotations
 import io
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import urllib3
 from minio import Minio
@@ -41,8 +41,11 @@ from gpu_worker.checkpoint import (
     LocalCheckpointStore,
     StorageError,
     _check_ref,
+    decode_verified,
     sha256_hex,
 )
+
+_T = TypeVar("_T")
 
 __all__ = [
     "CheckpointStoreError",
@@ -260,6 +263,15 @@ class S3CheckpointStore:
         if actual != ref:
             raise CheckpointCorrupt(ref, actual)
         return data
+
+    def load(self, ref: str, decode: Callable[[memoryview], _T]) -> _T:
+        """Download object ``ref`` and return ``decode`` of its bytes, hashed while decoded
+        (:func:`~gpu_worker.checkpoint.decode_verified`): how a worker loads a checkpoint.
+
+        Raises as :meth:`get`, CheckpointCorrupt also when ``decode`` failed on the bytes; else
+        what ``decode`` raises.
+        """
+        return decode_verified(ref, self._download(ref, self.key(ref)), decode)
 
     def exists(self, ref: str) -> bool:
         """Return whether an object is stored under ``ref`` (its bytes are not checked)."""
