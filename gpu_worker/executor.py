@@ -260,8 +260,9 @@ class PathExecutor:
         initial, self._initial = self._initial, None
         if reuse and initial is not None and initial[0] == session.seed:
             try:
+                held = initial[1].result()  # encoded by now, unless the path before was very short
                 t0 = self.clock()
-                session.load(initial[1].result().decode, rebuild=False)
+                session.load(held.decode, rebuild=False)
                 if self.clock() - t0 <= initial[2]:
                     self._initial = initial
                 else:

@@ -92,8 +92,10 @@ class Trainer(abc.ABC):
         it built with the same seed on the same device, and only trained since,
         does not build it again: ``load_state_dict`` then overwrites its state
         and the gradients of ``self.model``'s parameters are dropped
-        (``TrainingSession.load(rebuild=False)``). The determinism contract
-        below makes both the same.
+        (``TrainingSession.load(rebuild=False)``); and a fresh start may restore
+        the state dict the trainer had right after an earlier build with the
+        same seed the same way, instead of building. The determinism contract
+        below makes all of these the same.
         """
 
     @abc.abstractmethod
