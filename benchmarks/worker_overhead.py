@@ -20,7 +20,8 @@ the coordinator's pipe), in one process on one CPU thread, without a coordinator
    overhead (load of the source for the first stage, save, hash, durable write, verify; the
    writes overlap the next stage's training) as seconds and as a share of the stage, for a
    path from a fresh start, a sibling of its last stage loaded from the checkpoint before it
-   (into the trainer already built with the seed), two more paths from a fresh start (the
+   (into the trainer already built with the seed; the store's first load, whose read buffer is
+   new) and one of its second stage (the next load), two more paths from a fresh start (the
    second build's state is kept, the third restores it) and a path loaded after the worker dropped
    its trainer (built again beside the read, as after a failed path); and each stage's wall
    time beyond the median of three bare stages (the same steps in a plain loop, no worker,
@@ -197,6 +198,8 @@ def big(steps: int, out: Path, device: str = "cpu") -> dict[str, Any]:
         _, sibling, _ = _run(executor, [_dispatch(1, [("s2", {"lr": Constant(0.02)}, 2 * steps, 3 * steps, False)],
                                                   CheckpointSource(node_id="n1", step=2 * steps, ref=refs[1]))],
                              hand_off)
+        _, cousin, _ = _run(executor, [_dispatch(5, [("c1", {"lr": Constant(0.03)}, steps, 2 * steps, False)],
+                                                 CheckpointSource(node_id="n0", step=steps, ref=refs[0]))], hand_off)
         _, kept, _ = _run(executor, [_dispatch(3, [("r0", {"lr": Constant(0.02)}, 0, steps, False)])], hand_off)
         _, root, _ = _run(executor, [_dispatch(4, [("q0", {"lr": Constant(0.03)}, 0, steps, False)])], hand_off)
         executor.abandon()  # as a worker that failed a path (or ran another trainer) would
@@ -206,7 +209,9 @@ def big(steps: int, out: Path, device: str = "cpu") -> dict[str, Any]:
         executor.abandon()
         rows += [(e, "fresh start" if e is first[0] else "continued in memory", e is first[-1], hand_off)
                  for e in first]
-        rows += [(sibling[0], "loaded from a checkpoint into the trainer built before", True, hand_off),
+        rows += [(sibling[0], "loaded from a checkpoint into the trainer built before, the store's first load", True,
+                  hand_off),
+                 (cousin[0], "loaded from a checkpoint into the trainer built before", True, hand_off),
                  (kept[0], "fresh start, built again and its state kept", True, hand_off),
                  (root[0], "fresh start, the trainer's state after its build restored", True, hand_off),
                  (resumed[0], "loaded from a checkpoint, trainer built again", True, hand_off)]
