@@ -15,22 +15,23 @@ the coordinator's pipe), in one process on one CPU thread, without a coordinator
    did before, waiting at each path's end for its durable write. Per stage, from
    the StageFinished events: ``seconds - train_seconds`` (the worker's overhead), median and p90;
    and the wall time per stage of the whole loop.
-2. **100 MB checkpoint** (a ``torch.nn.Linear(5000, 5000)`` without bias, plain SGD: 100,000,000
-   bytes of weights), stages of ``--big-steps`` steps (default 10) resumed from each other: the
-   overhead (load of the source for the first stage, save, hash, durable write, verify; the
-   writes overlap the next stage's training) as seconds and as a share of the stage, for a
-   path from a fresh start, a sibling of its last stage loaded from the checkpoint before it
-   (into the trainer already built with the seed; the store's first load, whose read buffer is
-   new) and one of its second stage (the next load), two more paths from a fresh start (the
-   second build's state is kept, the third restores it) and a path loaded after the worker dropped
-   its trainer (built again beside the read, as after a failed path); and each stage's wall
-   time beyond the median of three bare stages (the same steps in a plain loop, no worker,
-   measured first in the same process): the writer thread's competition for the CPU
-   slows training, which ``seconds - train_seconds`` does not show (it falls inside
-   ``train_seconds``). Both paths run twice: as the workers run them, whose path's last stage
-   hands the worker on with PathTrained while its writes are verified (the end batches follow),
-   and as workers did before that, whose path's last stage holds the worker until every write
-   of the path is verified (so it also counts that wait).
+2. **100 MB checkpoint** (``benchmarks/studies/tree_100mb.py``'s trainer: a
+   ``torch.nn.Linear(5000, 5000)`` without bias, plain SGD: 100,000,000 bytes of weights),
+   stages of ``--big-steps`` steps (default 10) resumed from each other: the overhead (load of
+   the source for the first stage, save, hash, durable write, verify; the writes overlap the
+   next stage's training) as seconds and as a share of the stage, for a path from a fresh start,
+   a sibling of its last stage loaded from the checkpoint before it (into the trainer already
+   built with the seed; the store's first load, whose read buffer is new) and one of its second
+   stage (the next load), two more paths from a fresh start (the second build's state is kept,
+   the third restores it) and a path loaded after the worker dropped its trainer (built again
+   beside the read, as after a failed path); and each stage's wall time beyond the median of
+   three bare stages (the same steps in a plain loop, no worker, measured first in the same
+   process): the writer thread's competition for the CPU slows training, which ``seconds -
+   train_seconds`` does not show (it falls inside ``train_seconds``). Both paths run twice: as
+   the workers run them, whose path's last stage hands the worker on with PathTrained while its
+   writes are verified (the end batches follow), and as workers did before that, whose path's
+   last stage holds the worker until every write of the path is verified (so it also counts that
+   wait).
 3. **resident memory**: the peak RSS (``ru_maxrss``) of a fresh process that runs the worker on
    the 100 MB model for two stages, next to a fresh process that imports torch and trains the
    same model the same number of steps with a plain loop (goal: within 1.5x).
@@ -60,7 +61,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
-BIG = 5000  # Linear(BIG, BIG) without bias: BIG * BIG * 4 bytes = 100 MB of weights
+BIG_STUDY = ROOT / "benchmarks" / "studies" / "tree_100mb.py"  # its trainer: Linear(BIG, BIG), no bias
+BIG = 5000  # the study's WIDTH: BIG * BIG * 4 bytes = 100 MB of weights
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -139,40 +141,6 @@ def tiny(stages: int, out: Path, device: str = "cpu") -> dict[str, Any]:
     return figures
 
 
-BIG_TRAINER = f'''
-import torch
-from stagetree import Trainer
-
-class Big(Trainer):
-    """Linear({BIG}, {BIG}) without bias, plain SGD: a 100 MB checkpoint; random data per step."""
-    hyperparameters = ("lr",)
-    batch_size_hp = None
-
-    def build(self, seed, device):
-        self.model = torch.nn.Linear({BIG}, {BIG}, bias=False).to(device)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
-
-    def train_size(self):
-        return 1
-
-    def setup(self, values):
-        for group in self.optimizer.param_groups:
-            group["lr"] = float(values.get("lr", group["lr"]))
-
-    def train_step(self, indices, step):
-        x = torch.randn(64, {BIG}, device=self.model.weight.device)
-        loss = self.model(x).square().mean()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-
-    def evaluate(self):
-        return {{"norm": float(self.model.weight.norm())}}
-
-trainer = Big()
-'''
-
-
 def big(steps: int, out: Path, device: str = "cpu") -> dict[str, Any]:
     from events.hp import Constant
     from events.models import CheckpointSaved, CheckpointSource
@@ -180,9 +148,7 @@ def big(steps: int, out: Path, device: str = "cpu") -> dict[str, Any]:
     from gpu_worker.loader import load_trainer
 
     out.mkdir(parents=True, exist_ok=True)
-    study = out / "big_trainer.py"
-    study.write_text(BIG_TRAINER)
-    trainer = load_trainer(study)
+    trainer = load_trainer(BIG_STUDY)
     hp = {"lr": Constant(0.01)}
     dev = resolve_device(device)
     bare = _bare_stage_seconds(trainer, steps, dev)
