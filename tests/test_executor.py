@@ -45,6 +45,7 @@ from projections.state import State
 from scheduler.decide import decide
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from counted_builds import CountedBuilds  # noqa: E402
 from digits import DigitsTrainer  # noqa: E402
 
 CONFIG = {"lr": MultiStep(0.1, [3], 0.1), "batch_size": Constant(16), "momentum": Constant(0.0)}
@@ -317,19 +318,6 @@ def test_the_next_path_trains_while_the_path_before_is_written(cluster: Cluster,
     assert {t.trial_id: t.status for t in cluster.state.trials.values()} == \
         {"short": "done", "long": "done", "other": "done"}
     assert not events_of(cluster.batches, StageFailed)
-
-
-class CountedBuilds(DigitsTrainer):
-    """The digits trainer, counting its builds; ``build_s``: seconds each build takes at least
-    (a large model's construction)."""
-
-    builds = 0
-    build_s = 0.0
-
-    def build(self, seed: int, device: torch.device) -> None:
-        self.builds += 1
-        time.sleep(self.build_s)
-        super().build(seed, device)
 
 
 def dispatch_of(i: int, stages: list[tuple[str, int, int]], source: CheckpointSource | None = None,

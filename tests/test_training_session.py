@@ -15,6 +15,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from counted_builds import CountedBuilds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -170,16 +171,6 @@ def test_branches_from_a_shared_prefix_equal_independent_runs(device: str) -> No
         resumed.load(prefix)
         resumed.train(branch, steps)
         assert_same_training(straight(branch, steps, device=device), resumed)
-
-
-class CountedBuilds(digits.DigitsTrainer):
-    """The digits trainer, counting its builds."""
-
-    builds = 0
-
-    def build(self, seed: int, device: torch.device) -> None:
-        self.builds += 1
-        super().build(seed, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
