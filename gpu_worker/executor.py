@@ -18,7 +18,7 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, BinaryIO, TypeVar
+from typing import BinaryIO, TypeVar
 
 import torch
 from opentelemetry.trace import SpanKind
@@ -31,10 +31,10 @@ from gpu_worker.checkpoint import (
     CheckpointMissing,
     CheckpointStore,
     HeldState,
+    LoadedBytes,
     Snapshot,
     SnapshotBuffers,
     StorageError,
-    decode_state,
     encode_state,
     write_state,
 )
@@ -212,11 +212,13 @@ class PathExecutor:
         without reloading (same bytes, same result, invariant 1).
 
         A source checkpoint is read, verified and decoded on the reader thread
-        (``store.load``: hashed while decoded where the store offers it) while the trainer is
-        built here. The trainer is not built again when this worker built it with the same seed
-        and nothing since left it unusable (a failure, :meth:`abandon`), unless the write of a
-        path's end still holds its live state (:meth:`save`): ``TrainingSession.load(rebuild=
-        False)``, the same result without the build.
+        (``store.load``: hashed while read and decoded where the store offers it) while the
+        trainer is built here. The trainer is not built again when this worker built it with the
+        same seed and nothing since left it unusable (a failure, :meth:`abandon`), unless the
+        write of a path's end still holds its live state (:meth:`save`): ``TrainingSession.load(
+        rebuild=False)``, the same result without the build, here while the bytes are hashed
+        (a load costs about the hash then); when they do not verify the stage fails and the
+        trainer, which holds them, is built again for the next path.
 
         A fresh start likewise restores the state the trainer had right after its build with
         the seed (encoded on the reader thread, kept in host memory: the size of a checkpoint at
@@ -234,9 +236,12 @@ class PathExecutor:
             self._dirty = True  # fresh weights are stored nowhere
         else:
             ref = d.source.ref
-            fetched = self._reader.submit(self._stored, functools.partial(self._load, ref))
             try:
-                session.load(fetched.result, rebuild=not reuse)
+                if reuse:  # into the trainer while the bytes are hashed (it is dropped if they do not verify)
+                    self._stored(functools.partial(self._load, ref, functools.partial(self._restore, session)))
+                else:  # read and decoded on the reader thread while the trainer is built here
+                    fetched = self._reader.submit(self._stored, functools.partial(self._load, ref, LoadedBytes.decode))
+                    session.load(fetched.result)
             except CheckpointCorrupt as exc:
                 raise StageFault("checkpoint_corrupt", str(exc), ref) from exc
             except CheckpointMissing as exc:
@@ -284,10 +289,15 @@ class PathExecutor:
         finally:
             self._buffers.give_back(snapshot)
 
-    def _load(self, ref: str) -> Any:
-        """The decoded state of checkpoint ``ref``, from verified bytes (on the reader thread)."""
+    def _load(self, ref: str, use: Callable[[LoadedBytes], T]) -> T:
+        """``use`` of the bytes of checkpoint ``ref``, returned once they verify (``store.load``:
+        hashed while read and used, where the store offers it)."""
         load = getattr(self.store, "load", None)
-        return load(ref, decode_state) if load is not None else decode_state(self.store.get(ref))
+        return load(ref, use) if load is not None else use(LoadedBytes(memoryview(self.store.get(ref))))
+
+    @staticmethod
+    def _restore(session: TrainingSession, loaded: LoadedBytes) -> None:
+        session.load(loaded.decode, rebuild=False)
 
     def _held(self) -> tuple[int, str] | None:
         """``(seed, ref)`` when the weights in memory are exactly a stored checkpoint."""

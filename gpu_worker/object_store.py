@@ -38,11 +38,12 @@ from gpu_worker.checkpoint import (
     CheckpointMissing,
     CheckpointRef,
     CheckpointStore,
+    LoadedBytes,
     LocalCheckpointStore,
     StorageError,
     _check_ref,
-    decode_verified,
     sha256_hex,
+    use_verified,
 )
 
 _T = TypeVar("_T")
@@ -264,14 +265,14 @@ class S3CheckpointStore:
             raise CheckpointCorrupt(ref, actual)
         return data
 
-    def load(self, ref: str, decode: Callable[[memoryview], _T]) -> _T:
-        """Download object ``ref`` and return ``decode`` of its bytes, hashed while decoded
-        (:func:`~gpu_worker.checkpoint.decode_verified`): how a worker loads a checkpoint.
+    def load(self, ref: str, use: Callable[[LoadedBytes], _T]) -> _T:
+        """Download object ``ref`` and return ``use`` of its bytes, hashed while used
+        (:func:`~gpu_worker.checkpoint.use_verified`): how a worker loads a checkpoint.
 
-        Raises as :meth:`get`, CheckpointCorrupt also when ``decode`` failed on the bytes; else
-        what ``decode`` raises.
+        Raises as :meth:`get`, CheckpointCorrupt also when ``use`` failed on the bytes; else
+        what ``use`` raises.
         """
-        return decode_verified(ref, self._download(ref, self.key(ref)), decode)
+        return use_verified(ref, self._download(ref, self.key(ref)), use)
 
     def exists(self, ref: str) -> bool:
         """Return whether an object is stored under ``ref`` (its bytes are not checked)."""

@@ -10,6 +10,7 @@ straight through, bit for bit, on the same device (DESIGN.md invariant 1 and
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import sys
@@ -92,6 +93,33 @@ def _differs(old: float | int, new: float | int) -> bool:
     return not same_value(old, new)
 
 
+def _into_current(current: Any, loaded: Any, memo: dict[int, Any]) -> Any:
+    """``loaded`` (part of a decoded trainer state), changed in place where it is a dict or a
+    list, with each tensor that ``current`` (the same part of the trainer's ``state_dict()``)
+    holds at the same place with the same shape, dtype and layout replaced by that tensor,
+    into which its values are copied; every other tensor is replaced by a copy of its own
+    (``copy.deepcopy`` with ``memo``: tensors sharing memory in ``loaded`` share their copy's).
+    Tensors in other containers are left as they are."""
+    if isinstance(loaded, torch.Tensor):
+        if isinstance(current, torch.Tensor) and current.layout == loaded.layout == torch.strided \
+                and current.shape == loaded.shape and current.dtype == loaded.dtype and not current.is_meta:
+            with torch.no_grad():
+                current.copy_(loaded)
+            return current
+        return copy.deepcopy(loaded, memo)
+    if isinstance(loaded, dict):
+        for key, value in loaded.items():
+            loaded[key] = _into_current(current.get(key) if isinstance(current, dict) else None, value, memo)
+    elif isinstance(loaded, list):
+        same = isinstance(current, list) and len(current) == len(loaded)
+        for i, value in enumerate(loaded):
+            loaded[i] = _into_current(current[i] if same else None, value, memo)
+    elif type(loaded) is tuple:
+        same = isinstance(current, tuple) and len(current) == len(loaded)
+        return tuple(_into_current(current[i] if same else None, value, memo) for i, value in enumerate(loaded))
+    return loaded
+
+
 class TrainingSession:
     """Trains one trainer with one seed on one device, stage after stage.
 
@@ -165,6 +193,15 @@ class TrainingSession:
         run evaluating there, and the next ``train`` step calls ``setup`` with
         the values that changed, as a straight run does.
 
+        The trainer's ``load_state_dict`` receives the decoded state with each tensor copied
+        into the tensor the trainer's own ``state_dict()`` holds at the same place (same shape
+        and dtype): its memory is reused (no new memory faulted in; a decoded state may be
+        views of a mapped file, :meth:`LoadedBytes.decode
+        <gpu_worker.checkpoint.LoadedBytes.decode>`), and the other tensors are copies of
+        their own (``copy.deepcopy``), so the trainer keeps nothing of the decoded state's
+        memory. Equal values at every place, so the same result, by the Trainer's contract
+        that its ``load_state_dict`` restores exactly what it is given.
+
         Raises CheckpointError when ``data`` cannot be decoded, ValueError
         when the format is not ``CHECKPOINT_FORMAT`` or the sampler state
         does not fit the trainer's ``train_size()``.
@@ -180,7 +217,7 @@ class TrainingSession:
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"checkpoint format must be {CHECKPOINT_FORMAT}, got {found!r}")
-        self.trainer.load_state_dict(state["trainer"])
+        self.trainer.load_state_dict(_into_current(self.trainer.state_dict(), state["trainer"], {}))
         sampler = ResumableSampler(self.trainer.train_size(), self.seed)
         sampler.load_state_dict(state["sampler"])
         self._sampler = sampler

@@ -38,6 +38,7 @@ from gpu_worker.checkpoint import (
     CheckpointRef,
     CheckpointStore,
     HeldState,
+    LoadedBytes,
     LocalCheckpointStore,
     SnapshotBuffers,
     StorageError,
@@ -986,13 +987,37 @@ def test_load_decodes_verified_bytes_one_checkpoint_after_another(backend: Backe
               "larger": {"w": torch.randn(900, 800), "v": torch.randn(10)}}
     refs = {name: store.put(encode_state(state)).ref for name, state in states.items()}
     for name in ["large", "small", "larger", "small", "large"]:
-        loaded = store.load(refs[name], decode_state)
+        loaded = store.load(refs[name], LoadedBytes.decode)
         assert encode_state(loaded) == encode_state(states[name]) == store.get(refs[name])
     seen: list[bytes] = []
-    assert store.load(refs["small"], lambda view: seen.append(bytes(view))) is None
+    assert store.load(refs["small"], lambda loaded: seen.append(bytes(loaded.view))) is None
     assert seen == [store.get(refs["small"])]
     if backend.name == "local":
-        assert pickle.loads(pickle.dumps(store)).load(refs["small"], decode_state)["w"].tolist() == [0, 1, 2, 3, 4]
+        copied = pickle.loads(pickle.dumps(store))
+        assert copied.load(refs["small"], LoadedBytes.decode)["w"].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_a_large_load_is_mapped_and_no_later_load_changes_what_it_gave(tmp_path: Path) -> None:
+    """From 1 MiB the local store reads an object into a memory file and decodes it by mapping
+    the file (no tensor copied). It reads the next object into the same file only when
+    nothing decoded from it is referenced any more, else into a new one: tensors kept from a
+    load, written to or not, never change with later loads."""
+    store = LocalCheckpointStore(tmp_path)
+    states = [{"w": torch.randn(700, 700), "v": torch.arange(10.0) + i} for i in range(3)]
+    datas = [encode_state(state) for state in states]
+    assert len({len(data) for data in datas}) == 1 and len(datas[0]) > 1 << 20
+    refs = [store.put(data).ref for data in datas]
+    kept = store.load(refs[0], LoadedBytes.decode)
+    assert store.load(refs[1], LoadedBytes.decode)["v"].equal(states[1]["v"])
+    assert encode_state(kept) == datas[0]
+    kept["w"].add_(1.0)  # copied on write: neither the file nor the next decode sees it
+    again = store.load(refs[0], LoadedBytes.decode)
+    assert encode_state(again) == datas[0] and kept["w"].equal(states[0]["w"] + 1.0)
+    del kept, again
+    memory_file = store._memory_file
+    assert memory_file is not None and not memory_file.mapped_privately()
+    assert encode_state(store.load(refs[2], LoadedBytes.decode)) == datas[2]
+    assert store._memory_file is memory_file  # nothing decoded from it was referenced: read into again
 
 
 @pytest.mark.parametrize("size", ["small", "large"])
@@ -1009,16 +1034,16 @@ def test_load_never_returns_what_it_decoded_from_bytes_that_do_not_verify(backen
         backend.write_raw(ref, data[:at] + bytes([data[at] ^ 1]) + data[at + 1:])
         decoded: list[Any] = []
         with pytest.raises(CheckpointCorrupt) as caught:
-            store.load(ref, lambda view, into=decoded: into.append(decode_state(view)))  # a flipped weight decodes
+            store.load(ref, lambda loaded, into=decoded: into.append(loaded.decode()))  # a flipped weight decodes
         assert caught.value.ref == ref and caught.value.actual != ref
         assert bool(decoded) == (at != 0)
     junk = store.put(b"no checkpoint" * (100_000 if size == "large" else 1)).ref
     with pytest.raises(CheckpointError, match="cannot decode"):
-        store.load(junk, decode_state)
+        store.load(junk, LoadedBytes.decode)
     store.delete(ref)
     with pytest.raises(CheckpointMissing):
-        store.load(ref, decode_state)
-    assert store.put(data).ref == ref and store.load(ref, decode_state)["w"].equal(state["w"])
+        store.load(ref, LoadedBytes.decode)
+    assert store.put(data).ref == ref and store.load(ref, LoadedBytes.decode)["w"].equal(state["w"])
 
 
 @pytest.mark.parametrize("memory_file", [True, False], ids=["memfd", "bytes"])

@@ -36,6 +36,7 @@ from events.models import (
     WorkerJoined,
     WorkerLost,
 )
+from gpu_worker import checkpoint
 from gpu_worker.checkpoint import CheckpointRef, LocalCheckpointStore, StorageError
 from gpu_worker.executor import PathExecutor
 from projections.partitions import merge
@@ -364,6 +365,38 @@ def test_a_worker_loads_a_siblings_source_into_the_trainer_it_built_unless_a_wri
     assert trainer.builds == 3  # a fresh start, then a new trainer beside the one being written
     worker.abandon()  # as after a failed path
     assert saved_by(worker, store, sibling) == expected and trainer.builds == 4
+
+
+@pytest.mark.parametrize("hashed_beside", [False, True], ids=["small", "hashed-beside"])
+def test_a_damaged_source_loaded_into_the_built_trainer_fails_its_stage_and_the_trainer_is_built_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hashed_beside: bool) -> None:
+    """A load into the trainer already built runs while the bytes are hashed (``hashed_beside``:
+    as from 1 MiB, here from 1 byte: read into a memory file, hashed on a helper thread while
+    decoded and copied into the trainer). A flipped byte fails the stage as checkpoint_corrupt,
+    and the trainer, which took the damaged weights, is built again for the next path, which
+    saves what a worker that builds saves."""
+    if hashed_beside:
+        monkeypatch.setattr(checkpoint, "_BESIDE_BYTES", 1)
+    store = Gated(tmp_path)
+    store.gate.set()
+    first = dispatch_of(0, [("n0", 0, 2), ("n1", 2, 5)])
+    straight = saved_by(PathExecutor(DigitsTrainer(), "w0", store, torch.device("cpu")), store, first)
+    sibling = dispatch_of(1, [("m1", 2, 5)], CheckpointSource(node_id="n0", step=2, ref=straight["n0"]),
+                          {**CONFIG, "lr": MultiStep(0.1, [3], 0.5)})
+    expected = saved_by(PathExecutor(DigitsTrainer(), "w0", store, torch.device("cpu")), store, sibling)
+    trainer = CountedBuilds()
+    worker = PathExecutor(trainer, "w0", store, torch.device("cpu"))
+    worker.REUSE_MIN_BUILD_S = float("inf")
+    assert saved_by(worker, store, first) == straight and trainer.builds == 1
+    path = store.path(straight["n0"])
+    good = path.read_bytes()
+    path.write_bytes(flip_byte(good))
+    events: list[Event] = []
+    worker.run(sibling, events.extend)
+    assert [(f.kind, f.ref) for f in events_of([events], StageFailed)] == [("checkpoint_corrupt", straight["n0"])]
+    assert trainer.builds == 1  # it was loaded into the built trainer
+    path.write_bytes(good)
+    assert saved_by(worker, store, sibling) == expected and trainer.builds == 2
 
 
 def test_a_fresh_start_restores_the_state_the_trainer_was_built_with(tmp_path: Path) -> None:

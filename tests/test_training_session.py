@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events.hp import Constant, Cosine, CyclicLR, Exponential, HPConfig, MultiStep, Warmup
-from gpu_worker.checkpoint import SnapshotBuffers, decode_state, encode_state
+from gpu_worker import checkpoint
+from gpu_worker.checkpoint import LocalCheckpointStore, SnapshotBuffers, decode_state, encode_state
 from gpu_worker.sampler import ResumableSampler
 from gpu_worker.session import TrainingSession, step_seed
 from gpu_worker.trainer import Trainer
@@ -204,6 +205,33 @@ def test_a_trainer_trained_on_one_branch_loads_another_without_a_build_bit_for_b
         reference.train(branch, steps)
         assert_same_training(reference, resumed)
         assert_same_training(straight(branch, steps, device=device), resumed)
+
+
+@pytest.mark.parametrize("rebuild", [False, True], ids=["into-the-built-trainer", "built-again"])
+def test_a_load_from_a_mapped_checkpoint_leaves_the_trainer_nothing_of_its_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rebuild: bool) -> None:
+    """A load through the local store, decoded by mapping the memory file it read into (from 1
+    MiB, here from 1 byte), copies every tensor into the trainer's own or into copies of their
+    own, momentum buffers included (which the optimizer's ``load_state_dict`` keeps as given,
+    and which a trainer built again has none of yet): nothing stays mapped, so the store reads
+    the next object into the same memory. The training that follows equals that after a load
+    of the bytes, bit for bit."""
+    monkeypatch.setattr(checkpoint, "_BESIDE_BYTES", 1)
+    store = LocalCheckpointStore(tmp_path)
+    config = {"lr": Constant(0.1), "batch_size": Constant(32), "momentum": Constant(0.9)}
+    session = straight(config, 20)
+    ref = store.put(session.save()).ref
+    session.train(config, 30)  # the trainer's momentum buffers now hold other values
+    assert session.trainer.optimizer.state
+    resumed = TrainingSession(session.trainer, 7)
+    store.load(ref, lambda loaded: resumed.load(loaded.decode, rebuild=rebuild))
+    assert store._memory_file is not None and not store._memory_file.mapped_privately()
+    resumed.train(config, 45)
+    reference = new_session()
+    reference.load(store.get(ref))
+    reference.train(config, 45)
+    assert_same_training(reference, resumed)
+    assert_same_training(straight(config, 45), resumed)
 
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["fresh", "pooled-buffers"])
