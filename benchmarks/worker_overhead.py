@@ -21,7 +21,7 @@ the coordinator's pipe), in one process on one CPU thread, without a coordinator
    the source for the first stage, save, hash, durable write, verify; the writes overlap the
    next stage's training) as seconds and as a share of the stage, for a path from a fresh start,
    a sibling of its last stage loaded from the checkpoint before it (into the trainer already
-   built with the seed; the store's first load, whose read buffer is new) and one of its second
+   built with the seed; the store's first load, whose memory file is new) and one of its second
    stage (the next load), two more paths from a fresh start (the second build's state is kept,
    the third restores it) and a path loaded after the worker dropped its trainer (built again
    beside the read, as after a failed path); and each stage's wall time beyond the median of

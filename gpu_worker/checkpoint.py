@@ -362,7 +362,7 @@ class LocalCheckpointStore:
         self._read_lock = threading.Lock()
 
     def __reduce__(self) -> tuple[type[LocalCheckpointStore], tuple[Path]]:
-        return LocalCheckpointStore, (self.root,)  # the read buffer and its lock stay here
+        return LocalCheckpointStore, (self.root,)  # the read buffers and their lock stay here
 
     def path(self, ref: str) -> Path:
         """Return the file path of object ``ref`` (ValueError on a malformed ref)."""
