@@ -142,7 +142,8 @@ class _Hasher:
     come) they are hashed on a helper thread as they come, while the caller reads the next ones
     or uses those it has; :meth:`hexdigest` waits for the last. Each fed view must stay
     unchanged until then. :meth:`hexdigest` must be called once whatever happens (it releases
-    the helper thread)."""
+    the helper thread), and its owner must not wait for other helper tasks meanwhile: the helper
+    thread it holds could be one they need."""
 
     def __init__(self, size: int) -> None:
         self._hash = hashlib.sha256()

@@ -341,23 +341,37 @@ def saved_by(worker: PathExecutor, store: Gated, *paths: StageDispatched) -> dic
     return {e.node_id: e.ref for e in events if isinstance(e, CheckpointSaved)}
 
 
+def sibling_paths(store: Gated) -> tuple[StageDispatched, dict[str, str], StageDispatched, dict[str, str]]:
+    """A path of two stages, a sibling of its second stage loaded from its first stage's
+    checkpoint, and the checkpoints a worker that builds saves for each (``store``'s gate
+    opened)."""
+    store.gate.set()
+    first = dispatch_of(0, [("n0", 0, 2), ("n1", 2, 5)])
+    straight = saved_by(PathExecutor(DigitsTrainer(), "w0", store, torch.device("cpu")), store, first)
+    sibling = dispatch_of(1, [("m1", 2, 5)], CheckpointSource(node_id="n0", step=2, ref=straight["n0"]),
+                          {**CONFIG, "lr": MultiStep(0.1, [3], 0.5)})
+    return first, straight, sibling, saved_by(PathExecutor(DigitsTrainer(), "w0", store, torch.device("cpu")),
+                                              store, sibling)
+
+
+def reusing_worker(store: Gated) -> tuple[CountedBuilds, PathExecutor]:
+    """A worker over a trainer that counts its builds; its fresh starts build and a path's end
+    writes the live weights (``REUSE_MIN_BUILD_S`` infinite)."""
+    trainer = CountedBuilds()
+    worker = PathExecutor(trainer, "w0", store, torch.device("cpu"))
+    worker.REUSE_MIN_BUILD_S = float("inf")
+    return trainer, worker
+
+
 def test_a_worker_loads_a_siblings_source_into_the_trainer_it_built_unless_a_write_holds_it(tmp_path: Path) -> None:
     """A worker whose trainer is built with the dispatch's seed loads another stage's checkpoint
     into it without building it again, and saves what a worker that builds saves. While the
     write of a path's end still holds the trainer's live weights (PathTrained went out), it
     builds a new trainer instead, and that write stores what the path trained."""
     store = Gated(tmp_path)
-    store.gate.set()
-    first = dispatch_of(0, [("n0", 0, 2), ("n1", 2, 5)])
-    straight = saved_by(PathExecutor(DigitsTrainer(), "w0", store, torch.device("cpu")), store, first)
-    sibling = dispatch_of(1, [("m1", 2, 5)], CheckpointSource(node_id="n0", step=2, ref=straight["n0"]),
-                          {**CONFIG, "lr": MultiStep(0.1, [3], 0.5)})
-    expected = saved_by(PathExecutor(DigitsTrainer(), "w0", store, torch.device("cpu")), store, sibling)
+    first, straight, sibling, expected = sibling_paths(store)
     assert expected["m1"] != straight["n1"]
-
-    trainer = CountedBuilds()
-    worker = PathExecutor(trainer, "w0", store, torch.device("cpu"))
-    worker.REUSE_MIN_BUILD_S = float("inf")  # fresh starts build, a path's end writes its live weights
+    trainer, worker = reusing_worker(store)
     assert saved_by(worker, store, first) == straight and trainer.builds == 1
     assert saved_by(worker, store, sibling) == expected and trainer.builds == 1  # loaded into the built trainer
     store.gate.clear()  # the end of the next path is written slowly
@@ -378,15 +392,8 @@ def test_a_damaged_source_loaded_into_the_built_trainer_fails_its_stage_and_the_
     if hashed_beside:
         monkeypatch.setattr(checkpoint, "_BESIDE_BYTES", 1)
     store = Gated(tmp_path)
-    store.gate.set()
-    first = dispatch_of(0, [("n0", 0, 2), ("n1", 2, 5)])
-    straight = saved_by(PathExecutor(DigitsTrainer(), "w0", store, torch.device("cpu")), store, first)
-    sibling = dispatch_of(1, [("m1", 2, 5)], CheckpointSource(node_id="n0", step=2, ref=straight["n0"]),
-                          {**CONFIG, "lr": MultiStep(0.1, [3], 0.5)})
-    expected = saved_by(PathExecutor(DigitsTrainer(), "w0", store, torch.device("cpu")), store, sibling)
-    trainer = CountedBuilds()
-    worker = PathExecutor(trainer, "w0", store, torch.device("cpu"))
-    worker.REUSE_MIN_BUILD_S = float("inf")
+    first, straight, sibling, expected = sibling_paths(store)
+    trainer, worker = reusing_worker(store)
     assert saved_by(worker, store, first) == straight and trainer.builds == 1
     path = store.path(straight["n0"])
     good = path.read_bytes()
