@@ -93,19 +93,34 @@ def _differs(old: float | int, new: float | int) -> bool:
     return not same_value(old, new)
 
 
+_PASSED_ON_BYTES = 1 << 20
+"""A decoded tensor of at least this many bytes whose place in the trainer's state holds a
+tensor on another device (a GPU) is handed to the trainer as it is: the trainer moves it there."""
+
+
 def _into_current(current: Any, loaded: Any, memo: dict[int, Any]) -> Any:
-    """``loaded`` (part of a decoded trainer state), changed in place where it is a dict or a
-    list, with each tensor that ``current`` (the same part of the trainer's ``state_dict()``)
-    holds at the same place with the same shape, dtype and layout replaced by that tensor,
-    into which its values are copied; every other tensor is replaced by a copy of its own
-    (``copy.deepcopy`` with ``memo``: tensors sharing memory in ``loaded`` share their copy's).
-    Tensors in other containers are left as they are."""
+    """``loaded`` (part of a decoded trainer state: tensors on the CPU), changed in place where
+    it is a dict or a list, its tensors replaced so that the trainer keeps none of them:
+
+    * where ``current`` (the same part of the trainer's ``state_dict()``) holds a contiguous CPU
+      tensor of the same shape, dtype and layout at the same place, by that tensor, into which
+      its values are copied (no new memory);
+    * where it holds a tensor on another device, a tensor of at least ``_PASSED_ON_BYTES`` is
+      left as it is (the trainer's ``load_state_dict`` copies it to that device);
+    * every other one by a copy of its own (``copy.deepcopy`` with ``memo``: tensors sharing
+      memory in ``loaded`` share their copy's).
+
+    So the trainer still gets CPU tensors of the same values (the Trainer's contract). Tensors
+    in other containers are left as they are."""
     if isinstance(loaded, torch.Tensor):
         if isinstance(current, torch.Tensor) and current.layout == loaded.layout == torch.strided \
-                and current.shape == loaded.shape and current.dtype == loaded.dtype and not current.is_meta:
-            with torch.no_grad():
-                current.copy_(loaded)
-            return current
+                and current.shape == loaded.shape and current.dtype == loaded.dtype:
+            if current.device.type == "cpu" and current.is_contiguous() and not current.is_inference():
+                with torch.no_grad():
+                    current.copy_(loaded)
+                return current
+            if current.device.type not in ("cpu", "meta") and loaded.nbytes >= _PASSED_ON_BYTES:
+                return loaded
         return copy.deepcopy(loaded, memo)
     if isinstance(loaded, dict):
         for key, value in loaded.items():
@@ -194,13 +209,15 @@ class TrainingSession:
         the values that changed, as a straight run does.
 
         The trainer's ``load_state_dict`` receives the decoded state with each tensor copied
-        into the tensor the trainer's own ``state_dict()`` holds at the same place (same shape
-        and dtype): its memory is reused (no new memory faulted in; a decoded state may be
-        views of a mapped file, :meth:`LoadedBytes.decode
-        <gpu_worker.checkpoint.LoadedBytes.decode>`), and the other tensors are copies of
-        their own (``copy.deepcopy``), so the trainer keeps nothing of the decoded state's
-        memory. Equal values at every place, so the same result, by the Trainer's contract
-        that its ``load_state_dict`` restores exactly what it is given.
+        into the CPU tensor the trainer's own ``state_dict()`` holds at the same place (same
+        shape and dtype): its memory is reused (no new memory faulted in; a decoded state may
+        be views of a mapped file, :meth:`LoadedBytes.decode
+        <gpu_worker.checkpoint.LoadedBytes.decode>`); large tensors whose place holds a GPU
+        tensor are handed on as they are (the trainer copies them there), and the others are
+        copies of their own (``copy.deepcopy``), so the trainer keeps nothing of the decoded
+        state's memory unless it keeps a large tensor on the CPU where it had one on a GPU.
+        Equal CPU tensors at every place, so the same result, by the Trainer's contract that
+        its ``load_state_dict`` restores exactly what it is given.
 
         Raises CheckpointError when ``data`` cannot be decoded, ValueError
         when the format is not ``CHECKPOINT_FORMAT`` or the sampler state

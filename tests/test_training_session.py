@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -207,9 +208,10 @@ def test_a_trainer_trained_on_one_branch_loads_another_without_a_build_bit_for_b
         assert_same_training(straight(branch, steps, device=device), resumed)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rebuild", [False, True], ids=["into-the-built-trainer", "built-again"])
 def test_a_load_from_a_mapped_checkpoint_leaves_the_trainer_nothing_of_its_memory(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rebuild: bool) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rebuild: bool, device: str) -> None:
     """A load through the local store, decoded by mapping the memory file it read into (from 1
     MiB, here from 1 byte), copies every tensor into the trainer's own or into copies of their
     own, momentum buffers included (which the optimizer's ``load_state_dict`` keeps as given,
@@ -219,19 +221,59 @@ def test_a_load_from_a_mapped_checkpoint_leaves_the_trainer_nothing_of_its_memor
     monkeypatch.setattr(checkpoint, "_BESIDE_BYTES", 1)
     store = LocalCheckpointStore(tmp_path)
     config = {"lr": Constant(0.1), "batch_size": Constant(32), "momentum": Constant(0.9)}
-    session = straight(config, 20)
+    session = straight(config, 20, device=device)
     ref = store.put(session.save()).ref
     session.train(config, 30)  # the trainer's momentum buffers now hold other values
     assert session.trainer.optimizer.state
-    resumed = TrainingSession(session.trainer, 7)
+    resumed = TrainingSession(session.trainer, 7, device)
     store.load(ref, lambda loaded: resumed.load(loaded.decode, rebuild=rebuild))
     assert store._memory_file is not None and not store._memory_file.mapped_privately()
     resumed.train(config, 45)
-    reference = new_session()
+    reference = new_session(device=device)
     reference.load(store.get(ref))
     reference.train(config, 45)
     assert_same_training(reference, resumed)
-    assert_same_training(straight(config, 45), resumed)
+    assert_same_training(straight(config, 45, device=device), resumed)
+
+
+class InferenceStatistic(digits.DigitsTrainer):
+    """The digits trainer with a tensor made under ``torch.inference_mode`` in its state (a
+    statistic its evaluation keeps), which cannot be written in place outside that mode."""
+
+    def build(self, seed: int, device: torch.device) -> None:
+        super().build(seed, device)
+        with torch.inference_mode():
+            self.statistic = torch.zeros(4)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "statistic": self.statistic}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert all(t.device.type == "cpu" for t in state["model"].values())  # the Trainer's contract
+        super().load_state_dict(state)
+        with torch.inference_mode():
+            self.statistic = state["statistic"].clone()
+
+
+def test_a_load_into_the_built_trainer_hands_it_cpu_tensors_and_spares_its_inference_tensors() -> None:
+    """The copy into the trainer's own tensors (:meth:`TrainingSession.load`) leaves tensors it
+    cannot write in place (made under inference mode) to a copy of their own, and the trainer
+    gets CPU tensors as the Trainer's contract says; the training equals a fresh build's."""
+    config = {"lr": Constant(0.1), "batch_size": Constant(32), "momentum": Constant(0.9)}
+    trainer = InferenceStatistic()
+    session = TrainingSession(trainer, 7)
+    session.start_fresh()
+    session.train(config, 5)
+    data = session.save()
+    session.train(config, 12)
+    resumed = TrainingSession(trainer, 7)
+    resumed.load(data, rebuild=False)
+    assert resumed.save() == data
+    resumed.train(config, 12)
+    reference = TrainingSession(InferenceStatistic(), 7)
+    reference.load(data)
+    reference.train(config, 12)
+    assert_same_training(reference, resumed)
 
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["fresh", "pooled-buffers"])
