@@ -303,6 +303,7 @@ def _memory_files() -> bool:
     """Whether anonymous memory files can be made and mapped by path (Linux)."""
     return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 
+
 _READ_CHUNK = 8 << 20
 """A load reads this many bytes at a time, each hashed while the next is read."""
 

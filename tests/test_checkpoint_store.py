@@ -980,7 +980,7 @@ def test_local_put_many_stores_several_objects_with_one_group_commit(tmp_path: P
 def test_load_decodes_verified_bytes_one_checkpoint_after_another(backend: Backend) -> None:
     """A worker's load: small and large checkpoints (hashed beside the decoding from 1 MiB), one
     after another through the same store, each decoded as from its own bytes (the local store
-    reads into a buffer it reuses, so a large load after a small one sees only its own bytes)."""
+    reads into memory it reuses, so a large load after a small one sees only its own bytes)."""
     store = backend.store
     states = {"large": {"w": torch.randn(700, 700), "step": 3},  # about 1.9 MB
               "small": {"w": torch.arange(5.0), "nested": [1, {"b": torch.ones(2, dtype=torch.int64)}]},
