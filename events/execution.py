@@ -6,7 +6,12 @@ same order and batches, produced here by :func:`run_path` over a :class:`PathBac
 moves weights (real training, a cost model, or nothing at all):
 
 1. the path's source is taken (a checkpoint loaded, or a fresh initialisation); if that fails,
-   one StageFailed for the first stage ends the path;
+   one StageFailed for the first stage ends the path. A backend may hand back the source's
+   weights before its bytes are verified (:class:`SourceCheck`): the first stage trains
+   meanwhile, and the check is waited for before anything made from the weights is stored or
+   goes out (the first checkpoint written, which every end batch follows) and before any
+   failure is reported; when it fails, ``[StageFailed]`` of kind "checkpoint_corrupt" ends the
+   path after the first stage's StageStarted;
 2. for each stage, in order: ``[StageStarted]``; then the stage trains ``[from_step, to_step)``,
    evaluates when asked and stores a checkpoint when it trained a step (or when the weights in
    hand were never stored), and its end goes out as ONE batch ``[MetricsReported?,
@@ -80,8 +85,11 @@ class PathBackend(Protocol):
     :meth:`evaluate` or :meth:`save` is the trainer's error.
     """
 
-    def begin(self, d: StageDispatched) -> None:
-        """Hold the weights ``d`` starts from: its source checkpoint, or a fresh initialisation."""
+    def begin(self, d: StageDispatched) -> SourceCheck | None:
+        """Hold the weights ``d`` starts from: its source checkpoint, or a fresh initialisation.
+        Returns the check of a source whose bytes are still being verified (the weights in hand
+        may be trained meanwhile; nothing made from them is published until it passes), or None
+        when there is nothing left to check."""
         ...
 
     def step(self) -> int:
@@ -112,6 +120,15 @@ class PathBackend(Protocol):
 
     def now(self) -> float:
         """Seconds on the backend's clock."""
+        ...
+
+
+class SourceCheck(Protocol):
+    """A source checkpoint loaded before its bytes were verified (:meth:`PathBackend.begin`)."""
+
+    def result(self) -> None:
+        """Block until the bytes are verified; raise :class:`StageFault` (kind
+        "checkpoint_corrupt") when they do not hash to the source's ref."""
         ...
 
 
@@ -306,7 +323,26 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
         return _Pending(d.dispatch_id, handle, batch,
                         lambda fault: stage_failed(spec, fault.kind, fault.error, fault.ref))
 
+    source: SourceCheck | None = None
+
+    def verified() -> None:
+        """Wait for the source's check, if one is pending; raises StageFault when it fails."""
+        nonlocal source
+        if source is not None:
+            check, source = source, None
+            with tracing.span("checkpoint.verify"):
+                check.result()
+
+    def settled(fault: StageFault) -> StageFault:
+        """The fault to report: the source's, when it did not verify (``fault`` may be its effect)."""
+        try:
+            verified()
+        except StageFault as corrupt:
+            return corrupt
+        return fault
+
     def save(spec: StageSpec, step: int, waited: bool = False) -> SaveHandle | None:
+        verified()
         with tracing.span("checkpoint.save", attributes={"stagetree.node_id": spec.node_id, "stagetree.step": step}):
             return backend.save(waited)
 
@@ -326,7 +362,7 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
     started = backend.now()
     try:
         with tracing.span("checkpoint.load", attributes={"stagetree.ref": d.source.ref if d.source else "fresh"}):
-            backend.begin(d)
+            source = backend.begin(d)
     except StageFault as fault:
         failed(first, fault.kind, fault.error, fault.ref)
         return True
@@ -378,15 +414,12 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
                     end.append(stamp(MetricsReported(**base, node_id=spec.node_id, step=spec.to_step,
                                                      metrics=dict(metrics))))
                 handle = save(spec, spec.to_step, waited=i + 1 == len(d.stages))
-            except StageFault as fault:
+            except Exception as exc:  # a StageFault, or the trainer's own code failed: report, never crash the worker
+                fault = settled(exc if isinstance(exc, StageFault)
+                                else StageFault("error", "".join(traceback.format_exception_only(exc)).strip()))
                 if release(True):
                     backend.abandon()
                     failed(spec, fault.kind, fault.error, fault.ref)
-                return True
-            except Exception as exc:  # the trainer's own code failed: report, never crash the worker
-                if release(True):
-                    backend.abandon()
-                    failed(spec, "error", "".join(traceback.format_exception_only(exc)).strip())
                 return True
             now = backend.now()
             finish = StageFinished(**base, worker_id=worker_id, **stage, seconds=now - started,

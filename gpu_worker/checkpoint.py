@@ -72,8 +72,9 @@ class CheckpointStore(Protocol):
     bytes already stored is a no-op. A store may also offer ``put_many`` (several
     objects, one group commit), which writers use when several are queued. ``get`` verifies the hash and raises
     CheckpointMissing or CheckpointCorrupt; a store may also offer ``load(ref, use)`` (``use`` of the
-    bytes while they are hashed, its result once they verify: :func:`use_verified`), which
-    workers use to load a checkpoint. ``delete`` of an absent object is
+    bytes while they are hashed, its result once they verify: :func:`use_verified`) and
+    ``load_pending(ref, use)`` (the same, returned with a :class:`Verification` that may still be
+    running: :func:`use_pending`), which workers use to load a checkpoint. ``delete`` of an absent object is
     a no-op. Any method raises StorageError when the store itself fails (a full
     disk, an unreachable server). Methods taking a ``ref`` raise ValueError when
     it is not 64 lowercase hex digits.
@@ -169,30 +170,72 @@ class _Hasher:
         else:
             self._queue.put(view)
 
-    def hexdigest(self) -> str:
+    def finish(self) -> futures.Future[str]:
+        """The digest of every byte fed, once they are hashed (no more may be fed)."""
         if self._queue is None:
-            return self._hash.hexdigest()
+            done: futures.Future[str] = futures.Future()
+            done.set_result(self._hash.hexdigest())
+            return done
         self._queue.put(None)
-        return self._digest.result()
+        return self._digest
+
+    def hexdigest(self) -> str:
+        return self.finish().result()
+
+    def pending(self, ref: str, use: Callable[[], _T]) -> tuple[_T, Verification]:
+        """``use()`` while the bytes fed so far are hashed, and the :class:`Verification` that
+        they hash to ``ref``, which may still be running (none are fed after).
+
+        Raises, once the bytes are hashed, CheckpointCorrupt when ``use`` raised and they hash to
+        something else; else what ``use`` raised."""
+        try:
+            value = use()
+        except Exception:  # reported only for bytes that verify
+            Verification(ref, self.finish()).check()
+            raise
+        except BaseException:
+            self.hexdigest()
+            raise
+        return value, Verification(ref, self.finish())
 
     def verify(self, ref: str, use: Callable[[], _T]) -> _T:
         """``use()`` while the bytes fed so far are hashed; its result once they hash to ``ref``.
 
         Raises CheckpointCorrupt when they hash to something else (whatever ``use`` did or
         raised); else what ``use`` raises."""
-        try:
-            value, error = use(), None
-        except Exception as exc:  # reported only for bytes that verify
-            value, error = None, exc
-        except BaseException:
-            self.hexdigest()
-            raise
-        actual = self.hexdigest()
-        if actual != ref:
-            raise CheckpointCorrupt(ref, actual)
-        if error is not None:
-            raise error
-        return value  # type: ignore[return-value]
+        value, verification = self.pending(ref, use)
+        verification.check()
+        return value
+
+
+class Verification:
+    """Whether the bytes of checkpoint ``ref`` that a load handed on hash to ``ref``: ``digest``
+    gives their sha256 once hashed (on a helper thread, while the caller goes on)."""
+
+    def __init__(self, ref: str, digest: futures.Future[str]) -> None:
+        self.ref, self._digest = ref, digest
+
+    @classmethod
+    def passed(cls, ref: str) -> Verification:
+        """The verification of bytes already checked to hash to ``ref``."""
+        digest: futures.Future[str] = futures.Future()
+        digest.set_result(ref)
+        return cls(ref, digest)
+
+    def done(self) -> bool:
+        """Whether :meth:`check` would return or raise at once."""
+        return self._digest.done()
+
+    def wait(self) -> None:
+        """Wait until the bytes are hashed."""
+        futures.wait([self._digest])
+
+    def check(self) -> None:
+        """Wait until the bytes are hashed; raise CheckpointCorrupt when they hash to something
+        other than ``ref``."""
+        actual = self._digest.result()
+        if actual != self.ref:
+            raise CheckpointCorrupt(self.ref, actual)
 
 
 def _forget_helper_pool() -> None:
@@ -283,20 +326,34 @@ class LoadedBytes:
         return _decode_mapped(self.path, f"checkpoint state ({self.view.nbytes} bytes)")
 
 
-def use_verified(ref: str, data: bytes | memoryview, use: Callable[[LoadedBytes], _T]) -> _T:
-    """``use(LoadedBytes(data))``, returned once ``data`` hashes to ``ref``: how stores load a
-    checkpoint held in memory (``load(ref, use)``). Data of at least 1 MiB is hashed on a
-    helper thread while ``use`` runs on this one, so the load costs the longer of the two, not
-    their sum (100 MB: 0.056 s to hash here). Nothing ``use`` returns from data that does not
-    verify is returned.
+def use_pending(ref: str, data: bytes | memoryview, use: Callable[[LoadedBytes], _T]) -> tuple[_T, Verification]:
+    """``use(LoadedBytes(data))`` and the :class:`Verification` that ``data`` hashes to ``ref``:
+    how stores load a checkpoint held in memory (``load_pending(ref, use)``). Data of at least
+    1 MiB is hashed on a helper thread while ``use`` runs on this one and after it returns, so
+    the load costs the longer of the two, not their sum (100 MB: 0.056 s to hash here), or
+    only ``use`` when the caller goes on before checking. ``data`` must not change until the
+    verification is done.
 
-    Raises CheckpointCorrupt when ``data`` hashes to something else (whatever ``use`` did with
-    it); else what ``use`` raises.
+    Raises, once ``data`` is hashed, CheckpointCorrupt when ``use`` raised and it hashes to
+    something else; else what ``use`` raised.
     """
     view = memoryview(data).cast("B").toreadonly()
     hasher = _Hasher(view.nbytes)
     hasher.feed(view)
-    return hasher.verify(ref, functools.partial(use, LoadedBytes(view)))
+    return hasher.pending(ref, functools.partial(use, LoadedBytes(view)))
+
+
+def use_verified(ref: str, data: bytes | memoryview, use: Callable[[LoadedBytes], _T]) -> _T:
+    """``use(LoadedBytes(data))``, returned once ``data`` hashes to ``ref`` (:func:`use_pending`,
+    checked): how stores load a checkpoint held in memory (``load(ref, use)``). Nothing ``use``
+    returns from data that does not verify is returned.
+
+    Raises CheckpointCorrupt when ``data`` hashes to something else (whatever ``use`` did with
+    it); else what ``use`` raises.
+    """
+    value, verification = use_pending(ref, data, use)
+    verification.check()
+    return value
 
 
 def _memory_files() -> bool:
@@ -362,6 +419,7 @@ class LocalCheckpointStore:
         self._read_buffer = bytearray()  # reused by load() for small objects: see there
         self._memory_file: _MemoryFile | None = None  # and for large ones, on Linux
         self._read_lock = threading.Lock()
+        self._hashing: tuple[int, Verification] | None = None  # (pid, the last load's): see load_pending
 
     def __reduce__(self) -> tuple[type[LocalCheckpointStore], tuple[Path]]:
         return LocalCheckpointStore, (self.root,)  # the read buffers and their lock stay here
@@ -492,27 +550,44 @@ class LocalCheckpointStore:
         return data
 
     def load(self, ref: str, use: Callable[[LoadedBytes], _T]) -> _T:
-        """Return ``use(bytes)`` of object ``ref`` (:class:`LoadedBytes`), once they hash to ``ref``.
-
-        How a worker loads a checkpoint (``use``: :meth:`LoadedBytes.decode`, or that and the
-        trainer's restore). The object is read into memory this store keeps for the next load,
-        so it is not faulted in again at every load (100 MB: 9 ms to read against 80 ms into new
-        memory here): from 1 MiB on Linux a process-private memory file, which
-        :meth:`LoadedBytes.decode` maps instead of copying every tensor out of it (a new file is
-        made while tensors mapped from the last one are still referenced), else a buffer. The
-        bytes are hashed on a helper thread as they are read and while ``use`` runs (sha256 of
-        100 MB: 0.056 s here, the floor of a load), so a load of 100 MB into a trainer takes
-        about 0.06 s, not the sum of reading, hashing, decoding and copying (0.1 s). ``use``
-        may act on the bytes before they verify: what it does must be undone when this raises.
-        Nothing it returns from bytes that do not verify is returned. Loads through one store
-        run one at a time.
+        """Return ``use(bytes)`` of object ``ref`` (:class:`LoadedBytes`), once they hash to
+        ``ref``: :meth:`load_pending`, checked. Nothing ``use`` returns from bytes that do not
+        verify is returned.
 
         Raises CheckpointMissing when absent, CheckpointCorrupt when the bytes hash to something
         else (whatever ``use`` did with them), StorageError when the disk cannot be read;
         else what ``use`` raises.
         """
+        value, verification = self.load_pending(ref, use)
+        verification.check()
+        return value
+
+    def load_pending(self, ref: str, use: Callable[[LoadedBytes], _T]) -> tuple[_T, Verification]:
+        """``use(bytes)`` of object ``ref`` (:class:`LoadedBytes`), and the :class:`Verification`
+        that they hash to ``ref``, which may still be running: how a worker loads a checkpoint
+        (``use``: :meth:`LoadedBytes.decode`, or that and the trainer's restore), and goes on
+        training before the hash ends, publishing nothing derived from the bytes until it is
+        checked (:func:`events.execution.run_path`).
+
+        The object is read into memory this store keeps for the next load, so it is not faulted
+        in again at every load (100 MB: 9 ms to read against 80 ms into new memory here): from
+        1 MiB on Linux a process-private memory file, which :meth:`LoadedBytes.decode` maps
+        instead of copying every tensor out of it (a new file is made while tensors mapped from
+        the last one are still referenced), else a buffer. The bytes are hashed on a helper
+        thread as they are read, while ``use`` runs and after it returns (sha256 of 100 MB:
+        0.056 s here), so a load of 100 MB into a trainer returns after about 0.03 s (reading,
+        decoding, copying), not their sum with the hash (0.1 s). ``use`` may act on the bytes
+        before they verify: what it does must be undone when they do not. Loads through one
+        store run one at a time; the next one waits until this one's bytes are hashed.
+
+        Raises CheckpointMissing when absent, StorageError when the disk cannot be read;
+        else, once the bytes are hashed, CheckpointCorrupt when ``use`` raised and they hash to
+        something else, else what ``use`` raised.
+        """
         path = self.path(ref)
         with self._read_lock:
+            if self._hashing is not None and self._hashing[0] == os.getpid():
+                self._hashing[1].wait()  # the last load's bytes are still hashed from this memory
             try:
                 with open(path, "rb", buffering=0) as file:
                     size = os.fstat(file.fileno()).st_size
@@ -531,7 +606,9 @@ class LocalCheckpointStore:
             except OSError as exc:
                 raise StorageError(f"reading checkpoint {ref} under {self.root} failed: {exc}") from exc
             loaded = LoadedBytes(view[:got].toreadonly(), mapped if got == size else None)
-            return hasher.verify(ref, functools.partial(use, loaded))
+            value, verification = hasher.pending(ref, functools.partial(use, loaded))
+            self._hashing = (os.getpid(), verification)  # (a forked child has no helper thread)
+            return value, verification
 
     def _buffer(self, size: int) -> tuple[memoryview, str | None]:
         """Writable memory for an object of ``size`` bytes, and the path of the memory file it

@@ -24,7 +24,7 @@ import torch
 from opentelemetry.trace import SpanKind
 
 from events import topics, tracing
-from events.execution import Control, Emit, EndBatches, Saved, SaveHandle, StageFault, run_path
+from events.execution import Control, Emit, EndBatches, Saved, SaveHandle, SourceCheck, StageFault, run_path
 from events.models import Event, StageDispatched, StageSpec
 from gpu_worker.checkpoint import (
     CheckpointCorrupt,
@@ -35,6 +35,7 @@ from gpu_worker.checkpoint import (
     Snapshot,
     SnapshotBuffers,
     StorageError,
+    Verification,
     encode_state,
     write_state,
 )
@@ -134,6 +135,28 @@ class _Unencodable(Exception):
         self.index, self.cause = index, cause
 
 
+def _fault(exc: CheckpointCorrupt | CheckpointMissing | StorageError, ref: str) -> StageFault:
+    """The StageFault of a source checkpoint ``ref`` that could not be loaded."""
+    if isinstance(exc, CheckpointCorrupt):
+        return StageFault("checkpoint_corrupt", str(exc), ref)
+    if isinstance(exc, CheckpointMissing):
+        return StageFault("checkpoint_missing", str(exc), ref)
+    return StageFault("storage", str(exc))
+
+
+class _SourceCheck:
+    """The :class:`~events.execution.SourceCheck` of a source loaded before its bytes were hashed."""
+
+    def __init__(self, verification: Verification) -> None:
+        self.verification = verification
+
+    def result(self) -> None:
+        try:
+            self.verification.check()
+        except CheckpointCorrupt as exc:
+            raise _fault(exc, self.verification.ref) from exc
+
+
 class PathExecutor:
     """Runs dispatched paths for one worker on one device.
 
@@ -207,18 +230,21 @@ class PathExecutor:
 
     # ------------------------------------------------------------------ PathBackend (events.execution)
 
-    def begin(self, d: StageDispatched) -> None:
+    def begin(self, d: StageDispatched) -> SourceCheck | None:
         """Hold the weights ``d`` starts from; the weights this worker just saved are reused
         without reloading (same bytes, same result, invariant 1).
 
-        A source checkpoint is read, verified and decoded on the reader thread
-        (``store.load``: hashed while read and decoded where the store offers it) while the
-        trainer is built here. The trainer is not built again when this worker built it with the
-        same seed and nothing since left it unusable (a failure, :meth:`abandon`), unless the
-        write of a path's end still holds its live state (:meth:`save`): ``TrainingSession.load(
-        rebuild=False)``, the same result without the build, here while the bytes are hashed
-        (a load costs about the hash then); when they do not verify the stage fails and the
-        trainer, which holds them, is built again for the next path.
+        A source checkpoint is read and decoded on the reader thread (``store.load_pending``:
+        hashed while read, decoded and after, where the store offers it) while the trainer is
+        built here. The trainer is not built again when this worker built it with the same seed
+        and nothing since left it unusable (a failure, :meth:`abandon`), unless the write of a
+        path's end still holds its live state (:meth:`save`): ``TrainingSession.load(
+        rebuild=False)``, the same result without the build, here. Either way the bytes of a
+        large checkpoint may still be hashed when this returns (100 MB: 0.056 s of sha256
+        here): the returned check, which :func:`~events.execution.run_path` waits for before
+        the first stage stores or publishes anything, while that stage trains. When they do not
+        verify the stage fails as checkpoint_corrupt and the trainer, which holds them, is built
+        again for the next path. Returns None when the source is verified already.
 
         A fresh start likewise restores the state the trainer had right after its build with
         the seed (encoded on the reader thread, kept in host memory: the size of a checkpoint at
@@ -227,7 +253,8 @@ class PathExecutor:
         in 0.2 ms after); once a restore is slower than the build was, builds go on."""
         self._seed = d.seed
         if d.source is not None and self._session is not None and self._held() == (d.seed, d.source.ref):
-            return
+            return None
+        check: SourceCheck | None = None
         reuse = self._built == d.seed and (self._live is None or self._live.done())
         self._session, self._latest, self._dirty, self._built, self._live = None, None, False, None, None
         session = TrainingSession(self.trainer, d.seed, self.device)
@@ -238,20 +265,29 @@ class PathExecutor:
             ref = d.source.ref
             try:
                 if reuse:  # into the trainer while the bytes are hashed (it is dropped if they do not verify)
-                    self._stored(functools.partial(self._load, ref, functools.partial(self._restore, session)))
+                    verification = self._stored(functools.partial(
+                        self._load, ref, functools.partial(self._restore, session)))[1]
                 else:  # read and decoded on the reader thread while the trainer is built here
                     fetched = self._reader.submit(self._stored, functools.partial(self._load, ref, LoadedBytes.decode))
-                    session.load(fetched.result)
-            except CheckpointCorrupt as exc:
-                raise StageFault("checkpoint_corrupt", str(exc), ref) from exc
-            except CheckpointMissing as exc:
-                raise StageFault("checkpoint_missing", str(exc), ref) from exc
-            except StorageError as exc:
-                raise StageFault("storage", str(exc)) from exc
+                    try:
+                        session.load(lambda: fetched.result()[0])
+                    except Exception:
+                        if fetched.done() and fetched.exception() is None:
+                            fetched.result()[1].check()  # damaged bytes are the cause
+                        raise
+                    verification = fetched.result()[1]
+                    del fetched  # the decoded state: it may map the store's memory
+                if verification.done():  # small objects are hashed as they are read
+                    verification.check()
+                else:  # the first stage trains meanwhile (events.execution.run_path)
+                    check = _SourceCheck(verification)
+            except (CheckpointCorrupt, CheckpointMissing, StorageError) as exc:
+                raise _fault(exc, ref) from exc
             self._latest = Saved(ref, 0)
         if session.build_seconds is not None:
             self._build_s = session.build_seconds
         self._session, self._built = session, d.seed
+        return check
 
     REUSE_MIN_BUILD_S = 0.01
     """A trainer whose build takes at least this long (seconds) is kept for the next path
@@ -289,11 +325,16 @@ class PathExecutor:
         finally:
             self._buffers.give_back(snapshot)
 
-    def _load(self, ref: str, use: Callable[[LoadedBytes], T]) -> T:
-        """``use`` of the bytes of checkpoint ``ref``, returned once they verify (``store.load``:
-        hashed while read and used, where the store offers it)."""
+    def _load(self, ref: str, use: Callable[[LoadedBytes], T]) -> tuple[T, Verification]:
+        """``use`` of the bytes of checkpoint ``ref``, and the :class:`Verification` that they
+        hash to ``ref``, which may still be running (``store.load_pending``: hashed while read,
+        used and after, where the store offers it; else verified before ``use``)."""
+        load_pending = getattr(self.store, "load_pending", None)
+        if load_pending is not None:
+            return load_pending(ref, use)  # type: ignore[no-any-return]
         load = getattr(self.store, "load", None)
-        return load(ref, use) if load is not None else use(LoadedBytes(memoryview(self.store.get(ref))))
+        value = load(ref, use) if load is not None else use(LoadedBytes(memoryview(self.store.get(ref))))
+        return value, Verification.passed(ref)
 
     @staticmethod
     def _restore(session: TrainingSession, loaded: LoadedBytes) -> None:

@@ -41,8 +41,10 @@ from gpu_worker.checkpoint import (
     LoadedBytes,
     LocalCheckpointStore,
     StorageError,
+    Verification,
     _check_ref,
     sha256_hex,
+    use_pending,
     use_verified,
 )
 
@@ -273,6 +275,18 @@ class S3CheckpointStore:
         what ``use`` raises.
         """
         return use_verified(ref, self._download(ref, self.key(ref)), use)
+
+    def load_pending(self, ref: str, use: Callable[[LoadedBytes], _T]) -> tuple[_T, Verification]:
+        """Download object ``ref`` and return ``use`` of its bytes and the :class:`Verification
+        <gpu_worker.checkpoint.Verification>` that they hash to ``ref``, which may still be
+        running (:func:`~gpu_worker.checkpoint.use_pending`): how a worker loads a checkpoint
+        and goes on before the hash ends (:meth:`LocalCheckpointStore.load_pending
+        <gpu_worker.checkpoint.LocalCheckpointStore.load_pending>`).
+
+        Raises as :meth:`get` (CheckpointCorrupt only when ``use`` failed on the bytes); else
+        what ``use`` raises.
+        """
+        return use_pending(ref, self._download(ref, self.key(ref)), use)
 
     def exists(self, ref: str) -> bool:
         """Return whether an object is stored under ``ref`` (its bytes are not checked)."""

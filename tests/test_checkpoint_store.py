@@ -1046,6 +1046,43 @@ def test_load_never_returns_what_it_decoded_from_bytes_that_do_not_verify(backen
     assert store.put(data).ref == ref and store.load(ref, LoadedBytes.decode)["w"].equal(state["w"])
 
 
+def test_load_pending_hands_on_what_it_decoded_with_the_check_of_its_bytes(backend: Backend) -> None:
+    """``load_pending`` returns what ``use`` made of the bytes at once, beside the verification
+    that they hash to the ref, which may still run: passes for intact bytes; for a flipped
+    weight (which decodes) the check raises CheckpointCorrupt; a flipped header (the decoding
+    fails) raises CheckpointCorrupt from the load itself."""
+    store = backend.store
+    state = {"w": torch.randn(1000, 1000)}
+    data = encode_state(state)
+    ref = store.put(data).ref
+    decoded, verification = store.load_pending(ref, LoadedBytes.decode)
+    verification.check()
+    assert verification.done() and encode_state(decoded) == data
+    weight_at = data.index(state["w"].numpy().tobytes()[:64])
+    backend.write_raw(ref, data[:weight_at] + bytes([data[weight_at] ^ 1]) + data[weight_at + 1:])
+    decoded, verification = store.load_pending(ref, LoadedBytes.decode)
+    assert not decoded["w"].equal(state["w"])
+    with pytest.raises(CheckpointCorrupt) as caught:
+        verification.check()
+    assert caught.value.ref == ref and caught.value.actual != ref
+    backend.write_raw(ref, bytes([data[0] ^ 1]) + data[1:])
+    with pytest.raises(CheckpointCorrupt):
+        store.load_pending(ref, LoadedBytes.decode)
+
+
+def test_a_load_waits_until_the_last_ones_bytes_are_hashed_before_it_reads_into_their_memory(
+        tmp_path: Path) -> None:
+    """The local store reads each large object into the memory file of the last (nothing
+    decoded from it is referenced), which a pending load's hash may still read: the next load
+    waits for that hash, so every verification holds for the bytes it was given."""
+    store = LocalCheckpointStore(tmp_path)
+    datas = [bytes([i]) * (64 << 20) for i in range(4)]
+    refs = [store.put(data).ref for data in datas]
+    verifications = [store.load_pending(ref, lambda loaded: None)[1] for ref in refs]
+    for verification in verifications:
+        verification.check()
+
+
 @pytest.mark.parametrize("memory_file", [True, False], ids=["memfd", "bytes"])
 def test_a_held_state_decodes_again_and_again_to_tensors_of_their_own(memory_file: bool,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:

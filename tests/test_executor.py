@@ -13,8 +13,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import pytest
 import torch
@@ -37,7 +38,14 @@ from events.models import (
     WorkerLost,
 )
 from gpu_worker import checkpoint
-from gpu_worker.checkpoint import CheckpointRef, LocalCheckpointStore, StorageError
+from gpu_worker.checkpoint import (
+    CheckpointCorrupt,
+    CheckpointRef,
+    LoadedBytes,
+    LocalCheckpointStore,
+    StorageError,
+    Verification,
+)
 from gpu_worker.executor import PathExecutor
 from projections.partitions import merge
 from projections.queries import handed_on
@@ -49,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from counted_builds import CountedBuilds  # noqa: E402
 from digits import DigitsTrainer  # noqa: E402
 
+T = TypeVar("T")
 CONFIG = {"lr": MultiStep(0.1, [3], 0.1), "batch_size": Constant(16), "momentum": Constant(0.0)}
 
 
@@ -404,6 +413,95 @@ def test_a_damaged_source_loaded_into_the_built_trainer_fails_its_stage_and_the_
     assert trainer.builds == 1  # it was loaded into the built trainer
     path.write_bytes(good)
     assert saved_by(worker, store, sibling) == expected and trainer.builds == 2
+
+
+class HashedLate(Gated):
+    """A local store whose loads hand their bytes on before they are hashed (as a large
+    object's are), and whose hashes end only when ``hashed`` is set."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.hashed = threading.Event()
+
+    def load_pending(self, ref: str, use: Callable[[LoadedBytes], T]) -> tuple[T, Verification]:
+        value, verification = super().load_pending(ref, use)
+        digest: Future[str] = Future()
+
+        def hash_late() -> None:
+            self.hashed.wait(60)
+            try:
+                verification.check()
+                digest.set_result(ref)
+            except CheckpointCorrupt as exc:
+                digest.set_result(exc.actual)
+
+        threading.Thread(target=hash_late, daemon=True).start()
+        return value, Verification(ref, digest)
+
+
+class HashedInTheStage(CountedBuilds):
+    """Sets ``store.hashed`` at its stage's last step, recording the events emitted by then."""
+
+    def __init__(self, store: HashedLate, events: list[Event], last_step: int, fails: bool = False) -> None:
+        super().__init__()
+        self.store, self.events, self.last_step, self.fails = store, events, last_step, fails
+        self.seen: list[Event] | None = None
+
+    def train_step(self, indices: torch.Tensor, step: int) -> None:
+        if step + 1 == self.last_step:
+            self.seen = list(self.events)
+            self.store.hashed.set()
+            if self.fails:
+                raise RuntimeError("a step failed on the weights it was given")
+        super().train_step(indices, step)
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["built-again", "into-the-built-trainer"])
+def test_a_source_whose_hash_ends_while_the_first_stage_trains_publishes_nothing_before_it(
+        tmp_path: Path, reuse: bool) -> None:
+    """A source handed on before its bytes are hashed (a large object, whose sha256 runs on
+    while the first stage trains) saves what a worker that waited saves, and nothing but the
+    first StageStarted goes out before the hash ends. Damaged, the stage trains, then fails as
+    checkpoint_corrupt (also when a step raised meanwhile: the damage may be the cause): no
+    metrics, checkpoint or StageFinished go out, nothing it trained is stored, and the trainer
+    is built again for the next path."""
+    store = HashedLate(tmp_path)
+    store.hashed.set()
+    first, straight, sibling, expected = sibling_paths(store)
+    sibling = sibling.model_copy(update={"stages": [s.model_copy(update={"evaluate": True}) for s in sibling.stages]})
+    events: list[Event] = []
+    trainer = HashedInTheStage(store, events, sibling.stages[0].to_step)
+    worker = PathExecutor(trainer, "w0", store, torch.device("cpu"))
+    worker.REUSE_MIN_BUILD_S = float("inf")
+    if reuse:
+        assert saved_by(worker, store, first) == straight and trainer.builds == 1
+    events.clear()
+    store.hashed.clear()
+    worker.run(sibling, events.extend)
+    assert trainer.seen is not None and [type(e) for e in trainer.seen] == [StageStarted]
+    assert {e.node_id: e.ref for e in events if isinstance(e, CheckpointSaved)} == expected
+    assert [type(e) for e in events] == [StageStarted, MetricsReported, CheckpointSaved, StageFinished]
+    builds = trainer.builds
+    path = store.path(straight["n0"])
+    good = path.read_bytes()
+    path.write_bytes(flip_byte(good))
+    stored = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+    for fails in (False, True):
+        store.hashed.clear()
+        trainer.fails, trainer.seen = fails, None
+        events.clear()
+        worker.run(sibling.model_copy(update={"dispatch_id": f"damaged-{fails}"}), events.extend)
+        assert trainer.seen is not None and [type(e) for e in trainer.seen] == [StageStarted]  # it trained
+        assert [type(e) for e in events] == [StageStarted, StageFailed]
+        assert [(f.kind, f.ref) for f in events_of([events], StageFailed)] == [("checkpoint_corrupt", straight["n0"])]
+        assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == stored
+    path.write_bytes(good)
+    trainer.fails = False
+    events.clear()
+    worker.run(sibling.model_copy(update={"dispatch_id": "repaired"}), events.extend)
+    assert {e.node_id: e.ref for e in events if isinstance(e, CheckpointSaved)} == expected
+    # loaded into the trainer built before, then built again after each failure
+    assert trainer.builds == builds + 2
 
 
 def test_a_fresh_start_restores_the_state_the_trainer_was_built_with(tmp_path: Path) -> None:
