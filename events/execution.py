@@ -22,7 +22,7 @@ moves weights (real training, a cost model, or nothing at all):
    next path, and the end batches still waiting follow once their writes are verified;
 3. a failure ends the path with one ``[StageFailed]`` for the stage: ``kind`` from the
    :class:`StageFault` a backend raised (a corrupt or missing source, a failing store), else
-   "error" with the exception (the trainer's own code raised).
+   "error" with the exception (the trainer's own code raised, in its build too).
 
 Decisions about a running path reach it through a :class:`Control` and are acted on at step
 boundaries (``scheduler.inflight``):
@@ -224,6 +224,11 @@ class _Pending:
         self.dispatch_id, self.handle, self.batch, self.failed = dispatch_id, handle, batch, failed
 
 
+def _described(exc: Exception) -> str:
+    """The StageFailed ``error`` of an exception the trainer's code raised."""
+    return "".join(traceback.format_exception_only(exc)).strip()
+
+
 END_POLL_S = 0.001
 """Seconds an idle worker waits for its next message before it looks at its checkpoint writes
 again, while end batches wait for them: how late an end batch may go out after its write."""
@@ -366,6 +371,10 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
     except StageFault as fault:
         failed(first, fault.kind, fault.error, fault.ref)
         return True
+    except Exception as exc:  # the trainer's build or load_state_dict raised: its error, not the worker's
+        backend.abandon()
+        failed(first, "error", _described(exc))
+        return True
     for i, spec in enumerate(d.stages):
         if i and should_stop is not None and should_stop():
             return not release(True)  # a write that failed ended the path with its StageFailed
@@ -415,8 +424,7 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
                                                      metrics=dict(metrics))))
                 handle = save(spec, spec.to_step, waited=i + 1 == len(d.stages))
             except Exception as exc:  # a StageFault, or the trainer's own code failed: report, never crash the worker
-                fault = settled(exc if isinstance(exc, StageFault)
-                                else StageFault("error", "".join(traceback.format_exception_only(exc)).strip()))
+                fault = settled(exc if isinstance(exc, StageFault) else StageFault("error", _described(exc)))
                 if release(True):
                     backend.abandon()
                     failed(spec, fault.kind, fault.error, fault.ref)

@@ -504,6 +504,42 @@ def test_a_source_whose_hash_ends_while_the_first_stage_trains_publishes_nothing
     assert trainer.builds == builds + 2
 
 
+class BuildFailsForSeed(CountedBuilds):
+    """A trainer whose build raises for seed ``failing`` (a data set that one seed's split
+    cannot find, say)."""
+
+    failing: int | None = None
+
+    def build(self, seed: int, device: torch.device) -> None:
+        if seed == self.failing:
+            raise FileNotFoundError(f"no data for seed {seed}")
+        super().build(seed, device)
+
+
+@pytest.mark.parametrize("source", [False, True], ids=["fresh", "from-a-checkpoint"])
+def test_a_build_that_raises_fails_its_stage_as_the_trainers_error_and_the_worker_goes_on(
+        tmp_path: Path, source: bool) -> None:
+    """The trainer's build raising (at a fresh start, or beside a source's load) is the
+    trainer's error like a step's: one StageFailed of kind "error" for the first stage, naming
+    the exception, and the worker runs its next path, which saves what a worker that never
+    failed saves."""
+    store = Gated(tmp_path)
+    store.gate.set()
+    first = dispatch_of(0, [("n0", 0, 2)], seed=4)
+    expected = saved_by(PathExecutor(DigitsTrainer(), "w0", store, torch.device("cpu")), store, first)
+    failing = dispatch_of(1, [("n1", 2, 4)], CheckpointSource(node_id="n0", step=2, ref=expected["n0"]), seed=4) \
+        if source else first.model_copy(update={"dispatch_id": "d1"})
+    trainer = BuildFailsForSeed()
+    trainer.failing = 4
+    worker = PathExecutor(trainer, "w0", store, torch.device("cpu"))
+    events: list[Event] = []
+    assert worker.run(failing, events.extend)
+    assert [(type(e), getattr(e, "kind", None)) for e in events] == [(StageFailed, "error")]
+    assert events[0].node_id == failing.stages[0].node_id and "no data for seed 4" in events[0].error
+    trainer.failing = None
+    assert saved_by(worker, store, first.model_copy(update={"dispatch_id": "d2"})) == expected
+
+
 def test_a_fresh_start_restores_the_state_the_trainer_was_built_with(tmp_path: Path) -> None:
     """A worker whose trainer takes long to build keeps its state at step 0 (from its second
     build: the first also pays for imports) and restores it at the next fresh starts with the
