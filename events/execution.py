@@ -224,8 +224,8 @@ class _Pending:
         self.dispatch_id, self.handle, self.batch, self.failed = dispatch_id, handle, batch, failed
 
 
-def _described(exc: Exception) -> str:
-    """The StageFailed ``error`` of an exception the trainer's code raised."""
+def describe_error(exc: Exception) -> str:
+    """The StageFailed ``error`` of an exception the trainer's code raised: its type and message."""
     return "".join(traceback.format_exception_only(exc)).strip()
 
 
@@ -373,7 +373,7 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
         return True
     except Exception as exc:  # the trainer's build or load_state_dict raised: its error, not the worker's
         backend.abandon()
-        failed(first, "error", _described(exc))
+        failed(first, "error", describe_error(exc))
         return True
     for i, spec in enumerate(d.stages):
         if i and should_stop is not None and should_stop():
@@ -424,7 +424,7 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
                                                      metrics=dict(metrics))))
                 handle = save(spec, spec.to_step, waited=i + 1 == len(d.stages))
             except Exception as exc:  # a StageFault, or the trainer's own code failed: report, never crash the worker
-                fault = settled(exc if isinstance(exc, StageFault) else StageFault("error", _described(exc)))
+                fault = settled(exc if isinstance(exc, StageFault) else StageFault("error", describe_error(exc)))
                 if release(True):
                     backend.abandon()
                     failed(spec, fault.kind, fault.error, fault.ref)

@@ -199,15 +199,6 @@ class _Hasher:
             raise
         return value, Verification(ref, self.finish())
 
-    def verify(self, ref: str, use: Callable[[], _T]) -> _T:
-        """``use()`` while the bytes fed so far are hashed; its result once they hash to ``ref``.
-
-        Raises CheckpointCorrupt when they hash to something else (whatever ``use`` did or
-        raised); else what ``use`` raises."""
-        value, verification = self.pending(ref, use)
-        verification.check()
-        return value
-
 
 class Verification:
     """Whether the bytes of checkpoint ``ref`` that a load handed on hash to ``ref``: ``digest``
@@ -303,9 +294,10 @@ def _check_ref(ref: str) -> str:
 
 
 class LoadedBytes:
-    """The bytes of a checkpoint a store is loading (``load(ref, use)``), handed to ``use``
-    while they are hashed: valid during ``use`` only (the store reads its next object into
-    the same memory), and not verified until ``load`` returns.
+    """The bytes of a checkpoint a store is loading (``load(ref, use)``, ``load_pending(ref,
+    use)``), handed to ``use`` while they are hashed: valid during ``use`` only (the store reads
+    its next object into the same memory), and not verified until ``load`` returns or the
+    :class:`Verification` that ``load_pending`` returns passes.
 
     ``view``: a read-only view of the bytes. ``path``: where they can be mapped from (a
     process-private memory file holding exactly them, ``/proc/self/fd/N``), or None.

@@ -15,7 +15,6 @@ import functools
 import queue
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO, TypeVar
@@ -24,7 +23,17 @@ import torch
 from opentelemetry.trace import SpanKind
 
 from events import topics, tracing
-from events.execution import Control, Emit, EndBatches, Saved, SaveHandle, SourceCheck, StageFault, run_path
+from events.execution import (
+    Control,
+    Emit,
+    EndBatches,
+    Saved,
+    SaveHandle,
+    SourceCheck,
+    StageFault,
+    describe_error,
+    run_path,
+)
 from events.models import Event, StageDispatched, StageSpec
 from gpu_worker.checkpoint import (
     CheckpointCorrupt,
@@ -397,7 +406,7 @@ class PathExecutor:
         results: dict[int, tuple[str, int] | StageFault] = {}
 
         def unencodable(i: int, exc: Exception) -> None:
-            results[i] = StageFault("error", "".join(traceback.format_exception_only(exc)).strip())
+            results[i] = StageFault("error", describe_error(exc))
 
         def writer(i: int) -> Callable[[BinaryIO], None]:
             def write(sink: BinaryIO) -> None:

@@ -363,10 +363,10 @@ def sibling_paths(store: Gated) -> tuple[StageDispatched, dict[str, str], StageD
                                               store, sibling)
 
 
-def reusing_worker(store: Gated) -> tuple[CountedBuilds, PathExecutor]:
-    """A worker over a trainer that counts its builds; its fresh starts build and a path's end
-    writes the live weights (``REUSE_MIN_BUILD_S`` infinite)."""
-    trainer = CountedBuilds()
+def reusing_worker(store: Gated, trainer: CountedBuilds | None = None) -> tuple[CountedBuilds, PathExecutor]:
+    """A worker over a trainer that counts its builds (``trainer``, else a new one); its fresh
+    starts build and a path's end writes the live weights (``REUSE_MIN_BUILD_S`` infinite)."""
+    trainer = trainer if trainer is not None else CountedBuilds()
     worker = PathExecutor(trainer, "w0", store, torch.device("cpu"))
     worker.REUSE_MIN_BUILD_S = float("inf")
     return trainer, worker
@@ -471,8 +471,7 @@ def test_a_source_whose_hash_ends_while_the_first_stage_trains_publishes_nothing
     sibling = sibling.model_copy(update={"stages": [s.model_copy(update={"evaluate": True}) for s in sibling.stages]})
     events: list[Event] = []
     trainer = HashedInTheStage(store, events, sibling.stages[0].to_step)
-    worker = PathExecutor(trainer, "w0", store, torch.device("cpu"))
-    worker.REUSE_MIN_BUILD_S = float("inf")
+    worker = reusing_worker(store, trainer)[1]
     if reuse:
         assert saved_by(worker, store, first) == straight and trainer.builds == 1
     events.clear()
