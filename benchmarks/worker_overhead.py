@@ -61,8 +61,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
-BIG_STUDY = ROOT / "benchmarks" / "studies" / "tree_100mb.py"  # its trainer: Linear(BIG, BIG), no bias
-BIG = 5000  # the study's WIDTH: BIG * BIG * 4 bytes = 100 MB of weights
+BIG_STUDY = ROOT / "benchmarks" / "studies" / "tree_100mb.py"  # its trainer: Linear(WIDTH, WIDTH), no bias
+
+
+def _big_width() -> int:
+    """The big study's ``WIDTH``: its checkpoint holds ``WIDTH * WIDTH * 4`` bytes of weights."""
+    from gpu_worker.loader import load_module
+
+    return int(load_module(BIG_STUDY).WIDTH)
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -181,7 +187,7 @@ def big(steps: int, out: Path, device: str = "cpu") -> dict[str, Any]:
                  (kept[0], "fresh start, built again and its state kept", True, hand_off),
                  (root[0], "fresh start, the trainer's state after its build restored", True, hand_off),
                  (resumed[0], "loaded from a checkpoint, trainer built again", True, hand_off)]
-    return {"checkpoint_bytes": BIG * BIG * 4, "steps_per_stage": steps, "bare_stage_seconds": bare,
+    return {"checkpoint_bytes": _big_width() ** 2 * 4, "steps_per_stage": steps, "bare_stage_seconds": bare,
             "stages": [{"from_step": e.from_step, "how": how, "seconds": e.seconds, "train_seconds": e.train_seconds,
                         "overhead_s": e.seconds - e.train_seconds,
                         "overhead_share": (e.seconds - e.train_seconds) / e.seconds,
@@ -218,13 +224,14 @@ big(int(sys.argv[2]), Path(sys.argv[3]))
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """
 
-MEMORY_BARE = f"""
+MEMORY_BARE = """
 import resource, sys, torch
 torch.set_num_threads(1)
-model = torch.nn.Linear({BIG}, {BIG}, bias=False)
+width = int(sys.argv[2])
+model = torch.nn.Linear(width, width, bias=False)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 for _ in range(4 * int(sys.argv[1])):
-    loss = model(torch.randn(64, {BIG})).square().mean()
+    loss = model(torch.randn(64, width)).square().mean()
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -241,7 +248,7 @@ def memory(steps: int, out: Path) -> dict[str, float]:
         return float(proc.stdout.split()[-1])
 
     worker = peak(MEMORY_WORKER, str(ROOT), str(steps), str(out / "memory"))
-    bare = peak(MEMORY_BARE, str(steps))
+    bare = peak(MEMORY_BARE, str(steps), str(_big_width()))
     return {"worker_peak_rss_bytes": worker, "bare_torch_peak_rss_bytes": bare, "ratio": worker / bare}
 
 

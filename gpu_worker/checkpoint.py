@@ -20,8 +20,9 @@ import sys
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, TypeVar, runtime_checkable
@@ -531,12 +532,8 @@ class LocalCheckpointStore:
         Raises CheckpointMissing when absent, CheckpointCorrupt when the bytes
         hash to something else, StorageError when the disk cannot be read.
         """
-        try:
+        with self._reading(ref):
             data = self.path(ref).read_bytes()
-        except FileNotFoundError:
-            raise CheckpointMissing(ref) from None
-        except OSError as exc:
-            raise StorageError(f"reading checkpoint {ref} under {self.root} failed: {exc}") from exc
         actual = sha256_hex(data)
         if actual != ref:
             raise CheckpointCorrupt(ref, actual)
@@ -581,27 +578,33 @@ class LocalCheckpointStore:
         with self._read_lock:
             if self._hashing is not None and self._hashing[0] == os.getpid():
                 self._hashing[1].wait()  # the last load's bytes are still hashed from this memory
-            try:
-                with open(path, "rb", buffering=0) as file:
-                    size = os.fstat(file.fileno()).st_size
-                    view, mapped = self._buffer(size)
-                    hasher = _Hasher(size)
-                    got = 0
-                    try:
-                        while got < size and (n := file.readinto(view[got:got + _READ_CHUNK])):
-                            hasher.feed(view[got:got + n])
-                            got += n
-                    except BaseException:
-                        hasher.hexdigest()
-                        raise
-            except FileNotFoundError:
-                raise CheckpointMissing(ref) from None
-            except OSError as exc:
-                raise StorageError(f"reading checkpoint {ref} under {self.root} failed: {exc}") from exc
+            with self._reading(ref), open(path, "rb", buffering=0) as file:
+                size = os.fstat(file.fileno()).st_size
+                view, mapped = self._buffer(size)
+                hasher = _Hasher(size)
+                got = 0
+                try:
+                    while got < size and (n := file.readinto(view[got:got + _READ_CHUNK])):
+                        hasher.feed(view[got:got + n])
+                        got += n
+                except BaseException:
+                    hasher.hexdigest()
+                    raise
             loaded = LoadedBytes(view[:got].toreadonly(), mapped if got == size else None)
             value, verification = hasher.pending(ref, functools.partial(use, loaded))
             self._hashing = (os.getpid(), verification)  # (a forked child has no helper thread)
             return value, verification
+
+    @contextmanager
+    def _reading(self, ref: str) -> Iterator[None]:
+        """Translate what reading object ``ref`` raises: CheckpointMissing when it is absent,
+        StorageError when the disk cannot be read (:meth:`get` and :meth:`load_pending`)."""
+        try:
+            yield
+        except FileNotFoundError:
+            raise CheckpointMissing(ref) from None
+        except OSError as exc:
+            raise StorageError(f"reading checkpoint {ref} under {self.root} failed: {exc}") from exc
 
     def _buffer(self, size: int) -> tuple[memoryview, str | None]:
         """Writable memory for an object of ``size`` bytes, and the path of the memory file it
