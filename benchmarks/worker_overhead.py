@@ -39,7 +39,13 @@ the coordinator's pipe), in one process on one CPU thread, without a coordinator
 Usage::
 
     .venv/bin/python benchmarks/worker_overhead.py [--stages 1000] [--big-steps 10] [--out runs/bench-worker] \\
-        [--device cuda:0]
+        [--device cuda:0] [--store s3://BUCKET/PREFIX]
+
+``--store`` puts the checkpoints of cases 1 and 2 in an S3 store, as workers on a cluster do
+(``S3CheckpointStore``: a save uploads the encoded bytes and downloads them again to verify
+them; a load downloads and hashes), each worker under a new prefix; the endpoint and
+credentials come from the ``STAGETREE_S3_*`` variables (the local MinIO of ``infra/up.sh``:
+``source .infra/env``).
 
 Prints a table and writes ``OUT/worker_overhead.json``. Timings are wall seconds on this
 machine; read them as ratios and shares within one run.
@@ -54,6 +60,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -76,17 +83,28 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _executor(trainer: Any, store_dir: Path, device: Any) -> Any:
+def _store(store: str | None, store_dir: Path) -> Any:
+    """A fresh checkpoint store: ``store_dir`` emptied (``store`` None), or a new prefix under the
+    ``s3://BUCKET/PREFIX`` URL ``store`` (:func:`gpu_worker.object_store.open_checkpoint_store`,
+    its endpoint and credentials from the ``STAGETREE_S3_*`` variables)."""
+    from gpu_worker.object_store import open_checkpoint_store
+
+    if store is None:
+        shutil.rmtree(store_dir, ignore_errors=True)
+        return open_checkpoint_store(store_dir)
+    return open_checkpoint_store(f"{store.rstrip('/')}/{store_dir.name}-{uuid.uuid4().hex[:12]}")
+
+
+def _executor(trainer: Any, store_dir: Path, device: Any, store: str | None = None) -> Any:
     import torch
 
-    from gpu_worker.checkpoint import LocalCheckpointStore
     from gpu_worker.executor import PathExecutor
     from gpu_worker.process import warm_up
 
     torch.set_num_threads(1)
-    shutil.rmtree(store_dir, ignore_errors=True)
+    checkpoints = _store(store, store_dir)
     warm_up(trainer, device)
-    return PathExecutor(trainer, "w0", LocalCheckpointStore(store_dir), device)
+    return PathExecutor(trainer, "w0", checkpoints, device)
 
 
 def _run(executor: Any, dispatches: list[Any], hand_off: bool = True) -> tuple[float, list[Any], list[Any]]:
@@ -123,7 +141,7 @@ def _dispatch(i: int, stages: list[tuple[str, dict[str, Any], int, int, bool]], 
                                                   for n, hp, a, b, e in stages])
 
 
-def tiny(stages: int, out: Path, device: str = "cpu") -> dict[str, Any]:
+def tiny(stages: int, out: Path, device: str = "cpu", store: str | None = None) -> dict[str, Any]:
     from events.hp import Constant
     from gpu_worker.executor import resolve_device
     from gpu_worker.loader import load_trainer
@@ -139,7 +157,7 @@ def tiny(stages: int, out: Path, device: str = "cpu") -> dict[str, Any]:
         "one-step paths from a fresh start, each end waits for its write": (fresh, False),
     }
     for name, (dispatches, hand_off) in cases.items():
-        wall, finished, _ = _run(_executor(trainer, out / "tiny", dev), dispatches, hand_off)
+        wall, finished, _ = _run(_executor(trainer, out / "tiny", dev, store), dispatches, hand_off)
         overhead = [1000 * (e.seconds - e.train_seconds) for e in finished]
         figures[name] = {"stages": len(finished), "wall_ms_per_stage": 1000 * wall / len(finished),
                          "overhead_ms_median": statistics.median(overhead), "overhead_ms_p90": _quantile(overhead, 0.9),
@@ -147,7 +165,7 @@ def tiny(stages: int, out: Path, device: str = "cpu") -> dict[str, Any]:
     return figures
 
 
-def big(steps: int, out: Path, device: str = "cpu") -> dict[str, Any]:
+def big(steps: int, out: Path, device: str = "cpu", store: str | None = None) -> dict[str, Any]:
     from events.hp import Constant
     from events.models import CheckpointSaved, CheckpointSource
     from gpu_worker.executor import resolve_device
@@ -160,7 +178,7 @@ def big(steps: int, out: Path, device: str = "cpu") -> dict[str, Any]:
     bare = _bare_stage_seconds(trainer, steps, dev)
     rows: list[tuple[Any, str, bool, bool]] = []  # (StageFinished, how it started, path end, handed off)
     for hand_off in (True, False):
-        executor = _executor(trainer, out / "big", dev)  # a worker of its own for each way
+        executor = _executor(trainer, out / "big", dev, store)  # a worker of its own for each way
         # a path of 3 stages from a fresh start; a sibling of its last stage, loaded from the
         # checkpoint before it into the trainer built for the first path; then a path resumed from
         # the first path's last checkpoint by a worker that must build its trainer again
@@ -262,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-worker")
     p.add_argument("--device", default="cpu",
                    help="cpu (default) or cuda:N: where the worker trains (the memory probe stays on cpu)")
+    p.add_argument("--store", default=None, metavar="s3://BUCKET/PREFIX",
+                   help="checkpoints in this S3 store (MinIO: endpoint and credentials from STAGETREE_S3_*, "
+                        "e.g. `source .infra/env`), each worker under a new prefix; default a local directory "
+                        "under --out (the memory probe stays local)")
     args = p.parse_args(argv)
     if args.stages < 1 or args.big_steps < 1:
         p.error(f"--stages ({args.stages}) and --big-steps ({args.big_steps}) must be >= 1")
@@ -271,13 +293,17 @@ def main(argv: list[str] | None = None) -> int:
         resolve_device(args.device)
     except ValueError as exc:
         p.error(str(exc).replace("`device`", "--device", 1))
+    if args.store is not None and not args.store.startswith("s3://"):
+        p.error(f"--store must be an s3://BUCKET/PREFIX URL, got {args.store!r}")
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"device": args.device, "tiny": tiny(args.stages, args.out, args.device),
-              "big": big(args.big_steps, args.out, args.device),
+    result = {"device": args.device, "store": args.store or "local",
+              "tiny": tiny(args.stages, args.out, args.device, args.store),
+              "big": big(args.big_steps, args.out, args.device, args.store),
               "memory": memory(args.big_steps, args.out)}
     (args.out / "worker_overhead.json").write_text(json.dumps(result, indent=2))
 
-    table = Table(title=f"worker overhead per stage on {args.device} (one CPU thread, durable local checkpoints)")
+    where = f"checkpoints in {args.store}" if args.store else "durable local checkpoints"
+    table = Table(title=f"worker overhead per stage on {args.device} (one CPU thread, {where})")
     table.add_column("case")
     table.add_column("overhead per stage, median (p90)", justify="right")
     table.add_column("wall per stage", justify="right")
