@@ -72,10 +72,10 @@ class CheckpointStore(Protocol):
     ``put`` returns only after the object is durable and verified; putting
     bytes already stored is a no-op. A store may also offer ``put_many`` (several
     objects, one group commit), which writers use when several are queued. ``get`` verifies the hash and raises
-    CheckpointMissing or CheckpointCorrupt; a store may also offer ``load(ref, use)`` (``use`` of the
-    bytes while they are hashed, its result once they verify: :func:`use_verified`) and
-    ``load_pending(ref, use)`` (the same, returned with a :class:`Verification` that may still be
-    running: :func:`use_pending`), which workers use to load a checkpoint. ``delete`` of an absent object is
+    CheckpointMissing or CheckpointCorrupt; a store may also offer ``load_pending(ref, use)`` (``use``
+    of the bytes while they are hashed, returned with a :class:`Verification` that may still be
+    running: :class:`LoadMemory`, :func:`use_pending`) and ``load(ref, use)`` (the same, returned once
+    they verify), which workers use to load a checkpoint. ``delete`` of an absent object is
     a no-op. Any method raises StorageError when the store itself fails (a full
     disk, an unreachable server). Methods taking a ``ref`` raise ValueError when
     it is not 64 lowercase hex digits.
@@ -337,19 +337,6 @@ def use_pending(ref: str, data: bytes | memoryview, use: Callable[[LoadedBytes],
     return hasher.pending(ref, functools.partial(use, LoadedBytes(view)))
 
 
-def use_verified(ref: str, data: bytes | memoryview, use: Callable[[LoadedBytes], _T]) -> _T:
-    """``use(LoadedBytes(data))``, returned once ``data`` hashes to ``ref`` (:func:`use_pending`,
-    checked): how stores load a checkpoint held in memory (``load(ref, use)``). Nothing ``use``
-    returns from data that does not verify is returned.
-
-    Raises CheckpointCorrupt when ``data`` hashes to something else (whatever ``use`` did with
-    it); else what ``use`` raises.
-    """
-    value, verification = use_pending(ref, data, use)
-    verification.check()
-    return value
-
-
 def _memory_files() -> bool:
     """Whether anonymous memory files can be made and mapped by path (Linux)."""
     return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
@@ -395,6 +382,82 @@ class _MemoryFile:
         os.close(self.fd)
 
 
+class LoadMemory:
+    """The memory a checkpoint store reads objects into to load them (``load_pending``), kept
+    for the next load so that it is not faulted in again at every load (100 MB: 9 ms to read
+    into it against 80 ms into new memory here): from 1 MiB on Linux a process-private memory
+    file (:class:`_MemoryFile`), which :meth:`LoadedBytes.decode` maps instead of copying every
+    tensor out of it (a new file is made while tensors mapped from the last one are still
+    referenced), else a buffer. The bytes are hashed chunk by chunk on a helper thread as they
+    are read (:class:`_Hasher`), while ``use`` runs and after it returns. Loads run one at a
+    time (:meth:`turn`), and the next one waits until the last one's bytes are hashed.
+
+    A store uses it as::
+
+        with memory.turn():
+            with <translating the source's errors>:
+                read = memory.read(size, source.readinto)
+            return memory.use(ref, read, use)
+    """
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()  # small objects
+        self._file: _MemoryFile | None = None  # large ones, on Linux
+        self._lock = threading.Lock()
+        self._hashing: tuple[int, Verification] | None = None  # (pid, the last load's)
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """Hold the memory for one load: wait for the load before (in this process; a forked
+        child has no helper thread) and until its bytes are hashed."""
+        with self._lock:
+            if self._hashing is not None and self._hashing[0] == os.getpid():
+                self._hashing[1].wait()  # the last load's bytes are still hashed from this memory
+            yield
+
+    def read(self, size: int, readinto: Callable[[memoryview], int | None]) -> tuple[LoadedBytes, _Hasher]:
+        """Read an object of ``size`` bytes with ``readinto`` (a file's or a response's: fills
+        the view it is given, returns how many bytes it wrote, 0 at the end) into this memory,
+        :data:`_READ_CHUNK` bytes at a time, each fed to a hasher as the next is read. Returns
+        the bytes read (fewer than ``size`` when the source ended early: their hash then shows
+        it) and the hasher. Call within :meth:`turn`; raises what ``readinto`` raises."""
+        view, mapped = self._view(size)
+        hasher = _Hasher(size)
+        got = 0
+        try:
+            while got < size and (n := readinto(view[got:got + _READ_CHUNK])):
+                hasher.feed(view[got:got + n])
+                got += n
+        except BaseException:
+            hasher.hexdigest()
+            raise
+        return LoadedBytes(view[:got].toreadonly(), mapped if got == size else None), hasher
+
+    def use(self, ref: str, read: tuple[LoadedBytes, _Hasher], use: Callable[[LoadedBytes], _T]
+            ) -> tuple[_T, Verification]:
+        """``use`` of the bytes :meth:`read` read, and the :class:`Verification` that they hash
+        to ``ref`` (:meth:`_Hasher.pending`), which the next load waits for. Call within
+        :meth:`turn`."""
+        loaded, hasher = read
+        value, verification = hasher.pending(ref, functools.partial(use, loaded))
+        self._hashing = (os.getpid(), verification)
+        return value, verification
+
+    def _view(self, size: int) -> tuple[memoryview, str | None]:
+        """Writable memory for an object of ``size`` bytes, and the path of the memory file it
+        is (None for a buffer): the last one's unless tensors mapped from it are referenced."""
+        if size < _BESIDE_BYTES or not _memory_files():
+            if len(self._buffer) < size:
+                self._buffer = bytearray(size)
+            return memoryview(self._buffer)[:size], None
+        last = self._file
+        if last is None or last.pid != os.getpid() or last.size != size or last.mapped_privately():
+            if last is not None and last.pid == os.getpid():
+                last.close()  # its pages stay while mapped
+            last = self._file = _MemoryFile(size)
+        return memoryview(last.map), last.path
+
+
 class LocalCheckpointStore:
     """CheckpointStore in a local directory: the object ``ref`` lives at ``root/ref[:2]/ref``.
 
@@ -410,13 +473,10 @@ class LocalCheckpointStore:
 
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root)
-        self._read_buffer = bytearray()  # reused by load() for small objects: see there
-        self._memory_file: _MemoryFile | None = None  # and for large ones, on Linux
-        self._read_lock = threading.Lock()
-        self._hashing: tuple[int, Verification] | None = None  # (pid, the last load's): see load_pending
+        self._memory = LoadMemory()  # what loads read into, reused: see load_pending
 
     def __reduce__(self) -> tuple[type[LocalCheckpointStore], tuple[Path]]:
-        return LocalCheckpointStore, (self.root,)  # the read buffers and their lock stay here
+        return LocalCheckpointStore, (self.root,)  # the load memory and its lock stay here
 
     def path(self, ref: str) -> Path:
         """Return the file path of object ``ref`` (ValueError on a malformed ref)."""
@@ -559,41 +619,24 @@ class LocalCheckpointStore:
         training before the hash ends, publishing nothing derived from the bytes until it is
         checked (:func:`events.execution.run_path`).
 
-        The object is read into memory this store keeps for the next load, so it is not faulted
-        in again at every load (100 MB: 9 ms to read against 80 ms into new memory here): from
-        1 MiB on Linux a process-private memory file, which :meth:`LoadedBytes.decode` maps
-        instead of copying every tensor out of it (a new file is made while tensors mapped from
-        the last one are still referenced), else a buffer. The bytes are hashed on a helper
-        thread as they are read, while ``use`` runs and after it returns (sha256 of 100 MB:
+        The object is read into memory this store keeps for the next load (:class:`LoadMemory`:
+        a memory file that :meth:`LoadedBytes.decode` maps, from 1 MiB on Linux), hashed on a
+        helper thread as it is read, while ``use`` runs and after it returns (sha256 of 100 MB:
         0.056 s here), so a load of 100 MB into a trainer returns after about 0.05 s (reading,
-        decoding and copying, beside the hash), not their sum with the hash (0.1 s). ``use`` may act on the bytes
-        before they verify: what it does must be undone when they do not. Loads through one
-        store run one at a time; the next one waits until this one's bytes are hashed.
+        decoding and copying, beside the hash), not their sum with the hash (0.1 s). ``use`` may
+        act on the bytes before they verify: what it does must be undone when they do not.
+        Loads through one store run one at a time; the next one waits until this one's bytes
+        are hashed.
 
         Raises CheckpointMissing when absent, StorageError when the disk cannot be read;
         else, once the bytes are hashed, CheckpointCorrupt when ``use`` raised and they hash to
         something else, else what ``use`` raised.
         """
         path = self.path(ref)
-        with self._read_lock:
-            if self._hashing is not None and self._hashing[0] == os.getpid():
-                self._hashing[1].wait()  # the last load's bytes are still hashed from this memory
+        with self._memory.turn():
             with self._reading(ref), open(path, "rb", buffering=0) as file:
-                size = os.fstat(file.fileno()).st_size
-                view, mapped = self._buffer(size)
-                hasher = _Hasher(size)
-                got = 0
-                try:
-                    while got < size and (n := file.readinto(view[got:got + _READ_CHUNK])):
-                        hasher.feed(view[got:got + n])
-                        got += n
-                except BaseException:
-                    hasher.hexdigest()
-                    raise
-            loaded = LoadedBytes(view[:got].toreadonly(), mapped if got == size else None)
-            value, verification = hasher.pending(ref, functools.partial(use, loaded))
-            self._hashing = (os.getpid(), verification)  # (a forked child has no helper thread)
-            return value, verification
+                read = self._memory.read(os.fstat(file.fileno()).st_size, file.readinto)
+            return self._memory.use(ref, read, use)
 
     @contextmanager
     def _reading(self, ref: str) -> Iterator[None]:
@@ -605,20 +648,6 @@ class LocalCheckpointStore:
             raise CheckpointMissing(ref) from None
         except OSError as exc:
             raise StorageError(f"reading checkpoint {ref} under {self.root} failed: {exc}") from exc
-
-    def _buffer(self, size: int) -> tuple[memoryview, str | None]:
-        """Writable memory for an object of ``size`` bytes, and the path of the memory file it
-        is (None for a buffer): the last one's unless tensors mapped from it are referenced."""
-        if size < _BESIDE_BYTES or not _memory_files():
-            if len(self._read_buffer) < size:
-                self._read_buffer = bytearray(size)
-            return memoryview(self._read_buffer)[:size], None
-        last = self._memory_file
-        if last is None or last.pid != os.getpid() or last.size != size or last.mapped_privately():
-            if last is not None and last.pid == os.getpid():
-                last.close()  # its pages stay while mapped
-            last = self._memory_file = _MemoryFile(size)
-        return memoryview(last.map), last.path
 
     def exists(self, ref: str) -> bool:
         """Return whether an object is stored under ``ref`` (its bytes are not checked)."""

@@ -39,13 +39,13 @@ from gpu_worker.checkpoint import (
     CheckpointRef,
     CheckpointStore,
     LoadedBytes,
+    LoadMemory,
     LocalCheckpointStore,
     StorageError,
     Verification,
     _check_ref,
     sha256_hex,
     use_pending,
-    use_verified,
 )
 
 _T = TypeVar("_T")
@@ -197,6 +197,7 @@ class S3CheckpointStore:
             http_client=http_client,
         )
         self._bucket_ready = False
+        self._memory = LoadMemory()  # what loads download into, reused: see load_pending
 
     def __repr__(self) -> str:
         return (
@@ -268,25 +269,44 @@ class S3CheckpointStore:
         return data
 
     def load(self, ref: str, use: Callable[[LoadedBytes], _T]) -> _T:
-        """Download object ``ref`` and return ``use`` of its bytes, hashed while used
-        (:func:`~gpu_worker.checkpoint.use_verified`): how a worker loads a checkpoint.
+        """Download object ``ref`` and return ``use`` of its bytes once they hash to ``ref``
+        (:meth:`load_pending`, checked): how a worker loads a checkpoint. Nothing ``use`` returns
+        from bytes that do not verify is returned.
 
         Raises as :meth:`get`, CheckpointCorrupt also when ``use`` failed on the bytes; else
         what ``use`` raises.
         """
-        return use_verified(ref, self._download(ref, self.key(ref)), use)
+        value, verification = self.load_pending(ref, use)
+        verification.check()
+        return value
 
     def load_pending(self, ref: str, use: Callable[[LoadedBytes], _T]) -> tuple[_T, Verification]:
         """Download object ``ref`` and return ``use`` of its bytes and the :class:`Verification
         <gpu_worker.checkpoint.Verification>` that they hash to ``ref``, which may still be
-        running (:func:`~gpu_worker.checkpoint.use_pending`): how a worker loads a checkpoint
-        and goes on before the hash ends (:meth:`LocalCheckpointStore.load_pending
+        running: how a worker loads a checkpoint and goes on before the hash ends
+        (:meth:`LocalCheckpointStore.load_pending
         <gpu_worker.checkpoint.LocalCheckpointStore.load_pending>`).
+
+        The response is read into memory this store keeps for the next load, as the local
+        store reads a file (:class:`~gpu_worker.checkpoint.LoadMemory`: a memory file that
+        :meth:`LoadedBytes.decode <gpu_worker.checkpoint.LoadedBytes.decode>` maps, from 1 MiB
+        on Linux), hashed chunk by chunk on a helper thread as it arrives, while ``use`` runs
+        and after it returns. A response without a usable Content-Length is read whole first.
 
         Raises as :meth:`get` (CheckpointCorrupt only when ``use`` failed on the bytes); else
         what ``use`` raises.
         """
-        return use_pending(ref, self._download(ref, self.key(ref)), use)
+        key = self.key(ref)
+        with self._memory.turn():
+            with self._response(ref, key) as response:
+                size = _content_length(response)
+                if size is None:
+                    data = response.read()
+                else:
+                    read = self._memory.read(size, response.readinto)
+            if size is None:
+                return use_pending(ref, data, use)
+            return self._memory.use(ref, read, use)
 
     def exists(self, ref: str) -> bool:
         """Return whether an object is stored under ``ref`` (its bytes are not checked)."""
@@ -326,11 +346,20 @@ class S3CheckpointStore:
         return stat.size
 
     def _download(self, ref: str, key: str) -> bytes:
+        with self._response(ref, key) as response:
+            return response.read()
+
+    @contextmanager
+    def _response(self, ref: str, key: str) -> Iterator[urllib3.BaseHTTPResponse]:
+        """The GET response of ``key`` (its body not read yet), closed and its connection
+        released afterwards. Raises CheckpointMissing when the object (or the bucket) is absent,
+        CheckpointStoreError when the request or reading the body fails (a short read
+        included)."""
         response = None
         try:
             with self._translate("get", key):
                 response = self._client.get_object(self.bucket, key)
-                return response.read()
+                yield response
         except CheckpointStoreError as exc:
             if exc.code in _ABSENT_CODES:
                 raise CheckpointMissing(ref) from None
@@ -394,6 +423,15 @@ class S3CheckpointStore:
         else:
             return
         raise error from None
+
+
+def _content_length(response: urllib3.BaseHTTPResponse) -> int | None:
+    """The body's size in bytes from the response's Content-Length, or None without one."""
+    try:
+        size = int(response.headers.get("Content-Length", ""))
+    except ValueError:
+        return None
+    return size if size >= 0 else None
 
 
 def _env_flag(env: Mapping[str, str], name: str) -> bool | None:

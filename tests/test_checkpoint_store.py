@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 import torch
+import urllib3
 
 from gpu_worker.checkpoint import (
     CheckpointCorrupt,
@@ -48,7 +49,7 @@ from gpu_worker.checkpoint import (
     snapshot_state,
     write_state,
 )
-from gpu_worker.object_store import CheckpointStoreError, S3CheckpointStore, open_checkpoint_store
+from gpu_worker.object_store import CheckpointStoreError, S3CheckpointStore, _content_length, open_checkpoint_store
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "digits.py"
@@ -997,12 +998,12 @@ def test_load_decodes_verified_bytes_one_checkpoint_after_another(backend: Backe
         assert copied.load(refs["small"], LoadedBytes.decode)["w"].tolist() == [0, 1, 2, 3, 4]
 
 
-def test_a_large_load_is_mapped_and_no_later_load_changes_what_it_gave(tmp_path: Path) -> None:
-    """From 1 MiB the local store reads an object into a memory file and decodes it by mapping
-    the file (no tensor copied). It reads the next object into the same file only when
-    nothing decoded from it is referenced any more, else into a new one: tensors kept from a
-    load, written to or not, never change with later loads."""
-    store = LocalCheckpointStore(tmp_path)
+def test_a_large_load_is_mapped_and_no_later_load_changes_what_it_gave(backend: Backend) -> None:
+    """From 1 MiB a store reads an object (a file, or MinIO's response) into a memory file and
+    decodes it by mapping the file (no tensor copied). It reads the next object into the same
+    file only when nothing decoded from it is referenced any more, else into a new one:
+    tensors kept from a load, written to or not, never change with later loads."""
+    store = backend.store
     states = [{"w": torch.randn(700, 700), "v": torch.arange(10.0) + i} for i in range(3)]
     datas = [encode_state(state) for state in states]
     assert len({len(data) for data in datas}) == 1 and len(datas[0]) > 1 << 20
@@ -1014,10 +1015,13 @@ def test_a_large_load_is_mapped_and_no_later_load_changes_what_it_gave(tmp_path:
     again = store.load(refs[0], LoadedBytes.decode)
     assert encode_state(again) == datas[0] and kept["w"].equal(states[0]["w"] + 1.0)
     del kept, again
-    memory_file = store._memory_file
+    memory_file = store._memory._file
     assert memory_file is not None and not memory_file.mapped_privately()
+    decoded = store.load(refs[1], LoadedBytes.decode)
+    assert memory_file.mapped_privately()  # its tensors map the file: nothing was copied out of it
+    del decoded
     assert encode_state(store.load(refs[2], LoadedBytes.decode)) == datas[2]
-    assert store._memory_file is memory_file  # nothing decoded from it was referenced: read into again
+    assert store._memory._file is memory_file  # nothing decoded from it was referenced: read into again
 
 
 @pytest.mark.parametrize("size", ["small", "large"])
@@ -1071,16 +1075,26 @@ def test_load_pending_hands_on_what_it_decoded_with_the_check_of_its_bytes(backe
 
 
 def test_a_load_waits_until_the_last_ones_bytes_are_hashed_before_it_reads_into_their_memory(
-        tmp_path: Path) -> None:
-    """The local store reads each large object into the memory file of the last (nothing
-    decoded from it is referenced), which a pending load's hash may still read: the next load
-    waits for that hash, so every verification holds for the bytes it was given."""
-    store = LocalCheckpointStore(tmp_path)
+        backend: Backend) -> None:
+    """A store reads each large object into the memory file of the last (nothing decoded from
+    it is referenced), which a pending load's hash may still read: the next load waits for
+    that hash, so every verification holds for the bytes it was given."""
+    store = backend.store
     datas = [bytes([i]) * (64 << 20) for i in range(4)]
     refs = [store.put(data).ref for data in datas]
     verifications = [store.load_pending(ref, lambda loaded: None)[1] for ref in refs]
     for verification in verifications:
         verification.check()
+
+
+@pytest.mark.parametrize(("headers", "size"), [({"Content-Length": "1234"}, 1234), ({}, None),
+                                               ({"Content-Length": "12a"}, None), ({"Content-Length": "-1"}, None)])
+def test_an_s3_load_reads_into_its_memory_only_what_the_content_length_announces(headers: dict[str, str],
+                                                                                 size: int | None) -> None:
+    """A MinIO response's body is read into the store's load memory when its Content-Length
+    gives the size (MinIO sends one); without a usable one the body is read whole first."""
+    response = urllib3.HTTPResponse(body=io.BytesIO(b""), headers=headers, preload_content=False)
+    assert _content_length(response) == size
 
 
 @pytest.mark.parametrize("memory_file", [True, False], ids=["memfd", "bytes"])

@@ -227,7 +227,7 @@ def test_a_load_from_a_mapped_checkpoint_leaves_the_trainer_nothing_of_its_memor
     assert session.trainer.optimizer.state
     resumed = TrainingSession(session.trainer, 7, device)
     store.load(ref, lambda loaded: resumed.load(loaded.decode, rebuild=rebuild))
-    assert store._memory_file is not None and not store._memory_file.mapped_privately()
+    assert store._memory._file is not None and not store._memory._file.mapped_privately()
     resumed.train(config, 45)
     reference = new_session(device=device)
     reference.load(store.get(ref))
