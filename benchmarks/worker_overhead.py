@@ -95,6 +95,18 @@ def _store(store: str | None, store_dir: Path) -> Any:
     return open_checkpoint_store(f"{store.rstrip('/')}/{store_dir.name}-{uuid.uuid4().hex[:12]}")
 
 
+def _forget(executor: Any, events: list[Any]) -> None:
+    """Delete the checkpoints named in ``events`` from an S3 store (each worker of this benchmark
+    writes under a prefix of its own, which nothing reads afterwards); a local store's directory
+    is emptied by the next :func:`_store` and kept under ``--out`` after the last."""
+    from events.models import CheckpointSaved
+    from gpu_worker.object_store import S3CheckpointStore
+
+    if isinstance(executor.store, S3CheckpointStore):
+        for ref in {e.ref for e in events if isinstance(e, CheckpointSaved)}:
+            executor.store.delete(ref)
+
+
 def _executor(trainer: Any, store_dir: Path, device: Any, store: str | None = None) -> Any:
     import torch
 
@@ -157,7 +169,9 @@ def tiny(stages: int, out: Path, device: str = "cpu", store: str | None = None) 
         "one-step paths from a fresh start, each end waits for its write": (fresh, False),
     }
     for name, (dispatches, hand_off) in cases.items():
-        wall, finished, _ = _run(_executor(trainer, out / "tiny", dev, store), dispatches, hand_off)
+        executor = _executor(trainer, out / "tiny", dev, store)
+        wall, finished, events = _run(executor, dispatches, hand_off)
+        _forget(executor, events)
         overhead = [1000 * (e.seconds - e.train_seconds) for e in finished]
         figures[name] = {"stages": len(finished), "wall_ms_per_stage": 1000 * wall / len(finished),
                          "overhead_ms_median": statistics.median(overhead), "overhead_ms_p90": _quantile(overhead, 0.9),
@@ -182,21 +196,27 @@ def big(steps: int, out: Path, device: str = "cpu", store: str | None = None) ->
         # a path of 3 stages from a fresh start; a sibling of its last stage, loaded from the
         # checkpoint before it into the trainer built for the first path; then a path resumed from
         # the first path's last checkpoint by a worker that must build its trainer again
-        _, first, events = _run(executor, [_dispatch(0, [(f"n{s}", hp, s * steps, (s + 1) * steps, False)
-                                                         for s in range(3)])], hand_off)
-        refs = [e.ref for e in events if isinstance(e, CheckpointSaved)]
-        _, sibling, _ = _run(executor, [_dispatch(1, [("s2", {"lr": Constant(0.02)}, 2 * steps, 3 * steps, False)],
-                                                  CheckpointSource(node_id="n1", step=2 * steps, ref=refs[1]))],
-                             hand_off)
-        _, cousin, _ = _run(executor, [_dispatch(5, [("c1", {"lr": Constant(0.03)}, steps, 2 * steps, False)],
-                                                 CheckpointSource(node_id="n0", step=steps, ref=refs[0]))], hand_off)
-        _, kept, _ = _run(executor, [_dispatch(3, [("r0", {"lr": Constant(0.02)}, 0, steps, False)])], hand_off)
-        _, root, _ = _run(executor, [_dispatch(4, [("q0", {"lr": Constant(0.03)}, 0, steps, False)])], hand_off)
+        written: list[Any] = []  # every event of this worker's paths
+
+        def run(dispatch: Any, executor: Any = executor, written: list[Any] = written,
+                hand_off: bool = hand_off) -> list[Any]:
+            _, finished, events = _run(executor, [dispatch], hand_off)
+            written.extend(events)
+            return finished
+
+        first = run(_dispatch(0, [(f"n{s}", hp, s * steps, (s + 1) * steps, False) for s in range(3)]))
+        refs = [e.ref for e in written if isinstance(e, CheckpointSaved)]
+        sibling = run(_dispatch(1, [("s2", {"lr": Constant(0.02)}, 2 * steps, 3 * steps, False)],
+                                CheckpointSource(node_id="n1", step=2 * steps, ref=refs[1])))
+        cousin = run(_dispatch(5, [("c1", {"lr": Constant(0.03)}, steps, 2 * steps, False)],
+                               CheckpointSource(node_id="n0", step=steps, ref=refs[0])))
+        kept = run(_dispatch(3, [("r0", {"lr": Constant(0.02)}, 0, steps, False)]))
+        root = run(_dispatch(4, [("q0", {"lr": Constant(0.03)}, 0, steps, False)]))
         executor.abandon()  # as a worker that failed a path (or ran another trainer) would
-        _, resumed, _ = _run(executor, [_dispatch(2, [("m0", hp, 3 * steps, 4 * steps, False)],
-                                                  CheckpointSource(node_id="n2", step=3 * steps, ref=refs[2]))],
-                             hand_off)
+        resumed = run(_dispatch(2, [("m0", hp, 3 * steps, 4 * steps, False)],
+                                CheckpointSource(node_id="n2", step=3 * steps, ref=refs[2])))
         executor.abandon()
+        _forget(executor, written)
         rows += [(e, "fresh start" if e is first[0] else "continued in memory", e is first[-1], hand_off)
                  for e in first]
         rows += [(sibling[0], "loaded from a checkpoint into the trainer built before, the store's first load", True,
