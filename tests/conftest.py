@@ -4,11 +4,31 @@ from __future__ import annotations
 
 import shlex
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _names_a_deployment(name: str) -> bool:
+    return name in ("STAGETREE_BOOTSTRAP_SERVERS", "STAGETREE_CHECKPOINT_STORE", "STAGETREE_TOPIC_PREFIX") \
+        or name.startswith(("STAGETREE_S3_", "STAGETREE_KAFKA_"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_deployment_from_the_shell() -> Iterator[None]:
+    """Take the variables that name a deployment (``.infra/env``'s, the topic prefix, Kafka's
+    security settings) out of this process's environment for the session: each test chooses
+    embedded mode or a deployment itself (:func:`deployment`). A shell that sourced
+    ``.infra/env`` would otherwise send every ``stagetree run`` the suite starts as embedded to
+    the broker instead."""
+    import os
+
+    taken = {name: os.environ.pop(name) for name in list(os.environ) if _names_a_deployment(name)}
+    yield
+    os.environ.update(taken)
 
 
 @pytest.fixture(scope="session")
@@ -47,15 +67,19 @@ def embedded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def deployment(infra_env: dict[str, str]) -> dict[str, str]:
+def deployment(infra_env: dict[str, str]) -> Iterator[dict[str, str]]:
     """Environment of a fresh Kafka deployment: its own topics and checkpoint prefix on the
-    shared services."""
+    shared services, deleted after the test (:func:`forget_deployment`)."""
     import os
     import uuid
 
     tag = uuid.uuid4().hex[:10]
-    return {**os.environ, **infra_env, "STAGETREE_TOPIC_PREFIX": f"test-{tag}.",
-            "STAGETREE_CHECKPOINT_STORE": f"s3://stagetree/test-{tag}"}
+    env = {**os.environ, **infra_env, "STAGETREE_TOPIC_PREFIX": f"test-{tag}.",
+           "STAGETREE_CHECKPOINT_STORE": f"s3://stagetree/test-{tag}"}
+    yield env
+    from kafka_cluster import forget_deployment
+
+    forget_deployment(env)
 
 
 @pytest.fixture(scope="session")

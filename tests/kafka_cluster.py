@@ -296,3 +296,29 @@ def verify_deployment(env: dict[str, str]) -> str:
         time.sleep(1)  # the scheduler role seals what it folded every 0.5 s
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
+
+
+def forget_deployment(env: dict[str, str]) -> None:
+    """Delete what a test's deployment left on the shared broker and MinIO: the topics named
+    with its ``STAGETREE_TOPIC_PREFIX`` and its serve instances' faust topics
+    (``stagetree-<prefix>-*``), and the objects under its ``STAGETREE_CHECKPOINT_STORE``. The
+    services outlive the test session, and every run of the suite would otherwise leave a few
+    dozen topics and megabytes of checkpoints behind."""
+    from confluent_kafka.admin import AdminClient
+    from minio import Minio
+    from minio.deleteobjects import DeleteObject
+
+    prefix = env["STAGETREE_TOPIC_PREFIX"]
+    app = f"stagetree-{prefix.strip('.')}-"
+    admin = AdminClient({"bootstrap.servers": env["STAGETREE_BOOTSTRAP_SERVERS"], "log_level": 3})
+    mine = [t for t in admin.list_topics(timeout=30).topics if t.startswith(prefix) or t.startswith(app)]
+    for future in (admin.delete_topics(mine, operation_timeout=30).values() if mine else ()):
+        future.result(timeout=60)
+    bucket, _, key_prefix = env["STAGETREE_CHECKPOINT_STORE"].removeprefix("s3://").partition("/")
+    assert key_prefix, "a test's checkpoint store is a prefix of the shared bucket, never all of it"
+    client = Minio(env["STAGETREE_S3_ENDPOINT"], access_key=env["STAGETREE_S3_ACCESS_KEY"],
+                   secret_key=env["STAGETREE_S3_SECRET_KEY"], secure=False)
+    listed = client.list_objects(bucket, prefix=f"{key_prefix}/", recursive=True)
+    objects = [DeleteObject(o.object_name) for o in listed]
+    failed = list(client.remove_objects(bucket, objects))
+    assert not failed, failed[:3]

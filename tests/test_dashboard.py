@@ -37,6 +37,7 @@ from typing import Any
 
 import orjson
 import pytest
+from kafka_cluster import forget_deployment
 from partitioned import as_partitioned, separating
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
@@ -354,13 +355,7 @@ def test_kafka_deployment_dashboard_shows_the_same_table(run_dir_table: list[lis
         with dashboard(f"kafka://{env['STAGETREE_BOOTSTRAP_SERVERS']}/{prefix}", env) as (_, url):
             assert table(browser, url, TRIALS) == run_dir_table
     finally:
-        from confluent_kafka.admin import AdminClient
-
-        admin = AdminClient({"bootstrap.servers": env["STAGETREE_BOOTSTRAP_SERVERS"]})
-        mine = [t for t in admin.list_topics(timeout=30).topics if t.startswith(prefix)]
-        if mine:
-            for future in admin.delete_topics(mine, operation_timeout=30).values():
-                future.result(timeout=60)
+        forget_deployment(env)
 
 
 # ----------------------------------------------------------------------------- data is text

@@ -19,6 +19,7 @@ from kafka_cluster import (
     Deployment,
     assert_no_duplicate_or_conflicting_decisions,
     assert_what_must_hold_after_faults,
+    forget_deployment,
     kafka_log,
     kafka_state,
     per_trial,
@@ -153,7 +154,7 @@ def private_broker(infra_env: dict[str, str], tmp_path: Path) -> Iterator[Privat
 
 
 def test_a_broker_restart_mid_study(embedded: Path, infra_env: dict[str, str], private_broker: PrivateBroker,
-                                    tmp_path: Path) -> None:
+                                    tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """The broker stops (cleanly) in the middle of a study and comes back a few seconds later:
     the serve instance, the workers and the SDK reconnect by themselves, and the study finishes
     with the same per-trial results as embedded mode; the log verifies. No worker is declared
@@ -161,6 +162,7 @@ def test_a_broker_restart_mid_study(embedded: Path, infra_env: dict[str, str], p
     tag = uuid.uuid4().hex[:10]
     env = {**os.environ, **infra_env, "STAGETREE_BOOTSTRAP_SERVERS": private_broker.bootstrap,
            "STAGETREE_TOPIC_PREFIX": f"restart-{tag}.", "STAGETREE_CHECKPOINT_STORE": f"s3://stagetree/test-{tag}"}
+    request.addfinalizer(lambda: forget_deployment(env))  # before the private broker stops
     cluster = Deployment(env, tmp_path)
     try:
         cluster.serve("A")
