@@ -426,7 +426,10 @@ class S3CheckpointStore:
 
 
 def _content_length(response: urllib3.BaseHTTPResponse) -> int | None:
-    """The body's size in bytes from the response's Content-Length, or None without one."""
+    """The body's size in bytes from the response's Content-Length, or None without one (or
+    with a Content-Encoding, whose decoded body has another size)."""
+    if response.headers.get("Content-Encoding", "identity").strip().lower() != "identity":
+        return None
     try:
         size = int(response.headers.get("Content-Length", ""))
     except ValueError:
