@@ -852,13 +852,11 @@ class TestKafkaTransport:
                                           "sasl.username": "u", "sasl.password": "p"}
 
 
-def test_kafka_topic_prefix_maps_streams_to_topics(kafka_bootstrap: str) -> None:
+def test_kafka_topic_prefix_maps_streams_to_topics(kafka: KafkaBackend) -> None:
     """Logical stream names stay the same whatever the prefix; the topics carry it."""
-    import uuid
-
     from events.kafka_log import KafkaLog
 
-    prefix = f"prefix-{uuid.uuid4().hex[:8]}."
+    kafka_bootstrap, prefix = kafka.bootstrap_servers, kafka.prefix
     with KafkaLog(kafka_bootstrap, topic_prefix=prefix) as log:
         assert log.topic("stagetree.plan") == prefix + "stagetree.plan"
         assert log.append_many("stagetree.plan", [("k", b"a"), ("k", b"b")]) == [0, 1]
@@ -869,17 +867,15 @@ def test_kafka_topic_prefix_maps_streams_to_topics(kafka_bootstrap: str) -> None
         assert plain.end_offset(prefix + "stagetree.plan") == 2
 
 
-def test_kafka_records_carry_the_events_trace_context_in_headers(kafka_bootstrap: str) -> None:
+def test_kafka_records_carry_the_events_trace_context_in_headers(kafka: KafkaBackend) -> None:
     """W3C trace context travels inside the event and, on Kafka, in the record headers too."""
-    import uuid
-
     from confluent_kafka import Consumer, TopicPartition
 
     from events.codec import encode
     from events.kafka_log import KafkaLog, partition_for
     from events.models import WorkerJoined
 
-    prefix = f"headers-{uuid.uuid4().hex[:8]}."
+    kafka_bootstrap, prefix = kafka.bootstrap_servers, kafka.prefix
     parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     traced = WorkerJoined(worker_id="w0", device="cpu", trace={"traceparent": parent})
     with KafkaLog(kafka_bootstrap, topic_prefix=prefix) as log:
