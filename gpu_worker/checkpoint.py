@@ -705,11 +705,13 @@ def _canonical(obj: Any) -> Any:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A copy of a state taken by :class:`SnapshotBuffers` (``state``), and the pooled storages
-    it is made of (``buffers``), lent until :meth:`SnapshotBuffers.give_back`."""
+    """A copy of a state taken by :class:`SnapshotBuffers` (``state``), the pooled storages it is
+    made of (``buffers``), lent until :meth:`SnapshotBuffers.give_back`, and the bytes of every
+    storage it copied (``nbytes``; 0 for a state that is not a copy)."""
 
     state: Any
     buffers: tuple[Any, ...]
+    nbytes: int = 0
 
 
 class SnapshotBuffers:
@@ -732,9 +734,12 @@ class SnapshotBuffers:
         """A copy of ``obj`` as :func:`snapshot_state` makes, its large CPU storages in pooled
         buffers (returned in the Snapshot, to give back)."""
         lent: list[Any] = []
+        copied = 0
 
         def copy_storage(source: Any) -> Any:
+            nonlocal copied
             nbytes = source.nbytes()
+            copied += nbytes
             if nbytes < self.min_bytes:
                 return source.clone()
             with self._lock:
@@ -747,7 +752,7 @@ class SnapshotBuffers:
             return buffer
 
         state = _copy_state(obj, {}, copy_storage)
-        return Snapshot(state, tuple(lent))
+        return Snapshot(state, tuple(lent), copied)
 
     def give_back(self, snapshot: Snapshot) -> None:
         """Return ``snapshot``'s buffers to the pool: nothing may read ``snapshot.state`` after."""

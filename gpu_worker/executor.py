@@ -92,16 +92,34 @@ class _Writer:
     queued when it wakes (at most ``batch``) and stores them with one group commit (``write``:
     a result or the StageFault of each, in order), so a path of short stages is not held by one
     fsync per checkpoint and its training thread neither serializes nor hashes; then hands each
-    snapshot to ``done`` (its memory may be reused)."""
+    snapshot to ``done`` (its memory may be reused).
+
+    The snapshots waiting for it are bounded: :meth:`wait_for_room` holds the training thread
+    while those queued and in flight hold more than ``backlog_bytes`` with the next one (the
+    last one's size), unless none is, so a worker whose stages end faster than its store writes
+    (a GPU's short stages, an object store) does not pile copies of its state up in memory."""
 
     def __init__(self, write: Callable[[list[Snapshot]], list[tuple[str, int] | StageFault]],
-                 done: Callable[[Snapshot], None], name: str, batch: int = 32) -> None:
-        self.write, self.done, self.batch = write, done, batch
+                 done: Callable[[Snapshot], None], name: str, batch: int = 32,
+                 backlog_bytes: int = 1 << 30) -> None:
+        self.write, self.done, self.batch, self.backlog_bytes = write, done, batch, backlog_bytes
         self.queue: queue.SimpleQueue[tuple[Snapshot, Future[tuple[str, int]]]] = queue.SimpleQueue()
+        self._room = threading.Condition()
+        self._pending = 0  # bytes of the snapshots submitted and not yet written
+        self._last = 0  # bytes of the last snapshot submitted: what the next one will likely hold
         threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def wait_for_room(self) -> None:
+        """Return once a snapshot as large as the last one fits in ``backlog_bytes`` beside the
+        snapshots not yet written (at once when none is): call before taking a snapshot."""
+        with self._room:
+            self._room.wait_for(lambda: self._pending == 0 or self._pending + self._last <= self.backlog_bytes)
 
     def submit(self, snapshot: Snapshot) -> Future[tuple[str, int]]:
         future: Future[tuple[str, int]] = Future()
+        with self._room:
+            self._pending += snapshot.nbytes
+            self._last = snapshot.nbytes
         self.queue.put((snapshot, future))
         return future
 
@@ -124,9 +142,13 @@ class _Writer:
             # The snapshots are let go before any waiting stage is told: once the last write of
             # a path is done its worker may exit, and a thread still freeing tensors then
             # aborts the process ("terminate called without an active exception").
+            written = sum(snapshot.nbytes for snapshot in snapshots)
             for snapshot in snapshots:
                 self.done(snapshot)
             del snapshots
+            with self._room:
+                self._pending -= written
+                self._room.notify_all()
             for i, future in enumerate(futures):
                 result = outcome if isinstance(outcome, BaseException) else outcome[i]
                 if isinstance(result, BaseException):
@@ -179,6 +201,9 @@ class PathExecutor:
             full disk, an unreachable object store) before the path is handed back.
         storage_backoff_s: seconds before the second try, doubled for each further one.
         sleep: how to wait between tries (seconds).
+        write_backlog_bytes: bytes of snapshots (copies of the state) that may wait for the writer
+            before a stage's save waits for it (one always may): bounds a worker's memory when
+            its stages end faster than its store writes (default 1 GiB).
 
     The session survives between dispatches: when a path starts from the checkpoint this
     worker just saved, the weights in memory are used without reloading (same bytes, same
@@ -193,7 +218,7 @@ class PathExecutor:
     def __init__(self, trainer: Trainer, worker_id: str, store: CheckpointStore, device: torch.device,
                  *, clock: Callable[[], float] = time.perf_counter, wall: Callable[[], float] = time.time,
                  storage_attempts: int = 3, storage_backoff_s: float = 1.0,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, write_backlog_bytes: int = 1 << 30) -> None:
         if isinstance(storage_attempts, bool) or not isinstance(storage_attempts, int) or storage_attempts < 1:
             raise ValueError(f"`storage_attempts` is {storage_attempts!r}, but must be an int >= 1")
         self.trainer = trainer
@@ -217,7 +242,8 @@ class PathExecutor:
         self._initial: tuple[int, Future[HeldState], float] | None = None
         self._live: SaveHandle | None = None  # the write holding the live state (a path's end)
         self._buffers = SnapshotBuffers()
-        self._writer = _Writer(self._put_many, self._buffers.give_back, f"checkpoint-writer-{worker_id}")
+        self._writer = _Writer(self._put_many, self._buffers.give_back, f"checkpoint-writer-{worker_id}",
+                               backlog_bytes=write_backlog_bytes)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"checkpoint-reader-{worker_id}")
 
     def stamp(self, event: Event) -> Event:
@@ -385,12 +411,17 @@ class PathExecutor:
         write is verified: the next path reuses them only as the checkpoint this write verified,
         and builds a trainer or loads its own otherwise (:meth:`begin`). A trainer that takes
         longer to build is copied (a memory copy, against a build), so the next path may load
-        into it at once."""
+        into it at once. Before a copy, waits until the writes already queued leave room for it
+        (``write_backlog_bytes``)."""
         if not self._dirty:
             return None
         session = self._require()
         live = waited and self._build_s < self.REUSE_MIN_BUILD_S
-        snapshot = Snapshot(session.state(), ()) if live else session.snapshot(self._buffers)
+        if live:
+            snapshot = Snapshot(session.state(), ())
+        else:
+            self._writer.wait_for_room()  # the writes before leave room for this copy
+            snapshot = session.snapshot(self._buffers)
         self._dirty = False
         self._latest = _Write(self._writer.submit(snapshot))
         if live:
@@ -400,9 +431,10 @@ class PathExecutor:
     def _put_many(self, snapshots: list[Snapshot]) -> list[tuple[str, int] | StageFault]:
         """Store snapshots (on the writer thread): streamed into the store, hashed as they are
         written, with one group commit where the store has ``put_written``; else encoded and
-        stored with ``put_many`` or ``put``. Retried while the store fails; then a StageFault of
-        kind "storage" (raised: it is every snapshot's). A snapshot whose state does not encode
-        gets a StageFault of kind "error" (the trainer's) and the others are stored."""
+        stored with ``put_many``, or one by one with ``put`` (one encoded copy in memory at a
+        time). Retried while the store fails; then a StageFault of kind "storage" (raised: it is
+        every snapshot's). A snapshot whose state does not encode gets a StageFault of kind
+        "error" (the trainer's) and the others are stored."""
         results: dict[int, tuple[str, int] | StageFault] = {}
 
         def unencodable(i: int, exc: Exception) -> None:
@@ -428,7 +460,7 @@ class PathExecutor:
                     except _Unencodable as exc:  # store the others again without it
                         unencodable(exc.index, exc.cause)
                         continue
-                else:
+                elif (put_many := getattr(self.store, "put_many", None)) is not None:
                     datas = {}
                     for i in left:
                         try:
@@ -436,9 +468,18 @@ class PathExecutor:
                         except Exception as exc:
                             unencodable(i, exc)
                     left = list(datas)
-                    put_many = getattr(self.store, "put_many", None)
-                    refs = self._stored(functools.partial(put_many, list(datas.values()))) if put_many is not None \
-                        else [self._stored(functools.partial(self.store.put, data)) for data in datas.values()]
+                    refs = self._stored(functools.partial(put_many, list(datas.values())))
+                else:  # one encoded copy in memory at a time (an object store's put)
+                    for i in left:
+                        try:
+                            data = encode_state(snapshots[i].state)
+                        except Exception as exc:
+                            unencodable(i, exc)
+                            continue
+                        stored = self._stored(functools.partial(self.store.put, data))
+                        del data
+                        results[i] = (stored.ref, stored.size)
+                    continue
                 results.update((i, (r.ref, r.size)) for i, r in zip(left, refs))
         except (StorageError, CheckpointCorrupt) as exc:  # the store's fault, not the trial's
             raise StageFault("storage", f"{type(exc).__name__}: {exc}") from exc

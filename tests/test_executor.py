@@ -330,6 +330,33 @@ def test_the_next_path_trains_while_the_path_before_is_written(cluster: Cluster,
     assert not events_of(cluster.batches, StageFailed)
 
 
+def test_a_path_waits_for_its_writes_once_their_snapshots_fill_the_backlog(tmp_path: Path) -> None:
+    """Stages that end faster than the store writes (a GPU, an object store) do not pile copies of
+    the state up in memory: once the snapshots waiting for the writer hold ``write_backlog_bytes``
+    (one is always let through), the next stage's save waits for a write to end. The path then
+    goes on, and saves what a worker without the bound saves."""
+    stages = [(f"n{k}", k, k + 1) for k in range(4)]
+    other = Gated(tmp_path / "a")  # a worker without the bound trains the whole path while its writes wait
+    unbounded = saved_by(PathExecutor(DigitsTrainer(), "w0", other, torch.device("cpu")), other, dispatch_of(0, stages))
+    store = Gated(tmp_path / "b")
+    worker = PathExecutor(DigitsTrainer(), "w0", store, torch.device("cpu"), write_backlog_bytes=1)
+    events: list[Event] = []
+    ends = EndBatches(events.extend)
+    path = threading.Thread(target=worker.run, args=(dispatch_of(0, stages), events.extend), kwargs={"ends": ends})
+    path.start()
+    deadline = time.monotonic() + 60
+    while len(events_of([events], StageStarted)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    path.join(0.5)  # the second stage's save waits for the first write, which waits for the gate
+    assert path.is_alive() and [e.node_id for e in events_of([events], StageStarted)] == ["n0", "n1"]
+    store.gate.set()
+    path.join(60)
+    ends.release(True)
+    assert not path.is_alive() and not events_of([events], StageFailed)
+    assert [e.node_id for e in events_of([events], StageStarted)] == ["n0", "n1", "n2", "n3"]
+    assert {e.node_id: e.ref for e in events if isinstance(e, CheckpointSaved)} == unbounded
+
+
 def dispatch_of(i: int, stages: list[tuple[str, int, int]], source: CheckpointSource | None = None,
                 hp: dict[str, Constant | MultiStep] = CONFIG, seed: int = 3) -> StageDispatched:
     return StageDispatched(dispatch_id=f"d{i}", worker_id="w0", plan_key="p", seed=seed, decided_at=i, source=source,
