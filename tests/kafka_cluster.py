@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import orjson
 
@@ -304,21 +304,38 @@ def forget_deployment(env: dict[str, str]) -> None:
     (``stagetree-<prefix>-*``), and the objects under its ``STAGETREE_CHECKPOINT_STORE``. The
     services outlive the test session, and every run of the suite would otherwise leave a few
     dozen topics and megabytes of checkpoints behind."""
-    from confluent_kafka.admin import AdminClient
     from minio import Minio
-    from minio.deleteobjects import DeleteObject
 
     prefix = env["STAGETREE_TOPIC_PREFIX"]
-    app = f"stagetree-{prefix.strip('.')}-"
-    admin = AdminClient({"bootstrap.servers": env["STAGETREE_BOOTSTRAP_SERVERS"], "log_level": 3})
-    mine = [t for t in admin.list_topics(timeout=30).topics if t.startswith(prefix) or t.startswith(app)]
-    for future in (admin.delete_topics(mine, operation_timeout=30).values() if mine else ()):
-        future.result(timeout=60)
+    failed = delete_topics(env["STAGETREE_BOOTSTRAP_SERVERS"], prefix, f"stagetree-{prefix.strip('.')}-")
+    assert not failed, failed
     bucket, _, key_prefix = env["STAGETREE_CHECKPOINT_STORE"].removeprefix("s3://").partition("/")
     assert key_prefix, "a test's checkpoint store is a prefix of the shared bucket, never all of it"
-    client = Minio(env["STAGETREE_S3_ENDPOINT"], access_key=env["STAGETREE_S3_ACCESS_KEY"],
-                   secret_key=env["STAGETREE_S3_SECRET_KEY"], secure=False)
-    listed = client.list_objects(bucket, prefix=f"{key_prefix}/", recursive=True)
-    objects = [DeleteObject(o.object_name) for o in listed]
-    failed = list(client.remove_objects(bucket, objects))
+    remove_prefix(Minio(env["STAGETREE_S3_ENDPOINT"], access_key=env["STAGETREE_S3_ACCESS_KEY"],
+                        secret_key=env["STAGETREE_S3_SECRET_KEY"], secure=False), bucket, key_prefix)
+
+
+def delete_topics(bootstrap: str, *prefixes: str) -> list[Exception]:
+    """Delete every topic whose name starts with one of ``prefixes`` from the broker at
+    ``bootstrap``, waiting up to 60 s for each deletion; the errors of those that failed."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap, "client.id": "stagetree-test-cleanup", "log_level": 3})
+    names = [t for t in admin.list_topics(timeout=30).topics if t.startswith(prefixes)]
+    errors = []
+    for future in admin.delete_topics(names, operation_timeout=30).values() if names else ():
+        try:
+            future.result(timeout=60)
+        except Exception as exc:
+            errors.append(exc)
+    return errors
+
+
+def remove_prefix(client: Any, bucket: str, prefix: str) -> None:
+    """Delete every object under ``prefix/`` of ``bucket`` through the minio ``client``; raises
+    when one could not be deleted."""
+    from minio.deleteobjects import DeleteObject
+
+    listed = client.list_objects(bucket, prefix=f"{prefix}/", recursive=True)
+    failed = list(client.remove_objects(bucket, [DeleteObject(o.object_name) for o in listed]))
     assert not failed, failed[:3]

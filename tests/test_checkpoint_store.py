@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 import urllib3
+from kafka_cluster import remove_prefix
 
 from gpu_worker.checkpoint import (
     CheckpointCorrupt,
@@ -99,11 +100,6 @@ def minio_client(minio_env: dict[str, str]) -> Any:
 
 def infra_bucket(env: dict[str, str]) -> str:
     return env["STAGETREE_CHECKPOINT_STORE"].removeprefix("s3://").partition("/")[0]
-
-
-def remove_prefix(client: Any, bucket: str, prefix: str) -> None:
-    for item in client.list_objects(bucket, prefix=prefix + "/", recursive=True):
-        client.remove_object(bucket, item.object_name)
 
 
 def remove_bucket(client: Any, bucket: str) -> None:
