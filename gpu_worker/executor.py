@@ -440,6 +440,14 @@ class PathExecutor:
         def unencodable(i: int, exc: Exception) -> None:
             results[i] = StageFault("error", describe_error(exc))
 
+        def encoded(i: int) -> bytes | None:
+            """Snapshot ``i``'s bytes, or None once its state did not encode (its fault noted)."""
+            try:
+                return encode_state(snapshots[i].state)
+            except Exception as exc:
+                unencodable(i, exc)
+                return None
+
         def writer(i: int) -> Callable[[BinaryIO], None]:
             def write(sink: BinaryIO) -> None:
                 try:
@@ -461,24 +469,16 @@ class PathExecutor:
                         unencodable(exc.index, exc.cause)
                         continue
                 elif (put_many := getattr(self.store, "put_many", None)) is not None:
-                    datas = {}
-                    for i in left:
-                        try:
-                            datas[i] = encode_state(snapshots[i].state)
-                        except Exception as exc:
-                            unencodable(i, exc)
+                    datas = {i: data for i in left if (data := encoded(i)) is not None}
                     left = list(datas)
                     refs = self._stored(functools.partial(put_many, list(datas.values())))
                 else:  # one encoded copy in memory at a time (an object store's put)
                     for i in left:
-                        try:
-                            data = encode_state(snapshots[i].state)
-                        except Exception as exc:
-                            unencodable(i, exc)
-                            continue
-                        stored = self._stored(functools.partial(self.store.put, data))
-                        del data
-                        results[i] = (stored.ref, stored.size)
+                        data = encoded(i)
+                        if data is not None:
+                            stored = self._stored(functools.partial(self.store.put, data))
+                            data = None  # let it go before the next one is encoded
+                            results[i] = (stored.ref, stored.size)
                     continue
                 results.update((i, (r.ref, r.size)) for i, r in zip(left, refs))
         except (StorageError, CheckpointCorrupt) as exc:  # the store's fault, not the trial's
