@@ -28,10 +28,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cluster_id() -> str:
+    """A random KRaft cluster id, as Kafka's ``Uuid.randomUuid`` makes one: 22 url-safe base64 characters
+    that do not start with ``-`` (one in 64 random ids does, and a command line reads it as an option)."""
+    while True:
+        text = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not text.startswith("-"):
+            return text
+
+
 class PrivateBroker:
     """One KRaft broker+controller on two free loopback ports, data in ``root``."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, cluster: str | None = None) -> None:
         if not (LIBS / ".pom.sha256").exists():
             raise RuntimeError(f"no Kafka jars in {LIBS}: infra/up.sh fetches them")
         self.root = root
@@ -45,10 +54,13 @@ class PrivateBroker:
                 .replace("127.0.0.1:9093", f"127.0.0.1:{self.controller_port}"))
         self.config = root / "server.properties"
         self.config.write_text(text)
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-        subprocess.run(self._java("kafka.tools.StorageTool", "format", "--ignore-formatted", "-t", cluster_id,
-                                  "-c", str(self.config), tools=True),
-                       check=True, capture_output=True, timeout=120)
+        formatted = subprocess.run(
+            self._java("kafka.tools.StorageTool", "format", "--ignore-formatted",
+                       f"--cluster-id={cluster or cluster_id()}", f"--config={self.config}", tools=True),
+            capture_output=True, text=True, timeout=120)
+        if formatted.returncode != 0:
+            raise RuntimeError(f"kafka.tools.StorageTool format exited {formatted.returncode}: "
+                               f"{formatted.stdout}{formatted.stderr}")
         self.proc: subprocess.Popen[bytes] | None = None
 
     def _java(self, main: str, *args: str, tools: bool = False) -> list[str]:
