@@ -63,7 +63,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
 
 import orjson  # noqa: E402
-from confluent_kafka.admin import AdminClient  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -163,11 +162,11 @@ def run_study(transport: str, study: Path, out: Path, env: dict[str, str], prefi
 
 
 def delete_topics(bootstrap: str, prefix: str) -> None:
-    """Delete every topic whose name starts with ``prefix``."""
-    admin = AdminClient({"bootstrap.servers": bootstrap, "client.id": "stagetree-bench", "log_level": 3})
-    names = [t for t in admin.list_topics(timeout=30).topics if t.startswith(prefix)]
-    for future in admin.delete_topics(names, operation_timeout=30).values() if names else ():
-        future.result(timeout=60)
+    """Delete every topic whose name starts with ``prefix``; raises when one was not deleted."""
+    with KafkaLog(bootstrap, client_id="stagetree-bench", create_topics=False) as log:
+        failed = log.delete_topics(prefix)
+    if failed:
+        raise RuntimeError(f"topics under {prefix!r} were not deleted: {failed}")
 
 
 def pct(xs: list[float], q: int) -> float:

@@ -263,6 +263,7 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
     port = reserve(args.dashboard) if args.dashboard is not None else None
     log = _kafka_log(args)
     procs: list[subprocess.Popen[bytes]] = []
+    app_id = f"stagetree-{loaded[4]}-{uuid.uuid4().hex[:8]}"  # this run's own serve app
     runtime = KafkaRuntime(log)
     poller = asyncio.create_task(runtime.run())
     dashboard = None
@@ -276,8 +277,7 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
         workers = [f"w{i}" for i in range(args.workers)]
         if workers:
             out.mkdir(parents=True, exist_ok=True)
-            procs.append(_spawn(["serve", *common, "--state-dir", str(out / "serve-state"),
-                                 "--app-id", f"stagetree-{loaded[4]}-{uuid.uuid4().hex[:8]}"]))
+            procs.append(_spawn(["serve", *common, "--state-dir", str(out / "serve-state"), "--app-id", app_id]))
             procs += [_spawn(["worker", *common, "--checkpoint-store", args.checkpoint_store, "--worker-id", w,
                               "--study", str(args.file), "--device", args.device]) for w in workers]
             await runtime.ready(workers)
@@ -299,8 +299,28 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
                     proc.wait(timeout=20)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+                    proc.wait()
+        if procs:
+            _forget_serve_app(log, app_id, console)
         log.close()
     return _write_summary(out, summary)
+
+
+def _forget_serve_app(log: Any, app_id: str, console: Console) -> None:
+    """Delete the faust topics (``<app_id>-*``) of the serve app a run started and stopped: no
+    other process joins that app, and each run would otherwise leave one on the cluster. What
+    cannot be deleted is a warning, never the run's failure."""
+    from rich.markup import escape
+
+    from events.log import LogError
+
+    try:
+        failures = log.delete_topics(f"{app_id}-")
+    except LogError as exc:
+        failures = [str(exc)]
+    for failure in failures:
+        console.print(f"[yellow]warning:[/yellow] the topics of this run's serve app {app_id!r} were not all "
+                      f"deleted: {escape(failure)}")
 
 
 async def _sealed(runtime: Any, upto: dict[int, int], console: Console, timeout_s: float = 60.0) -> None:

@@ -315,20 +315,13 @@ def forget_deployment(env: dict[str, str]) -> None:
                         secret_key=env["STAGETREE_S3_SECRET_KEY"], secure=False), bucket, key_prefix)
 
 
-def delete_topics(bootstrap: str, *prefixes: str) -> list[Exception]:
+def delete_topics(bootstrap: str, *prefixes: str) -> list[str]:
     """Delete every topic whose name starts with one of ``prefixes`` from the broker at
-    ``bootstrap``, waiting up to 60 s for each deletion; the errors of those that failed."""
-    from confluent_kafka.admin import AdminClient
+    ``bootstrap`` (:meth:`KafkaLog.delete_topics`); a line for each one that failed."""
+    from events.kafka_log import KafkaLog
 
-    admin = AdminClient({"bootstrap.servers": bootstrap, "client.id": "stagetree-test-cleanup", "log_level": 3})
-    names = [t for t in admin.list_topics(timeout=30).topics if t.startswith(prefixes)]
-    errors = []
-    for future in admin.delete_topics(names, operation_timeout=30).values() if names else ():
-        try:
-            future.result(timeout=60)
-        except Exception as exc:
-            errors.append(exc)
-    return errors
+    with KafkaLog(bootstrap, client_id="stagetree-test-cleanup", create_topics=False) as log:
+        return log.delete_topics(*prefixes)
 
 
 def remove_prefix(client: Any, bucket: str, prefix: str) -> None:

@@ -48,11 +48,22 @@ from stagetree.study import Study
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 
 
+def _faust_topics(env: dict[str, str]) -> set[str]:
+    """The faust apps' internal topics on the deployment's broker (``<app id>-__assignor-__leader``)."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": env["STAGETREE_BOOTSTRAP_SERVERS"]})
+    return {t for t in admin.list_topics(timeout=30).topics if t.endswith("-__assignor-__leader")}
+
+
 def test_kafka_study_equals_embedded_bit_for_bit(embedded: Path, deployment: dict[str, str], tmp_path: Path) -> None:
     out = tmp_path / "kafka"
+    before = _faust_topics(deployment)
     proc = subprocess.run([*CLI, "run", str(STUDY), "--workers", "2", "--out", str(out), "--quiet"],
                           capture_output=True, text=True, timeout=900, env=deployment)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # the run's serve app is its own: its faust topics go with it (one a run was left before)
+    assert _faust_topics(deployment) <= before, proc.stdout + proc.stderr
     kafka = orjson.loads((out / "summary.json").read_bytes())
     local = orjson.loads((embedded / "summary.json").read_bytes())
     assert per_trial(kafka) == per_trial(local)

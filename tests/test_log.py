@@ -779,6 +779,25 @@ class TestKafkaTransport:
         with KafkaLog(kafka.bootstrap_servers) as log:
             assert log.end_offset(s) == 2 and not log._exists(kafka.stream("other"))
 
+    def test_delete_topics_deletes_only_the_topics_its_prefixes_name(self, kafka: KafkaBackend) -> None:
+        from events.kafka_log import KafkaLog
+
+        with KafkaLog(kafka.bootstrap_servers) as log:
+            for name in ("app-1-a", "app-1-b", "app-10-a", "other"):
+                log.append(kafka.stream(name), "k", b"v")
+            with pytest.raises(ValueError, match=r"`prefixes` is \('',\)"):
+                log.delete_topics("")
+            with pytest.raises(ValueError, match="`prefixes` is"):
+                log.delete_topics()
+            with KafkaLog(kafka.bootstrap_servers, read_only=True) as reader:
+                with pytest.raises(LogError, match="read-only"):
+                    reader.delete_topics(kafka.stream("app-1-"))
+            assert log.delete_topics(kafka.stream("app-1-"), kafka.stream("none-")) == []
+            listed = set(log._get_admin().list_topics(timeout=30).topics)
+            assert {kafka.stream(n) for n in ("app-10-a", "other")} <= listed
+            assert not {kafka.stream(n) for n in ("app-1-a", "app-1-b")} & listed
+            assert log.delete_topics(kafka.stream("app-1-")) == []  # nothing left: nothing fails
+
     def test_oversized_record_appends_nothing(self, kafka: KafkaBackend) -> None:
         from events.kafka_log import KafkaLog, KafkaLogError
 

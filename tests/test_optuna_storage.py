@@ -45,16 +45,10 @@ def _kafka_url(infra_env: dict[str, str], tag: str) -> str:
 
 
 def _delete_topics(url: str) -> None:
-    from confluent_kafka.admin import AdminClient
+    from kafka_cluster import delete_topics
 
     servers, _, prefix = url[len("kafka://"):].partition("/")
-    admin = AdminClient({"bootstrap.servers": servers, "client.id": "stagetree-test-cleanup"})
-    names = [t for t in admin.list_topics(timeout=30).topics if t.startswith(prefix)]
-    for future in (admin.delete_topics(names, operation_timeout=30).values() if names else ()):
-        try:
-            future.result(timeout=60)
-        except Exception:  # already gone
-            pass
+    assert not delete_topics(servers, prefix)
 
 
 # ----------------------------------------------------------------------------- Optuna's contract
