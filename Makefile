@@ -2,18 +2,26 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-12)
 
-.PHONY: demo test venv bench clean browser
+.PHONY: demo test venv lock bench clean browser
 
-$(STAMP): pyproject.toml
+# The versions in constraints.txt: CI and every fresh machine test what last passed together.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --upgrade pip -c constraints.txt
+	$(PY) -m pip install --quiet -e '.[test]' -c constraints.txt
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# The newest versions pyproject.toml allows, written to constraints.txt (run `make test` next).
+lock: $(STAMP)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[test]'
+	{ sed -n '/^#/p' constraints.txt; $(PY) -m pip freeze --exclude-editable --all; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 demo: $(STAMP)
 	rm -rf runs/demo
