@@ -442,17 +442,18 @@ class KafkaLog:
                                     f"leader after {self.timeout_s:g} s", topic=topic, error="no leader")
             time.sleep(0.05)
 
-    def delete_topics(self, *prefixes: str) -> list[str]:
+    def delete_topics(self, *prefixes: str, timeout_s: float | None = None) -> list[str]:
         """Delete every topic of the cluster whose name starts with one of ``prefixes`` (whole
-        topic names, the log's ``topic_prefix`` not added), waiting up to ``timeout_s`` for each
-        deletion. For what a finished run made for itself alone (``stagetree run``'s serve app);
-        a topic another process deletes meanwhile is no failure.
+        topic names, the log's ``topic_prefix`` not added), waiting up to ``timeout_s`` seconds
+        (default: the log's) for the listing and for each deletion. For what a finished run made
+        for itself alone (``stagetree run``'s serve app); a topic another process deletes
+        meanwhile is no failure.
 
         Returns:
             One line per topic that could not be deleted (empty when all were).
 
         Raises:
-            ValueError: no prefix, or an empty one (it would name every topic).
+            ValueError: no prefix, or an empty one (it would name every topic); ``timeout_s`` <= 0.
             LogError: the log was opened read-only, or is closed.
             KafkaLogError: the broker did not list its topics within ``timeout_s``.
         """
@@ -461,22 +462,25 @@ class KafkaLog:
             raise ValueError(f"`prefixes` is {prefixes!r}, but must be one or more non-empty topic-name prefixes")
         if self.read_only:
             raise LogError(f"{self!r} was opened read-only")
+        wait = self.timeout_s if timeout_s is None else timeout_s
+        if not wait > 0:
+            raise ValueError(f"`timeout_s` is {timeout_s!r}, but must be > 0")
         admin = self._get_admin()
         try:
-            names = [t for t in admin.list_topics(timeout=self.timeout_s).topics if t.startswith(prefixes)]
+            names = [t for t in admin.list_topics(timeout=wait).topics if t.startswith(prefixes)]
         except KafkaException as exc:
             raise KafkaLogError(f"kafka: listing the topics of {self.bootstrap_servers}: {exc.args[0]}",
                                 error=exc.args[0]) from exc
         failed = []
-        for topic, future in (admin.delete_topics(names, operation_timeout=self.timeout_s).items() if names else ()):
+        for topic, future in (admin.delete_topics(names, operation_timeout=wait).items() if names else ()):
             try:
-                future.result(timeout=self.timeout_s)
+                future.result(timeout=wait)
             except KafkaException as exc:
                 err = exc.args[0]
                 if not (isinstance(err, KafkaError) and err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
                     failed.append(f"{topic}: {err}")
             except Exception as exc:  # concurrent.futures.TimeoutError
-                failed.append(f"{topic}: not deleted within {self.timeout_s:g} s ({exc!r})")
+                failed.append(f"{topic}: not deleted within {wait:g} s ({exc!r})")
             self._known.pop(topic, None)
         return failed
 

@@ -309,13 +309,14 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
 def _forget_serve_app(log: Any, app_id: str, console: Console) -> None:
     """Delete the faust topics (``<app_id>-*``) of the serve app a run started and stopped: no
     other process joins that app, and each run would otherwise leave one on the cluster. What
-    cannot be deleted is a warning, never the run's failure."""
+    cannot be deleted within 10 s is a warning, never the run's failure (nor a long wait when
+    the broker is what failed)."""
     from rich.markup import escape
 
     from events.log import LogError
 
     try:
-        failures = log.delete_topics(f"{app_id}-")
+        failures = log.delete_topics(f"{app_id}-", timeout_s=10.0)
     except LogError as exc:
         failures = [str(exc)]
     for failure in failures:

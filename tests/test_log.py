@@ -789,6 +789,8 @@ class TestKafkaTransport:
                 log.delete_topics("")
             with pytest.raises(ValueError, match="`prefixes` is"):
                 log.delete_topics()
+            with pytest.raises(ValueError, match="`timeout_s` is 0"):
+                log.delete_topics(kafka.stream("app-1-"), timeout_s=0)
             with KafkaLog(kafka.bootstrap_servers, read_only=True) as reader:
                 with pytest.raises(LogError, match="read-only"):
                     reader.delete_topics(kafka.stream("app-1-"))
