@@ -43,8 +43,8 @@ def set_determinism() -> None:
     """
     os.environ.setdefault("TORCHINDUCTOR_DETERMINISTIC", "1")
     inductor = sys.modules.get("torch._inductor.config")
-    if inductor is not None:
-        inductor.deterministic = True  # type: ignore[attr-defined]
+    if inductor is not None and hasattr(inductor, "deterministic"):  # from torch 2.6 on
+        inductor.deterministic = True
     switch = getattr(torch._C, "_set_deterministic_algorithms", None)
     if switch is None:
         torch.use_deterministic_algorithms(True)

@@ -601,12 +601,14 @@ def test_determinism_is_set_without_importing_torchs_compiler() -> None:
     import subprocess
 
     code = ("import sys, torch\n"
+            "def compiler(): return {m for m in sys.modules if m.startswith(('torch._inductor', 'torch._dynamo'))}\n"
+            "before = compiler()  # nothing from torch 2.6 on; torch 2.5 imports inductor's config itself\n"
             "from gpu_worker.session import set_determinism\n"
             "set_determinism()\n"
             "assert torch.are_deterministic_algorithms_enabled()\n"
-            "assert 'torch._inductor' not in sys.modules and 'torch._dynamo' not in sys.modules\n"
+            "assert compiler() == before, sorted(compiler() - before)\n"
             "import torch._inductor.config as c\n"
-            "assert c.deterministic is True\n"
+            "assert getattr(c, 'deterministic', True) is True  # the flag exists from torch 2.6 on\n"
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "ok", out.stderr
