@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-12)
 
-.PHONY: demo test venv lock bench clean browser
+.PHONY: demo test venv lock test-oldest-torch bench clean browser
 
 # The versions in constraints.txt: CI and every fresh machine test what last passed together.
 $(STAMP): pyproject.toml constraints.txt
@@ -36,6 +36,19 @@ test: $(STAMP)
 # tests run this themselves when the browser is missing, and skip, saying why, where it cannot).
 browser:
 	bash infra/browser.sh
+
+# The worker and end-to-end tests on the oldest torch pyproject.toml allows (the compose image's),
+# in .venv-oldest-torch: a few minutes to install, about 6 minutes to run; not part of `make test`.
+OLDEST_TORCH := 2.5.1
+test-oldest-torch:
+	test -x .venv-oldest-torch/bin/python || $(PYTHON) -m venv .venv-oldest-torch
+	grep -v -E '^(torch|triton|nvidia-|sympy|mpmath|setuptools)=' constraints.txt > .venv-oldest-torch/constraints.txt
+	.venv-oldest-torch/bin/python -m pip install --quiet "torch==$(OLDEST_TORCH)" -e '.[test]' \
+		-c .venv-oldest-torch/constraints.txt
+	.venv-oldest-torch/bin/python -m pytest -q -p no:cacheprovider tests/test_training_session.py \
+		tests/test_checkpoint_store.py tests/test_executor.py tests/test_worker_processes.py tests/test_worker_pipe.py \
+		tests/test_e2e.py tests/test_checkpoint_budget.py tests/test_wsd_example.py tests/test_multi_study.py \
+		tests/test_audit.py tests/test_bad_input.py -k 'not minio'
 
 bench: $(STAMP)
 	$(PY) benchmarks/merge_savings.py

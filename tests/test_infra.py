@@ -42,6 +42,7 @@ STATE = ROOT / ".infra"
 ENV_FILE = STATE / "env"
 COMPOSE = ROOT / "infra" / "compose.yaml"
 OTEL_CONFIG = ROOT / "infra" / "otel-collector.yaml"
+DOCKERFILE = ROOT / "infra" / "stagetree.Dockerfile"
 
 # The first infra/up.sh builds MinIO from source; on 2 cores that takes many minutes.
 pytestmark = pytest.mark.timeout(3600)
@@ -493,6 +494,12 @@ def test_compose_describes_the_cluster():
     minio_pin = re.search(r"^MINIO_VERSION=(\S+)$", up_sh, re.M).group(1)
     minio_build = services["minio"]["build"]
     assert minio_build["args"]["MINIO_VERSION"] == minio_pin
+
+    # The image's torch is the oldest pyproject.toml allows: the one `make test-oldest-torch` tests.
+    image_torch = re.search(r"^FROM pytorch/pytorch:(\d+\.\d+)\.\d+-", DOCKERFILE.read_text(), re.M).group(1)
+    floor = re.search(r'"torch>=(\d+\.\d+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert image_torch == floor
+    assert re.search(rf"^OLDEST_TORCH\s*:?=\s*{re.escape(floor)}\.\d+$", (ROOT / "Makefile").read_text(), re.M)
 
     for name in ("projector", "scheduler"):
         assert services[name]["command"][:2] == ["stagetree", "serve"], name
