@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,9 +24,20 @@ LIBS = REPO / ".infra" / "cache" / "kafka" / "libs"
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on, below the kernel's ephemeral range: the broker binds
+    it seconds later (and again after a restart), and a port of that range may meanwhile become
+    the local end of any outgoing connection of the suite's clients."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+    rng = random.SystemRandom()
+    while True:
+        port = rng.randrange(max(10_000, low - 12_000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use
+                continue
+        return port
 
 
 def cluster_id() -> str:
@@ -44,7 +56,9 @@ class PrivateBroker:
         if not (LIBS / ".pom.sha256").exists():
             raise RuntimeError(f"no Kafka jars in {LIBS}: infra/up.sh fetches them")
         self.root = root
-        self.port, self.controller_port = _free_port(), _free_port()
+        self.port = self.controller_port = _free_port()
+        while self.controller_port == self.port:
+            self.controller_port = _free_port()
         self.bootstrap = f"127.0.0.1:{self.port}"
         data = root / "data"
         data.mkdir(parents=True)
