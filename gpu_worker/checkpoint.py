@@ -362,6 +362,21 @@ class _MemoryFile:
         self.size, self.pid, self.inode = size, os.getpid(), os.fstat(self.fd).st_ino
         self.path = f"/proc/self/fd/{self.fd}"
 
+    def resize(self, size: int) -> bool:
+        """Make the file ``size`` bytes long, keeping its pages up to the shorter length (they
+        need not be faulted in again): whether it could be done. Not while a view of its shared
+        mapping is referenced (then it is left as it is); call only when no private mapping of
+        it is left either (:meth:`mapped_privately`), since a shorter file would cut those."""
+        try:
+            self.map.close()
+        except BufferError:
+            return False
+        self.size = -1  # no mapping until the new one is made
+        os.ftruncate(self.fd, size)
+        self.map = mmap.mmap(self.fd, size)
+        self.size = size
+        return True
+
     def mapped_privately(self) -> bool:
         """Whether a private mapping of this file is left in this process (tensors decoded from
         it still referenced): its pages must not change then. Read from ``/proc/self/maps``."""
@@ -445,13 +460,16 @@ class LoadMemory:
 
     def _view(self, size: int) -> tuple[memoryview, str | None]:
         """Writable memory for an object of ``size`` bytes, and the path of the memory file it
-        is (None for a buffer): the last one's unless tensors mapped from it are referenced."""
+        is (None for a buffer): the last one's, made ``size`` bytes long (a checkpoint is
+        decoded from the whole file, and one study's checkpoints differ in size: with and
+        without momentum buffers, say), unless tensors mapped from it are referenced."""
         if size < _BESIDE_BYTES or not _memory_files():
             if len(self._buffer) < size:
                 self._buffer = bytearray(size)
             return memoryview(self._buffer)[:size], None
         last = self._file
-        if last is None or last.pid != os.getpid() or last.size != size or last.mapped_privately():
+        if last is None or last.pid != os.getpid() or last.mapped_privately() \
+                or (last.size != size and not last.resize(size)):
             if last is not None and last.pid == os.getpid():
                 last.close()  # its pages stay while mapped
             last = self._file = _MemoryFile(size)

@@ -1020,6 +1020,30 @@ def test_a_large_load_is_mapped_and_no_later_load_changes_what_it_gave(backend: 
     assert store._memory._file is memory_file  # nothing decoded from it was referenced: read into again
 
 
+def test_a_load_of_another_size_reads_into_the_same_memory_file_made_that_long(backend: Backend) -> None:
+    """One study's checkpoints differ in size (with and without momentum buffers, say): a load
+    of another size than the last reads into the same memory file, cut or grown to it (its
+    pages are not faulted in again), unless tensors decoded from the file are still referenced;
+    what was kept from it never changes."""
+    store = backend.store
+    states = [{"w": torch.randn(700, 700)}, {"w": torch.randn(700, 700), "m": torch.randn(300, 700)},
+              {"w": torch.randn(600, 600)}]
+    datas = [encode_state(state) for state in states]
+    assert len({len(data) for data in datas}) == 3 and min(map(len, datas)) > 1 << 20
+    refs = [store.put(data).ref for data in datas]
+    assert encode_state(store.load(refs[0], LoadedBytes.decode)) == datas[0]
+    memory_file = store._memory._file
+    assert memory_file is not None and memory_file.size == len(datas[0])
+    for i in (1, 2, 0, 1):
+        assert encode_state(store.load(refs[i], LoadedBytes.decode)) == datas[i]
+        assert store._memory._file is memory_file and memory_file.size == len(datas[i])
+        assert os.fstat(memory_file.fd).st_size == len(datas[i])
+    kept = store.load(refs[1], LoadedBytes.decode)  # maps the file: a shorter one would cut it
+    assert encode_state(store.load(refs[2], LoadedBytes.decode)) == datas[2]
+    assert store._memory._file is not memory_file
+    assert encode_state(kept) == datas[1]
+
+
 @pytest.mark.parametrize("size", ["small", "large"])
 def test_load_never_returns_what_it_decoded_from_bytes_that_do_not_verify(backend: Backend, size: str) -> None:
     """Damaged bytes raise CheckpointCorrupt whether the decoding succeeded (a flipped weight)
