@@ -5,7 +5,7 @@
 FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
 
 WORKDIR /opt/stagetree
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY stagetree ./stagetree
 COPY events ./events
 COPY projections ./projections
@@ -13,7 +13,10 @@ COPY scheduler ./scheduler
 COPY gpu_worker ./gpu_worker
 COPY replay ./replay
 COPY examples ./examples
-RUN pip install --no-cache-dir . && useradd --create-home --uid 1000 stagetree
+# The versions `make test-oldest-torch` tests: constraints.txt without what the base image's
+# torch brings (torch itself, triton, the CUDA libraries, sympy, mpmath, setuptools).
+RUN grep -v -E '^(torch|triton|nvidia-|sympy|mpmath|setuptools)=' constraints.txt > /tmp/constraints.txt \
+    && pip install --no-cache-dir -c /tmp/constraints.txt . && useradd --create-home --uid 1000 stagetree
 # Determinism recipe (DESIGN.md): deterministic cuBLAS workspaces on GPU.
 ENV CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONUNBUFFERED=1
 USER stagetree

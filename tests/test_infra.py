@@ -499,7 +499,13 @@ def test_compose_describes_the_cluster():
     image_torch = re.search(r"^FROM pytorch/pytorch:(\d+\.\d+)\.\d+-", DOCKERFILE.read_text(), re.M).group(1)
     floor = re.search(r'"torch>=(\d+\.\d+)"', (ROOT / "pyproject.toml").read_text()).group(1)
     assert image_torch == floor
-    assert re.search(rf"^OLDEST_TORCH\s*:?=\s*{re.escape(floor)}\.\d+$", (ROOT / "Makefile").read_text(), re.M)
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(rf"^OLDEST_TORCH\s*:?=\s*{re.escape(floor)}\.\d+$", makefile, re.M)
+    # ...with the same pins as that target: constraints.txt less what the image's torch brings
+    leave_out = re.compile(r"grep -v -E '(\^\([^']+\)=)' constraints\.txt")
+    image_pins = leave_out.search(DOCKERFILE.read_text())
+    assert image_pins and image_pins.group(1) == leave_out.search(makefile).group(1)
+    assert re.search(r"pip install [^\n]*-c /tmp/constraints\.txt \.", DOCKERFILE.read_text())
 
     for name in ("projector", "scheduler"):
         assert services[name]["command"][:2] == ["stagetree", "serve"], name
