@@ -6,7 +6,9 @@ trial."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,6 +18,7 @@ import pytest
 from kafka_cluster import (
     CLI,
     STUDIES,
+    STUDY,
     Deployment,
     assert_no_duplicate_or_conflicting_decisions,
     assert_what_must_hold_after_faults,
@@ -23,8 +26,11 @@ from kafka_cluster import (
     kafka_log,
     kafka_state,
     per_trial,
+    spawn,
+    stop_all,
     summary_of,
     verify_deployment,
+    wait_for,
 )
 from private_kafka import PrivateBroker, cluster_id
 
@@ -195,3 +201,63 @@ def test_a_broker_restart_mid_study(embedded: Path, infra_env: dict[str, str], p
     verify_deployment(env)
     judged = [e for e in events if isinstance(e, WorkerLost) and e.producer.startswith("serve:")]
     assert not judged, [(e.worker_id, e.reason) for e in judged]
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _compose_value(value: str, variables: dict[str, str]) -> str:
+    """``value`` of infra/compose.yaml with its ``${NAME}``, ``${NAME:-default}`` and
+    ``${NAME:?message}`` expanded from ``variables``, as docker compose does."""
+    def expand(match: re.Match[str]) -> str:
+        name, op, arg = match.group(1), match.group(2), match.group(3)
+        if name in variables and variables[name] != "":
+            return variables[name]
+        assert op != ":?", f"compose needs {name}: {arg}"
+        return arg if op == ":-" else ""
+    return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:-|:\?)([^}]*))?\}", expand, str(value))
+
+
+def test_the_compose_services_commands_run_a_study_here(embedded: Path, deployment: dict[str, str],
+                                                        tmp_path: Path) -> None:
+    """The commands and environments of infra/compose.yaml's projector, scheduler and worker,
+    run as processes here against the local broker and MinIO (no Docker engine here builds the
+    image): two serve instances without --app-id and a worker without --study or --worker-id
+    (its trainer comes from the study file StudyStarted records), as the cluster runs them.
+    Changed for this machine only: the services' host names (kafka, minio) to the local
+    services, cuda:0 to cpu, the state volume to a directory, and the test's topic prefix, app
+    id and no trace exporter (no collector here). A study submitted with ``stagetree run
+    --workers 0`` then ends equal to embedded mode, trial by trial."""
+    import yaml
+
+    services = yaml.safe_load((REPO / "infra" / "compose.yaml").read_text())["services"]
+    variables = {"STAGETREE_CLUSTER_BOOTSTRAP_SERVERS": deployment["STAGETREE_BOOTSTRAP_SERVERS"],
+                 **{k: deployment[k] for k in ("STAGETREE_CHECKPOINT_STORE", "STAGETREE_S3_ACCESS_KEY",
+                                               "STAGETREE_S3_SECRET_KEY")}}
+    here = {"STAGETREE_TOPIC_PREFIX": deployment["STAGETREE_TOPIC_PREFIX"],
+            "STAGETREE_APP_ID": f"stagetree-{deployment['STAGETREE_TOPIC_PREFIX'].strip('.')}",
+            "STAGETREE_OTEL_EXPORTER": "none"}
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for name in ("projector", "scheduler", "worker"):
+            service = services[name]
+            environment = {k: _compose_value(v, variables) for k, v in service["environment"].items()}
+            assert environment.pop("STAGETREE_S3_ENDPOINT") == "minio:9000"
+            environment["STAGETREE_S3_ENDPOINT"] = deployment["STAGETREE_S3_ENDPOINT"]
+            command = [_compose_value(word, variables) for word in service["command"]]
+            assert command[0] == "stagetree"
+            command = [{"cuda:0": "cpu", "/home/stagetree/serve-state": str(tmp_path / name)}.get(w, w)
+                       for w in command]
+            env = {**os.environ, **environment, **here}
+            procs.append(spawn([sys.executable, "-m", "stagetree.cli", *command[1:]], env, tmp_path / f"{name}.log"))
+        wait_for(lambda: any(w.alive for w in kafka_state(deployment)[0].workers.values())
+                 or any(p.poll() is not None for p in procs), "the compose worker to join")
+        assert all(p.poll() is None for p in procs), [(tmp_path / f"{n}.log").read_text()[-3000:]
+                                                       for n in ("projector", "scheduler", "worker")]
+        run = subprocess.run([*CLI, "run", str(STUDY), "--workers", "0", "--out", str(tmp_path / "run"), "--quiet"],
+                             capture_output=True, text=True, timeout=900, env=deployment)
+        assert run.returncode == 0, run.stdout + run.stderr + (tmp_path / "worker.log").read_text()[-3000:]
+        assert per_trial(summary_of(tmp_path / "run")) == per_trial(summary_of(embedded))
+    finally:
+        stop_all(procs[2:])  # the worker first (it leaves with a WorkerLost), then the serves
+        stop_all(procs[:2])
