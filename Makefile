@@ -38,17 +38,20 @@ browser:
 	bash infra/browser.sh
 
 # The worker and end-to-end tests on the oldest torch pyproject.toml allows (the compose image's),
-# in .venv-oldest-torch: a few minutes to install, about 6 minutes to run; not part of `make test`.
+# in .venv-oldest-torch, and the compose services' commands on the local Kafka and MinIO (started
+# as `make test` starts them): a few minutes to install, about 6 minutes to run; not in `make test`.
 OLDEST_TORCH := 2.5.1
 test-oldest-torch:
 	test -x .venv-oldest-torch/bin/python || $(PYTHON) -m venv .venv-oldest-torch
 	grep -v -E '^(torch|triton|nvidia-|sympy|mpmath|setuptools)=' constraints.txt > .venv-oldest-torch/constraints.txt
 	.venv-oldest-torch/bin/python -m pip install --quiet "torch==$(OLDEST_TORCH)" -e '.[test]' \
 		-c .venv-oldest-torch/constraints.txt
-	.venv-oldest-torch/bin/python -m pytest -q -p no:cacheprovider tests/test_training_session.py \
+	STAGETREE_INFRA_PYTHON=$(CURDIR)/.venv-oldest-torch/bin/python .venv-oldest-torch/bin/python -m pytest -q \
+		-p no:cacheprovider tests/test_training_session.py \
 		tests/test_checkpoint_store.py tests/test_executor.py tests/test_worker_processes.py tests/test_worker_pipe.py \
 		tests/test_e2e.py tests/test_checkpoint_budget.py tests/test_wsd_example.py tests/test_multi_study.py \
-		tests/test_audit.py tests/test_bad_input.py -k 'not minio'
+		tests/test_audit.py tests/test_bad_input.py \
+		tests/test_kafka_cluster.py::test_the_compose_services_commands_run_a_study_here -k 'not minio'
 
 bench: $(STAMP)
 	$(PY) benchmarks/merge_savings.py
