@@ -334,6 +334,11 @@ class KafkaLog:
         if self._closed:
             raise LogError(f"{self!r} is closed")
 
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.read_only:
+            raise LogError(f"{self!r} was opened read-only")
+
     def client_conf(self, **settings: Any) -> dict[str, Any]:
         """The settings every client of this log shares (servers, client id, security), plus
         ``settings`` (librdkafka names with ``.`` written as ``_``)."""
@@ -414,9 +419,7 @@ class KafkaLog:
             KafkaLogError: it could not be created, or did not appear within ``timeout_s``.
             LogError: the log was opened read-only.
         """
-        self._check_open()
-        if self.read_only:
-            raise LogError(f"{self!r} was opened read-only")
+        self._check_writable()
         topic = self.topic(stream)
         if self._exists(topic):
             return
@@ -457,11 +460,9 @@ class KafkaLog:
             LogError: the log was opened read-only, or is closed.
             KafkaLogError: the broker did not list its topics within ``timeout_s``.
         """
-        self._check_open()
+        self._check_writable()
         if not prefixes or not all(isinstance(p, str) and p for p in prefixes):
             raise ValueError(f"`prefixes` is {prefixes!r}, but must be one or more non-empty topic-name prefixes")
-        if self.read_only:
-            raise LogError(f"{self!r} was opened read-only")
         wait = self.timeout_s if timeout_s is None else timeout_s
         if not wait > 0:
             raise ValueError(f"`timeout_s` is {timeout_s!r}, but must be > 0")
@@ -539,9 +540,7 @@ class KafkaLog:
                 and ``create_topics`` is false, or it could not be created.
             DeliveryFailed: the broker did not acknowledge every record (``offsets``: those it did).
         """
-        self._check_open()
-        if self.read_only:
-            raise LogError(f"{self!r} was opened read-only")
+        self._check_writable()
         topic = self.topic(stream)
         self._check_sizes(topic, check_items(topic, items))
         if not items:

@@ -27,8 +27,8 @@ def _free_port() -> int:
     """A loopback port nothing listens on, below the kernel's ephemeral range: the broker binds
     it seconds later (and again after a restart), and a port of that range may meanwhile become
     the local end of any outgoing connection of the suite's clients."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
-        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
     rng = random.SystemRandom()
     while True:
         port = rng.randrange(max(10_000, low - 12_000), low)
