@@ -4,10 +4,12 @@
 ``gpu_worker.checkpoint`` on an S3 bucket with the ``minio`` client. Objects
 are content-addressed exactly as in ``LocalCheckpointStore``: the checkpoint
 whose bytes hash to ``ref`` (sha256, 64 lowercase hex digits) is the object
-``PREFIX/ref[:2]/ref`` of the bucket. ``put`` returns only after the object
-has been downloaded again and its sha256 checked, so a worker publishes
-CheckpointSaved only for an object that is stored and verified (DESIGN.md
-invariant 4; issue 3 item 4).
+``PREFIX/ref[:2]/ref`` of the bucket. ``put`` returns only once the object is
+stored and its sha256 verified, so a worker publishes CheckpointSaved only for an
+object that is stored and verified (DESIGN.md invariant 4; issue 3 item 4): by
+the store itself, which checks the sha256 the upload carries
+(``x-amz-checksum-sha256``) before it keeps the object and says so in its
+reply, or, where it does not say so, by downloading the object again.
 
 ``open_checkpoint_store(url)`` turns the ``--checkpoint-store`` value
 (``s3://BUCKET/PREFIX``, ``file://PATH`` or a plain path) into a store; for
@@ -21,6 +23,7 @@ message or log record this module produces.
 
 from __future__ import annotations
 
+import base64
 import io
 import os
 import re
@@ -32,6 +35,7 @@ from typing import NoReturn, TypeVar
 import urllib3
 from minio import Minio
 from minio.error import MinioException, S3Error
+from minio.helpers import DictType
 
 from gpu_worker.checkpoint import (
     CheckpointCorrupt,
@@ -69,6 +73,12 @@ ENV_S3_SECURE = "STAGETREE_S3_SECURE"
 """Optional: ``true``/``false`` (or ``1``/``0``, ``yes``/``no``, ``on``/``off``); default false."""
 ENV_S3_REGION = "STAGETREE_S3_REGION"
 """Optional: the bucket's region; when unset the client asks the server."""
+
+SINGLE_PUT_BYTES = 5 * 1024**3
+"""The largest checkpoint (bytes) uploaded in one PUT, S3's limit for one: such a PUT carries the
+object's sha256, which the store verifies (:meth:`S3CheckpointStore.put`)."""
+_MIN_PART_BYTES = 5 * 1024**2  # the minio client's smallest part size (an object up to it is one PUT)
+_CHECKSUM_HEADER = "x-amz-checksum-sha256"  # S3's full-object sha256: base64 of the digest
 
 # S3 "not there" error codes: the object or its whole bucket is absent.
 _ABSENT_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchObject"})
@@ -154,11 +164,16 @@ class S3CheckpointStore:
     (optional) replaces the minio client's default urllib3 pool (5 retries
     with backoff, 5 minute timeouts), e.g. to fail fast.
 
-    Uploads are single S3 PUTs (multipart above 5 MiB); S3 makes an object
-    visible only when complete, so a crash mid-upload leaves no object. Over
-    plain HTTP the client signs the payload's sha256, so the server rejects a
-    body altered in transit; over HTTPS TLS does. In both cases ``put``
-    verifies by downloading.
+    Uploads are single S3 PUTs up to :data:`SINGLE_PUT_BYTES` (multipart
+    above); S3 makes an object visible only when complete, so a crash
+    mid-upload leaves no object. A single PUT carries the object's sha256 as
+    its S3 checksum: the store hashes what it received and refuses the object
+    when that differs, and its reply echoes the checksum it verified and
+    stored with the object; ``put`` then returns without a download. Where
+    the reply does not echo it (a store without S3 checksums, a multipart
+    upload) ``put`` verifies by downloading, as it did before (issue 15: the
+    download doubled each save's traffic, and its hashing competed with
+    training for the CPU).
 
     Errors: ValueError for a malformed ref, bucket, prefix or endpoint;
     CheckpointMissing / CheckpointCorrupt as in the protocol; every other
@@ -230,11 +245,17 @@ class S3CheckpointStore:
 
         A no-op (no upload) when an object with the right bytes is already
         stored; an object stored under the same ref with other bytes (corrupt)
-        is overwritten. After an upload the object is downloaded and hashed.
-        Creates the bucket if missing. Raises CheckpointCorrupt when the
-        stored object does not read back with the right hash,
+        is overwritten. The upload carries the sha256 (up to
+        :data:`SINGLE_PUT_BYTES`): when the store's reply confirms it, the
+        store verified the bytes it keeps; otherwise the object is downloaded
+        and hashed. Creates the bucket if missing. Raises CheckpointCorrupt
+        when the stored object does not read back with the right hash,
         CheckpointMissing when it vanished before it could be read back (a
-        concurrent ``delete``), CheckpointStoreError on any other failure.
+        concurrent ``delete``), CheckpointStoreError on any other failure,
+        among them a store that refused the upload because the bytes it
+        received do not hash to ``ref`` (code ``XAmzContentChecksumMismatch``
+        on MinIO, ``BadDigest`` on AWS): nothing is stored then, and a retry
+        sends the bytes again.
         """
         data = bytes(data)
         ref = sha256_hex(data)
@@ -242,15 +263,23 @@ class S3CheckpointStore:
         self._ensure_bucket()
         if self._intact(ref, key, len(data)):
             return CheckpointRef(ref=ref, size=len(data))
+        metadata: DictType = {"stagetree-sha256": ref}
+        single = len(data) <= SINGLE_PUT_BYTES
+        checksum = base64.b64encode(bytes.fromhex(ref)).decode("ascii")
+        if single:
+            metadata[_CHECKSUM_HEADER] = checksum
         with self._translate("put", key):
-            self._client.put_object(
+            written = self._client.put_object(
                 self.bucket,
                 key,
-                io.BytesIO(data),
+                io.BytesIO(data),  # read whole from offset 0: the same bytes object, not a copy
                 len(data),
                 content_type="application/octet-stream",
-                metadata={"stagetree-sha256": ref},
+                metadata=metadata,
+                part_size=max(len(data), _MIN_PART_BYTES) if single else 0,
             )
+        if single and written.http_headers.get(_CHECKSUM_HEADER) == checksum:
+            return CheckpointRef(ref=ref, size=len(data))  # the store verified the sha256
         stored = self.get(ref)  # raises CheckpointCorrupt / CheckpointMissing
         return CheckpointRef(ref=ref, size=len(stored))
 

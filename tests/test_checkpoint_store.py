@@ -11,6 +11,7 @@ prefix, removed afterwards.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import importlib.util
 import io
@@ -144,6 +145,8 @@ class Backend:
     absent_store: Callable[[], Any]
     writes: list[str] = field(default_factory=list)
     sabotage: list[bool] = field(default_factory=lambda: [False])
+    reads: list[str] = field(default_factory=list)  # MinIO: the store's GETs
+    store_checks: list[bool] = field(default_factory=lambda: [True])  # MinIO: the PUT's sha256 reaches it
 
 
 def local_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Backend:
@@ -204,15 +207,26 @@ def minio_backend(
         absent_store=absent_store,
     )
     real_put = store._client.put_object
+    real_get = store._client.get_object
 
     def counting_put(bucket: str, key: str, data: Any, length: int, **kwargs: Any) -> Any:
+        """The minio client's put_object, counted; ``sabotage``: a byte of the body flips on its
+        way (the checksum the store checks stays); ``store_checks`` off: as a store without S3
+        checksums (none is sent, so the reply confirms none)."""
         backend.writes.append(key)
+        if not backend.store_checks[0]:
+            kwargs["metadata"] = {k: v for k, v in kwargs["metadata"].items() if k != "x-amz-checksum-sha256"}
         if backend.sabotage[0]:
             body = flip_middle_byte(data.read())
             return real_put(bucket, key, io.BytesIO(body), len(body), **kwargs)
         return real_put(bucket, key, data, length, **kwargs)
 
+    def counting_get(bucket: str, key: str, *args: Any, **kwargs: Any) -> Any:
+        backend.reads.append(key)
+        return real_get(bucket, key, *args, **kwargs)
+
     monkeypatch.setattr(store._client, "put_object", counting_put)
+    monkeypatch.setattr(store._client, "get_object", counting_get)
     return backend
 
 
@@ -323,17 +337,25 @@ def test_corrupted_object_raises_on_get_and_put_repairs_it(backend: Backend, dam
 @pytest.mark.parametrize("size", [11_000, 3_000_000], ids=["small", "hashed beside the write and the sync"])
 def test_put_verifies_the_stored_object_before_returning(backend: Backend, size: int) -> None:
     """A write that stores other bytes than were sent makes put raise instead of returning a ref
-    (from 1 MB on, the local store hashes while it writes and verifies while it syncs)."""
+    (from 1 MB on, the local store hashes while it writes and verifies while it syncs; MinIO checks
+    the sha256 the PUT carries and keeps nothing)."""
     store = backend.store
     data = (b"sent bytes " * (size // 11 + 1))[:size]
+    ref = hashlib.sha256(data).hexdigest()
     backend.sabotage[0] = True
-    with pytest.raises(CheckpointCorrupt) as caught:
-        store.put(data)
-    assert caught.value.ref == hashlib.sha256(data).hexdigest()
-    assert caught.value.actual == hashlib.sha256(flip_middle_byte(data)).hexdigest()
+    if backend.name == "minio":
+        with pytest.raises(CheckpointStoreError) as refused:
+            store.put(data)
+        assert refused.value.code == "XAmzContentChecksumMismatch", refused.value
+        assert not store.exists(ref), "a store that refused the bytes keeps no object"
+    else:
+        with pytest.raises(CheckpointCorrupt) as caught:
+            store.put(data)
+        assert caught.value.ref == ref
+        assert caught.value.actual == hashlib.sha256(flip_middle_byte(data)).hexdigest()
     backend.sabotage[0] = False
-    assert store.put(data).ref == caught.value.ref  # and the next put repairs it
-    assert store.get(caught.value.ref) == data
+    assert store.put(data).ref == ref  # and the next put repairs it
+    assert store.get(ref) == data
 
 
 @pytest.mark.parametrize("bad", ["", "abc", "A" * 64, "g" * 64, "../" + "a" * 61])
@@ -402,6 +424,45 @@ def test_s3_object_names_and_metadata(
     assert bare.key(ref) == f"{ref[:2]}/{ref}"
     assert bare.url == f"s3://{store.bucket}"
     assert store.url == f"s3://{store.bucket}/{store.prefix}"
+
+
+@pytest.mark.parametrize("size", [11_000, 6 * 1024 * 1024], ids=["small", "above a multipart part"])
+def test_s3_put_is_verified_by_the_store_without_a_download(
+    minio_store_factory: Callable[[], S3CheckpointStore], minio_client: Any, monkeypatch: pytest.MonkeyPatch,
+    size: int,
+) -> None:
+    """One PUT that carries the sha256, which MinIO checks and keeps with the object (its reply
+    confirms it), and no verifying GET: half the traffic of a save (issue 15)."""
+    backend = minio_backend(minio_store_factory, minio_client, {}, monkeypatch, [])
+    data = os.urandom(size)
+    ref = backend.store.put(data).ref
+    assert ref == hashlib.sha256(data).hexdigest()
+    assert (len(backend.writes), backend.reads) == (1, [])
+    stat = minio_client.stat_object(backend.store.bucket, backend.store.key(ref),
+                                    extra_headers={"x-amz-checksum-mode": "ENABLED"})
+    headers = {k.lower(): v for k, v in stat.metadata.items()}
+    assert headers["x-amz-checksum-sha256"] == base64.b64encode(bytes.fromhex(ref)).decode()
+    assert backend.read_raw(ref) == data
+
+
+def test_s3_put_reads_back_when_the_store_does_not_confirm_the_checksum(
+    minio_store_factory: Callable[[], S3CheckpointStore], minio_client: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A store whose reply confirms no sha256 (no S3 checksums): put downloads and hashes the
+    object, so one that stored other bytes raises CheckpointCorrupt instead of returning a ref."""
+    backend = minio_backend(minio_store_factory, minio_client, {}, monkeypatch, [])
+    backend.store_checks[0] = False
+    data = os.urandom(20_000)
+    ref = backend.store.put(data).ref
+    assert backend.reads == [backend.store.key(ref)], "an unconfirmed upload is read back"
+    other = os.urandom(20_000)
+    backend.sabotage[0] = True
+    with pytest.raises(CheckpointCorrupt) as caught:
+        backend.store.put(other)
+    assert caught.value.ref == hashlib.sha256(other).hexdigest()
+    assert caught.value.actual == hashlib.sha256(flip_middle_byte(other)).hexdigest()
+    backend.sabotage[0] = False
+    assert backend.store.put(other).ref == caught.value.ref  # the next put repairs it
 
 
 def test_s3_put_creates_a_missing_bucket(minio_env: dict[str, str], minio_client: Any) -> None:
