@@ -35,7 +35,6 @@ from typing import NoReturn, TypeVar
 import urllib3
 from minio import Minio
 from minio.error import MinioException, S3Error
-from minio.helpers import DictType
 
 from gpu_worker.checkpoint import (
     CheckpointCorrupt,
@@ -263,7 +262,7 @@ class S3CheckpointStore:
         self._ensure_bucket()
         if self._intact(ref, key, len(data)):
             return CheckpointRef(ref=ref, size=len(data))
-        metadata: DictType = {"stagetree-sha256": ref}
+        metadata: dict[str, str | list[str] | tuple[str]] = {"stagetree-sha256": ref}  # minio's DictType
         single = len(data) <= SINGLE_PUT_BYTES
         checksum = base64.b64encode(bytes.fromhex(ref)).decode("ascii")
         if single:
