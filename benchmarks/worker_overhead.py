@@ -42,8 +42,8 @@ Usage::
         [--device cuda:0] [--store s3://BUCKET/PREFIX]
 
 ``--store`` puts the checkpoints of cases 1 and 2 in an S3 store, as workers on a cluster do
-(``S3CheckpointStore``: a save uploads the encoded bytes and downloads them again to verify
-them; a load downloads and hashes), each worker under a new prefix; the endpoint and
+(``S3CheckpointStore``: a save uploads the encoded bytes in one PUT whose sha256 the store
+verifies; a load downloads and hashes), each worker under a new prefix; the endpoint and
 credentials come from the ``STAGETREE_S3_*`` variables (the local MinIO of ``infra/up.sh``:
 ``source .infra/env``).
 
