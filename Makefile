@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-12)
 
-.PHONY: demo test venv lock test-oldest-torch bench clean browser
+.PHONY: demo test venv lock test-oldest-torch test-floors bench clean browser
 
 # The versions in constraints.txt: CI and every fresh machine test what last passed together.
 $(STAMP): pyproject.toml constraints.txt
@@ -52,6 +52,17 @@ test-oldest-torch:
 		tests/test_e2e.py tests/test_checkpoint_budget.py tests/test_wsd_example.py tests/test_multi_study.py \
 		tests/test_audit.py tests/test_bad_input.py \
 		tests/test_kafka_cluster.py::test_the_compose_services_commands_run_a_study_here -k 'not minio'
+
+# Every dependency pyproject.toml lists at the lowest version it allows (torch at OLDEST_TORCH; the
+# test extras and the transitive dependencies resolved against them), in .venv-floors, and the
+# whole suite there, Kafka and MinIO started as `make test` starts them: pyproject's floors are
+# tested, not guessed. Two minutes to install from pip's cache, about 25 to run; not in `make test`.
+test-floors:
+	test -x .venv-floors/bin/python || $(PYTHON) -m venv .venv-floors
+	$(PYTHON) tests/floors.py torch=$(OLDEST_TORCH) > .venv-floors/constraints.txt
+	.venv-floors/bin/python -m pip install --quiet -e '.[test]' -c .venv-floors/constraints.txt
+	STAGETREE_INFRA_PYTHON=$(CURDIR)/.venv-floors/bin/python .venv-floors/bin/python -m pytest -q \
+		-p no:cacheprovider tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/merge_savings.py

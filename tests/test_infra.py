@@ -31,6 +31,7 @@ import re
 import shlex
 import stat
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -553,3 +554,32 @@ def test_compose_has_no_secret_literals_and_loopback_ports():
         env = read_env_file()
         for key in ("STAGETREE_S3_ACCESS_KEY", "STAGETREE_S3_SECRET_KEY"):
             assert env[key] not in text, f"compose.yaml holds the value of {key}"
+
+
+def test_make_test_floors_pins_every_dependency_at_its_floor():
+    """`make test-floors` installs every dependency pyproject.toml lists at the lowest version it
+    allows (torch at the Makefile's OLDEST_TORCH): the constraints tests/floors.py writes."""
+    from floors import floors
+
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    oldest = re.search(r"^OLDEST_TORCH\s*:?=\s*(\S+)$", makefile, re.M).group(1)
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "floors.py"), f"torch={oldest}"],
+                         capture_output=True, text=True, check=True).stdout
+    pins = dict(line.split("==") for line in out.splitlines())
+    declared = re.findall(r'^\s*"([A-Za-z0-9._-]+)>=([^",;]+)', pyproject.split("[project.optional-dependencies]")[0],
+                          re.M)
+    assert pins == {name: (oldest if name == "torch" else floor) for name, floor in declared}
+    assert {"pydantic", "torch", "faust-streaming", "confluent-kafka", "minio", "rocksdict"} <= set(pins)
+    assert re.search(r"^test-floors:", makefile, re.M)
+    assert "tests/floors.py torch=$(OLDEST_TORCH) > .venv-floors/constraints.txt" in makefile
+    assert "-c .venv-floors/constraints.txt" in makefile
+
+    with pytest.raises(ValueError, match="'numpy' names no floor"):
+        floors('[project]\ndependencies = ["orjson>=3.9", "numpy"]\n')
+    with pytest.raises(ValueError, match="override 'torhc' names no dependency"):
+        floors('[project]\ndependencies = ["torch>=2.5"]\n', {"torhc": "2.5.1"})
+    assert floors('[project]\ndependencies = ["optuna>=4.7,<6", "torch>=2.5"]\n', {"torch": "2.5.1"}) == {
+        "optuna": "4.7", "torch": "2.5.1"}
+    bad = subprocess.run([sys.executable, str(ROOT / "tests" / "floors.py"), "torch"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "NAME=VERSION, got 'torch'" in bad.stderr
