@@ -39,13 +39,16 @@ the coordinator's pipe), in one process on one CPU thread, without a coordinator
 Usage::
 
     .venv/bin/python benchmarks/worker_overhead.py [--stages 1000] [--big-steps 10] [--out runs/bench-worker] \\
-        [--device cuda:0] [--store s3://BUCKET/PREFIX]
+        [--device cuda:0] [--store s3://BUCKET/PREFIX [--s3-latency-ms 10]] [--cases tiny,big,memory]
 
 ``--store`` puts the checkpoints of cases 1 and 2 in an S3 store, as workers on a cluster do
 (``S3CheckpointStore``: a save uploads the encoded bytes in one PUT whose sha256 the store
-verifies; a load downloads and hashes), each worker under a new prefix; the endpoint and
-credentials come from the ``STAGETREE_S3_*`` variables (the local MinIO of ``infra/up.sh``:
-``source .infra/env``).
+verifies, the checkpoints queued for the writer up to 8 uploads at once; a load downloads and
+hashes), each worker under a new prefix; the endpoint and credentials come from the
+``STAGETREE_S3_*`` variables (the local MinIO of ``infra/up.sh``: ``source .infra/env``).
+``--s3-latency-ms MS`` holds every response of that store MS milliseconds on its way (Toxiproxy
+in front of the endpoint, built on first use: ``benchmarks/network_latency.py``), as an object
+store across a network answers. ``--cases`` runs some of the three cases (``tiny,big,memory``).
 
 Prints a table and writes ``OUT/worker_overhead.json``. Timings are wall seconds on this
 machine; read them as ratios and shares within one run.
@@ -55,12 +58,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 import time
 import uuid
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -304,7 +309,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="checkpoints in this S3 store (MinIO: endpoint and credentials from STAGETREE_S3_*, "
                         "e.g. `source .infra/env`), each worker under a new prefix; default a local directory "
                         "under --out (the memory probe stays local)")
+    p.add_argument("--s3-latency-ms", type=int, default=None, metavar="MS",
+                   help="with --store: every response of the store held MS milliseconds on its way (Toxiproxy in "
+                        "front of the endpoint, benchmarks/network_latency.py), as an object store across a network")
+    p.add_argument("--cases", default="tiny,big,memory",
+                   help="which cases to run, comma-separated among tiny, big, memory (default all)")
     args = p.parse_args(argv)
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    if not cases or set(cases) - {"tiny", "big", "memory"}:
+        p.error(f"--cases must name some of tiny, big, memory, got {args.cases!r}")
+    if args.s3_latency_ms is not None and (args.store is None or args.s3_latency_ms < 0):
+        p.error(f"--s3-latency-ms ({args.s3_latency_ms}) needs --store and must be >= 0")
     if args.stages < 1 or args.big_steps < 1:
         p.error(f"--stages ({args.stages}) and --big-steps ({args.big_steps}) must be >= 1")
     from gpu_worker.executor import resolve_device
@@ -316,36 +331,51 @@ def main(argv: list[str] | None = None) -> int:
     if args.store is not None and not args.store.startswith("s3://"):
         p.error(f"--store must be an s3://BUCKET/PREFIX URL, got {args.store!r}")
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"device": args.device, "store": args.store or "local",
-              "tiny": tiny(args.stages, args.out, args.device, args.store),
-              "big": big(args.big_steps, args.out, args.device, args.store),
-              "memory": memory(args.big_steps, args.out)}
+    with ExitStack() as stack:
+        if args.s3_latency_ms is not None:
+            from benchmarks.network_latency import delayed_endpoint
+
+            endpoint = os.environ.get("STAGETREE_S3_ENDPOINT", "")
+            os.environ["STAGETREE_S3_ENDPOINT"] = stack.enter_context(delayed_endpoint(endpoint, args.s3_latency_ms))
+        result: dict[str, Any] = {"device": args.device, "store": args.store or "local",
+                                  "s3_latency_ms": args.s3_latency_ms}
+        if "tiny" in cases:
+            result["tiny"] = tiny(args.stages, args.out, args.device, args.store)
+        if "big" in cases:
+            result["big"] = big(args.big_steps, args.out, args.device, args.store)
+        if "memory" in cases:
+            result["memory"] = memory(args.big_steps, args.out)
     (args.out / "worker_overhead.json").write_text(json.dumps(result, indent=2))
 
     where = f"checkpoints in {args.store}" if args.store else "durable local checkpoints"
+    if args.s3_latency_ms is not None:
+        where += f", {args.s3_latency_ms} ms added to each of its responses"
     table = Table(title=f"worker overhead per stage on {args.device} (one CPU thread, {where})")
     table.add_column("case")
     table.add_column("overhead per stage, median (p90)", justify="right")
     table.add_column("wall per stage", justify="right")
-    for name, f in result["tiny"].items():
+    for name, f in result.get("tiny", {}).items():
         table.add_row(f"tiny model: {name} ({f['stages']})", f"{f['overhead_ms_median']:.2f} ms "
                       f"({f['overhead_ms_p90']:.2f} ms)", f"{f['wall_ms_per_stage']:.2f} ms")
-    bare = statistics.median(result["big"]["bare_stage_seconds"])
-    for s in result["big"]["stages"]:
-        how = s["how"]
-        if s["path_end"]:
-            how += ", path end: " + ("PathTrained, its writes follow" if s["handed_off"] else "waits for its writes")
-        elif not s["handed_off"]:
-            how += ", in a path whose end waits"
-        table.add_row(f"100 MB checkpoint, {args.big_steps} steps from step {s['from_step']} ({how})",
-                      f"{s['overhead_s']:.3f} s = {100 * s['overhead_share']:.1f} % of the stage",
-                      f"{s['seconds']:.2f} s ({100 * s['beyond_bare_share']:+.0f} % beyond bare)")
-    table.add_row(f"100 MB model, {args.big_steps} plain training steps, no worker (bare), median of "
-                  f"{len(result['big']['bare_stage_seconds'])}", "", f"{bare:.2f} s")
-    m = result["memory"]
-    table.add_row("peak RSS: worker / bare torch, same model and steps",
-                  f"{m['worker_peak_rss_bytes'] / 2**20:,.0f} / {m['bare_torch_peak_rss_bytes'] / 2**20:,.0f} MiB",
-                  f"{m['ratio']:.2f}x (goal <= 1.5x)")
+    if "big" in result:
+        bare = statistics.median(result["big"]["bare_stage_seconds"])
+        for s in result["big"]["stages"]:
+            how = s["how"]
+            if s["path_end"]:
+                how += ", path end: " + ("PathTrained, its writes follow" if s["handed_off"]
+                                         else "waits for its writes")
+            elif not s["handed_off"]:
+                how += ", in a path whose end waits"
+            table.add_row(f"100 MB checkpoint, {args.big_steps} steps from step {s['from_step']} ({how})",
+                          f"{s['overhead_s']:.3f} s = {100 * s['overhead_share']:.1f} % of the stage",
+                          f"{s['seconds']:.2f} s ({100 * s['beyond_bare_share']:+.0f} % beyond bare)")
+        table.add_row(f"100 MB model, {args.big_steps} plain training steps, no worker (bare), median of "
+                      f"{len(result['big']['bare_stage_seconds'])}", "", f"{bare:.2f} s")
+    if "memory" in result:
+        m = result["memory"]
+        table.add_row("peak RSS: worker / bare torch, same model and steps",
+                      f"{m['worker_peak_rss_bytes'] / 2**20:,.0f} / {m['bare_torch_peak_rss_bytes'] / 2**20:,.0f} MiB",
+                      f"{m['ratio']:.2f}x (goal <= 1.5x)")
     Console(width=150).print(table)
     print(f"wrote {args.out / 'worker_overhead.json'}")
     return 0

@@ -15,7 +15,7 @@ import functools
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO, TypeVar
 
@@ -158,6 +158,21 @@ class _Writer:
             del futures, outcome
 
 
+def _groups(items: list[int], sizes: list[int], limit: int) -> Iterator[list[int]]:
+    """``items`` in order, in consecutive groups whose ``sizes[i]`` sum to at most ``limit``
+    bytes (an item larger than that alone)."""
+    group: list[int] = []
+    held = 0
+    for i in items:
+        if group and held + sizes[i] > limit:
+            yield group
+            group, held = [], 0
+        group.append(i)
+        held += sizes[i]
+    if group:
+        yield group
+
+
 class _Unencodable(Exception):
     """Writing snapshot ``index`` raised ``cause`` in the trainer's state (not the store)."""
 
@@ -214,6 +229,10 @@ class PathExecutor:
     (MetricsReported when it evaluates, CheckpointSaved, StageFinished) as one atomic batch after
     the checkpoint is written and verified.
     """
+
+    PUT_MANY_BYTES = 64 << 20
+    """Bytes of snapshots encoded at once for a store's ``put_many`` (a group always holds one):
+    the memory that storing several checkpoints together may add to the writer's backlog."""
 
     def __init__(self, trainer: Trainer, worker_id: str, store: CheckpointStore, device: torch.device,
                  *, clock: Callable[[], float] = time.perf_counter, wall: Callable[[], float] = time.time,
@@ -431,10 +450,12 @@ class PathExecutor:
     def _put_many(self, snapshots: list[Snapshot]) -> list[tuple[str, int] | StageFault]:
         """Store snapshots (on the writer thread): streamed into the store, hashed as they are
         written, with one group commit where the store has ``put_written``; else encoded and
-        stored with ``put_many``, or one by one with ``put`` (one encoded copy in memory at a
-        time). Retried while the store fails; then a StageFault of kind "storage" (raised: it is
-        every snapshot's). A snapshot whose state does not encode gets a StageFault of kind
-        "error" (the trainer's) and the others are stored."""
+        stored with ``put_many`` (an object store's uploads in flight together), in groups whose
+        encoded copies hold at most ``PUT_MANY_BYTES`` (or one snapshot), or one by one with
+        ``put`` (one encoded copy in memory at a time). Retried while the store fails; then a
+        StageFault of kind "storage" (raised: it is every snapshot's). A snapshot whose state
+        does not encode gets a StageFault of kind "error" (the trainer's) and the others are
+        stored."""
         results: dict[int, tuple[str, int] | StageFault] = {}
 
         def unencodable(i: int, exc: Exception) -> None:
@@ -469,9 +490,14 @@ class PathExecutor:
                         unencodable(exc.index, exc.cause)
                         continue
                 elif (put_many := getattr(self.store, "put_many", None)) is not None:
-                    datas = {i: data for i in left if (data := encoded(i)) is not None}
-                    left = list(datas)
-                    refs = self._stored(functools.partial(put_many, list(datas.values())))
+                    for group in _groups(left, [s.nbytes for s in snapshots], self.PUT_MANY_BYTES):
+                        datas = {i: data for i in group if (data := encoded(i)) is not None}
+                        if not datas:
+                            continue
+                        refs = self._stored(functools.partial(put_many, list(datas.values())))
+                        results.update((i, (r.ref, r.size)) for i, r in zip(datas, refs))
+                        del datas  # let the encoded copies go before the next group's
+                    continue
                 else:  # one encoded copy in memory at a time (an object store's put)
                     for i in left:
                         data = encoded(i)

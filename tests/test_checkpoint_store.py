@@ -15,11 +15,13 @@ import base64
 import hashlib
 import importlib.util
 import io
+import itertools
 import logging
 import os
 import pickle
 import socket
 import sys
+import threading
 import traceback
 import uuid
 from collections import OrderedDict
@@ -51,7 +53,13 @@ from gpu_worker.checkpoint import (
     snapshot_state,
     write_state,
 )
-from gpu_worker.object_store import CheckpointStoreError, S3CheckpointStore, _content_length, open_checkpoint_store
+from gpu_worker.object_store import (
+    PUT_CONCURRENCY,
+    CheckpointStoreError,
+    S3CheckpointStore,
+    _content_length,
+    open_checkpoint_store,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "digits.py"
@@ -356,6 +364,77 @@ def test_put_verifies_the_stored_object_before_returning(backend: Backend, size:
     backend.sabotage[0] = False
     assert store.put(data).ref == ref  # and the next put repairs it
     assert store.get(ref) == data
+
+
+def test_put_many_stores_each_object_and_returns_their_refs_in_order(backend: Backend) -> None:
+    """put_many (the local store's one group commit, MinIO's uploads in flight together): every
+    object stored and verified, an object already there or given twice stored once, the refs in
+    the order of the data."""
+    store = backend.store
+    first = store.put(b"already here")
+    datas = [os.urandom(3000), b"two", b"already here", os.urandom(70_000), b"two", b"", os.urandom(5)]
+    refs = store.put_many(datas)
+    assert [(r.ref, r.size) for r in refs] == [(hashlib.sha256(d).hexdigest(), len(d)) for d in datas]
+    assert refs[2].ref == first.ref
+    for data, ref in zip(datas, refs):
+        assert store.get(ref.ref) == data
+    assert store.put_many([]) == []
+
+
+def test_s3_put_many_keeps_several_uploads_in_flight(
+    minio_store_factory: Callable[[], S3CheckpointStore], minio_client: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker whose stages end faster than one upload stores the queued checkpoints together:
+    the first two uploads are both in flight before either ends (one at a time, the first would
+    wait for the second forever, and the barrier breaks)."""
+    backend = minio_backend(minio_store_factory, minio_client, {}, monkeypatch, [])
+    counting_put = backend.store._client.put_object
+    both = threading.Barrier(2, timeout=60)
+    started = itertools.count()
+
+    def meeting_put(*args: Any, **kwargs: Any) -> Any:
+        if next(started) < 2:
+            both.wait()  # raises BrokenBarrierError unless a second upload starts meanwhile
+        return counting_put(*args, **kwargs)
+
+    monkeypatch.setattr(backend.store._client, "put_object", meeting_put)
+    datas = [os.urandom(4000) for _ in range(3 * PUT_CONCURRENCY)]
+    refs = backend.store.put_many(datas)
+    assert [r.ref for r in refs] == [hashlib.sha256(d).hexdigest() for d in datas]
+    assert sorted(backend.writes) == sorted(backend.store.key(r.ref) for r in refs)
+    assert [minio_client.stat_object(backend.store.bucket, backend.store.key(r.ref)).size for r in refs] == \
+        [len(d) for d in datas]
+
+
+def test_s3_put_many_raises_the_first_refused_upload_and_a_retry_sends_only_what_is_missing(
+    minio_store_factory: Callable[[], S3CheckpointStore], minio_client: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Bytes altered on the way of two uploads among several: MinIO refuses those two and keeps
+    nothing of them; put_many raises the refusal of the first by position once every upload ended,
+    the others are stored, and the writer's retry uploads only the two."""
+    backend = minio_backend(minio_store_factory, minio_client, {}, monkeypatch, [])
+    store = backend.store
+    datas = [os.urandom(5000) for _ in range(6)]
+    keys = [store.key(hashlib.sha256(d).hexdigest()) for d in datas]
+    damaged = {keys[4], keys[2]}
+    counting_put = store._client.put_object
+
+    def damaging_put(bucket: str, key: str, data: Any, length: int, **kwargs: Any) -> Any:
+        if key in damaged:
+            body = flip_middle_byte(data.read())
+            return counting_put(bucket, key, io.BytesIO(body), len(body), **kwargs)
+        return counting_put(bucket, key, data, length, **kwargs)
+
+    monkeypatch.setattr(store._client, "put_object", damaging_put)
+    with pytest.raises(CheckpointStoreError) as refused:
+        store.put_many(datas)
+    assert (refused.value.code, refused.value.key) == ("XAmzContentChecksumMismatch", keys[2])
+    assert sorted(backend.writes) == sorted(keys)  # every upload was tried
+    assert [store.exists(hashlib.sha256(d).hexdigest()) for d in datas] == [True, True, False, True, False, True]
+    damaged.clear()
+    backend.writes.clear()
+    assert [r.ref for r in store.put_many(datas)] == [hashlib.sha256(d).hexdigest() for d in datas]
+    assert sorted(backend.writes) == sorted([keys[2], keys[4]])
 
 
 @pytest.mark.parametrize("bad", ["", "abc", "A" * 64, "g" * 64, "../" + "a" * 61])

@@ -220,8 +220,8 @@ def flip_byte(data: bytes) -> bytes:
 
 
 class PutOnly:
-    """A store with only the protocol's put (as the MinIO store): the worker encodes each
-    checkpoint to bytes and puts it."""
+    """A store with only the protocol's put: the worker encodes each checkpoint to bytes and puts
+    it."""
 
     def __init__(self, root: Path) -> None:
         self.local = LocalCheckpointStore(root)
@@ -253,6 +253,42 @@ def test_a_store_without_streamed_writes_gets_the_same_checkpoints(tmp_path: Pat
     assert streamed and saved(PutOnly(tmp_path / "put-only"), DigitsTrainer()) == streamed
     (failed,) = saved(PutOnly(tmp_path / "unserializable"), Unserializable())
     assert failed[0] == "error"
+
+
+class PutMany(PutOnly):
+    """A store with ``put_many`` too (as the MinIO store, whose uploads are then in flight
+    together), whose first ``put_many`` waits until ``gate`` is set; ``calls``: the sizes of the
+    objects each call stored."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.gate = threading.Event()
+        self.calls: list[list[int]] = []
+
+    def put_many(self, datas: Sequence[bytes]) -> list[CheckpointRef]:
+        self.gate.wait(60)
+        self.calls.append([len(d) for d in datas])
+        return self.local.put_many(datas)
+
+
+def test_checkpoints_queued_for_a_store_with_put_many_go_together_in_groups_bounded_in_bytes(tmp_path: Path
+                                                                                             ) -> None:
+    """While the first write waits, the next stages' checkpoints queue; the writer then hands
+    them to ``put_many`` together, encoding at most ``PUT_MANY_BYTES`` of them at once (here two
+    snapshots), and the checkpoints are those of a worker that streams its writes."""
+    stages = [(f"n{k}", k, k + 1) for k in range(5)]
+    local = Gated(tmp_path / "streamed")
+    streamed = saved_by(PathExecutor(DigitsTrainer(), "w0", local, torch.device("cpu")), local, dispatch_of(0, stages))
+    unbounded = PutMany(tmp_path / "unbounded")
+    assert saved_by(PathExecutor(DigitsTrainer(), "w0", unbounded, torch.device("cpu")), unbounded,
+                    dispatch_of(0, stages)) == streamed
+    assert sum(map(len, unbounded.calls)) == 5 and max(map(len, unbounded.calls)) >= 2, unbounded.calls
+    size = min(min(call) for call in unbounded.calls)  # an encoded snapshot: its tensors' bytes and a header
+    bounded = PutMany(tmp_path / "bounded")
+    worker = PathExecutor(DigitsTrainer(), "w0", bounded, torch.device("cpu"))
+    worker.PUT_MANY_BYTES = 2 * size  # two snapshots' tensors fit, three do not
+    assert saved_by(worker, bounded, dispatch_of(0, stages)) == streamed
+    assert sum(map(len, bounded.calls)) == 5 and max(map(len, bounded.calls)) == 2, bounded.calls
 
 
 # ----------------------------------------------------------------------------- PathTrained (issue 15 goal 2)
@@ -364,7 +400,7 @@ def dispatch_of(i: int, stages: list[tuple[str, int, int]], source: CheckpointSo
                                    for n, a, b in stages])
 
 
-def saved_by(worker: PathExecutor, store: Gated, *paths: StageDispatched) -> dict[str, str]:
+def saved_by(worker: PathExecutor, store: Gated | PutMany, *paths: StageDispatched) -> dict[str, str]:
     """Run ``paths`` on ``worker`` one after another, each end handed on (PathTrained); open
     ``store``'s gate, and return the checkpoint of each node."""
     events: list[Event] = []
