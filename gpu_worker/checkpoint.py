@@ -71,7 +71,8 @@ class CheckpointStore(Protocol):
 
     ``put`` returns only after the object is durable and verified; putting
     bytes already stored is a no-op. A store may also offer ``put_many`` (several
-    objects, one group commit), which writers use when several are queued. ``get`` verifies the hash and raises
+    objects at once: one group commit, or uploads in flight together), which writers use
+    when several are queued. ``get`` verifies the hash and raises
     CheckpointMissing or CheckpointCorrupt; a store may also offer ``load_pending(ref, use)`` (``use``
     of the bytes while they are hashed, returned with a :class:`Verification` that may still be
     running: :class:`LoadMemory`, :func:`use_pending`) and ``load(ref, use)`` (the same, returned once

@@ -177,7 +177,8 @@ class S3CheckpointStore:
     the reply does not echo it (a store without S3 checksums, a multipart
     upload) ``put`` verifies by downloading, as it did before (issue 15: the
     download doubled each save's traffic, and its hashing competed with
-    training for the CPU).
+    training for the CPU). :meth:`put_many` keeps up to
+    :data:`PUT_CONCURRENCY` such uploads in flight.
 
     Errors: ValueError for a malformed ref, bucket, prefix or endpoint;
     CheckpointMissing / CheckpointCorrupt as in the protocol; every other
