@@ -16,6 +16,7 @@ so step ``s`` of a node is the same prefix for every trial through it).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
 from typing import NamedTuple
@@ -38,6 +39,7 @@ class Segment(NamedTuple):
         return self.end - self.start
 
 
+@functools.cache  # a plan's node ids: few, and the scheduler orders by them at every pass
 def node_number(node_id: str) -> int:
     """The ordinal of a node id (``"n12"`` -> 12): nodes are numbered in the order the plan
     appended them (:meth:`Plan.new_node_id`). Raises ValueError for another form."""

@@ -237,7 +237,8 @@ class Folded:
 def fold_records(state: State, records: Iterable[Record], folded: Folded | None = None, *,
                  secret: bytes | None = None,
                  on_event: Callable[[Record, Event, State], None] | None = None,
-                 after: Callable[[int, State], None] | None = None, traced: bool = False) -> Folded:
+                 after: Callable[[int, State], None] | None = None, traced: bool = False,
+                 on_chain: Callable[[Record, bytes], None] | None = None) -> Folded:
     """The one fold of the plan stream (DESIGN.md invariant 3), used by the live projector, the
     audit and the tests: apply ``records`` (in offset order, after ``state.offset``) to ``state``.
 
@@ -247,7 +248,9 @@ def fold_records(state: State, records: Iterable[Record], folded: Folded | None 
     sha256 and size) and gets a dead letter in ``folded.letters``. ``on_event(record, event,
     state)`` runs before each decoded event is applied, ``after(offset, state)`` after each record
     (applied or rejected). ``traced``: record each apply as a span in the event's trace (the live
-    projector). Offsets may have gaps (Kafka transaction markers): only the last
+    projector). ``on_chain(record, chain)`` runs for each record first, with the chain after it
+    as computed here (32 bytes): ``replay verify`` compares it with the chain the log stored, in
+    this same pass. Offsets may have gaps (Kafka transaction markers): only the last
     offset applied is tracked.
 
     Any other exception is a defect: it propagates with ``state.offset`` and ``state.chain`` still
@@ -256,8 +259,10 @@ def fold_records(state: State, records: Iterable[Record], folded: Folded | None 
     """
     folded = Folded() if folded is None else folded
     for record in records:
-        chain = chain_next(bytes.fromhex(state.chain), topics.PLAN, record.offset, record.key, record.value,
-                           secret).hex()
+        head = chain_next(bytes.fromhex(state.chain), topics.PLAN, record.offset, record.key, record.value, secret)
+        if on_chain is not None:
+            on_chain(record, head)
+        chain = head.hex()
         try:
             event = decode(record.value)
             if on_event is not None:

@@ -416,9 +416,10 @@ def rare_collections() -> Iterator[None]:
 
 
 def fold(records: Iterable[Record], on_event: Callable[[Record, Any, State], None] | None = None,
-         after: Callable[[int, State], None] | None = None, secret: bytes | None = None) -> State:
+         after: Callable[[int, State], None] | None = None, secret: bytes | None = None,
+         on_chain: Callable[[Record, bytes], None] | None = None) -> State:
     """Fold plan-stream records into a fresh state with the projector's own fold
-    (:func:`projections.store.fold_records`); ``on_event``/``after`` as there. ``after(-1, state)``
+    (:func:`projections.store.fold_records`); ``on_event``/``after``/``on_chain`` as there. ``after(-1, state)``
     runs first, on the empty state. Records of several partitions are folded partition by
     partition and their states merged (:func:`projections.partitions.merge`); ``after`` then
     sees each record's partition's state. A :class:`Stream` is read and folded in batches of
@@ -430,7 +431,7 @@ def fold(records: Iterable[Record], on_event: Callable[[Record, Any, State], Non
             if after is not None and partition == 0:
                 after(-1, state)
             for batch in batches(recs):
-                fold_records(state, batch, secret=secret, on_event=on_event, after=after)
+                fold_records(state, batch, secret=secret, on_event=on_event, after=after, on_chain=on_chain)
     return merge(states)
 
 
@@ -574,32 +575,56 @@ def check_seals(source: Source, secret: bytes | None) -> Failure | None:
     return None
 
 
-def check_chain(source: Source, secret: bytes | None) -> Failure | None:
-    """Recompute every stream's hash chain; the first gap or mismatch."""
+def check_chain(source: Source, secret: bytes | None, skip: Iterable[str] = ()) -> Failure | None:
+    """Recompute every stream's hash chain (but those named in ``skip``); the first gap or
+    mismatch."""
     if source.chain == "sealed":
         return check_seals(source, secret)
     if source.chain != chain_algorithm(secret):
         return Failure("chain", None, None, f"the log is chained with {source.chain}, "
                        f"but verification was given {'a' if secret else 'no'} secret")
-    for name in sorted(source.streams):
+    for name in sorted(set(source.streams) - set(skip)):
+        check = ChainCheck(name)
         head = CHAIN_START
-        for expected, r in enumerate(source.streams[name]):
-            if r.offset != expected:
-                return Failure("chain", expected, None,
-                               f"stream {name}: offset {expected} is missing (next record has offset {r.offset})")
+        for r in source.streams[name]:
             head = chain_next(head, name, r.offset, r.key, r.value, secret)
-            if head != r.chain:
-                return Failure("chain", r.offset, _event_name(r),
-                               f"stream {name}: the hash chain does not match (record edited, inserted, "
-                               "deleted or moved)")
+            check(r, head)
+            if check.failure is not None:
+                return check.failure
     return None
+
+
+@dataclass
+class ChainCheck:
+    """The check of one dense stream's stored chain, record by record in offset order, called
+    with each record and the chain after it as recomputed (:func:`check_chain`; the plan stream
+    in the fold's own pass, :func:`projections.store.fold_records`' ``on_chain``). ``failure``:
+    the first gap or mismatch; records after it are not looked at."""
+
+    stream: str
+    expected: int = 0
+    failure: Failure | None = None
+
+    def __call__(self, r: Record, head: bytes) -> None:
+        if self.failure is not None:
+            return
+        if r.offset != self.expected:
+            self.failure = Failure("chain", self.expected, None, f"stream {self.stream}: offset {self.expected} is "
+                                                                  f"missing (next record has offset {r.offset})")
+        elif head != r.chain:
+            self.failure = Failure("chain", r.offset, _event_name(r),
+                                   f"stream {self.stream}: the hash chain does not match (record edited, inserted, "
+                                   "deleted or moved)")
+        self.expected += 1
 
 
 def verify(source: Source, secret: bytes | None = None, progress: Callable[[int], None] | None = None) -> AuditResult:
     """Run every check on ``source``; see the module docstring. Never raises for a mismatch.
 
-    Memory is flat in the log's length: each check reads the streams again (:class:`Stream`),
-    and the fold holds :data:`projections.store.READ_BATCH` records at a time. What is kept
+    Memory is flat in the log's length: the streams are read again by each pass that needs them
+    (:class:`Stream`): the plan stream twice (the decisions' prefixes, then the fold, which
+    checks its chain as it goes), every other stream once (its chain); the fold holds
+    :data:`projections.store.READ_BATCH` records at a time. What is kept
     besides the projection: the decision prefixes still to visit and the recomputed decision
     groups not yet matched (:class:`replay.decisions.DecisionCheck`), the offsets the seals
     name, and one entry per checkpoint object (not per CheckpointSaved). The garbage collector
@@ -611,13 +636,19 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
 def _verify(source: Source, secret: bytes | None, progress: Callable[[int], None] | None) -> AuditResult:
     result = AuditResult()
     plan = source.streams.get(topics.PLAN, [])
-    failure = check_chain(source, secret)
-    result.events = sum(len(v) for v in source.streams.values())  # counted by the chain's pass
-    result.add("chain", failure, f"{result.events} records in {len(source.streams)} streams chain correctly "
-                                 f"({source.chain})")
+    parts = by_partition(plan)
+    # The plan stream's chain is recomputed by the fold anyway: one stream of one partition,
+    # read in the source's order, is checked in the fold's pass instead of a pass of its own.
+    plan_chain = (ChainCheck(topics.PLAN) if isinstance(plan, Stream) and set(parts) == {0}
+                  and source.chain == chain_algorithm(secret) else None)
+    failure = check_chain(source, secret, skip=() if plan_chain is None else (topics.PLAN,))
+
+    def add_chain() -> None:
+        result.events = sum(len(v) for v in source.streams.values())  # counted by the passes that read them
+        result.add("chain", failure if failure is not None or plan_chain is None else plan_chain.failure,
+                   f"{result.events} records in {len(source.streams)} streams chain correctly ({source.chain})")
 
     saved: dict[str, tuple[int, str, str, int]] = {}  # checkpoint ref -> (offset, type, node, step) of its first save
-    parts = by_partition(plan)
 
     def on_saved(r: Record, event: Any, state: State) -> None:
         if progress is not None:
@@ -636,7 +667,7 @@ def _verify(source: Source, secret: bytes | None, progress: Callable[[int], None
             on_saved(r, event, state)
             decisions.on_event(r, event)
 
-        state = fold(plan, on_event, decisions.after, secret=secret)
+        state = fold(plan, on_event, decisions.after, secret=secret, on_chain=plan_chain)
         mismatch, checked = decisions.finish(), decisions.checked
         rebuilt = snapshot(state)
     else:
@@ -645,6 +676,7 @@ def _verify(source: Source, secret: bytes | None, progress: Callable[[int], None
             parts, lambda st, recs: fold_records(st, recs, secret=secret, on_event=on_saved))
         state = merge(states)
         rebuilt = {f"p{p}/".encode() + k: v for p in sorted(parts) for k, v in snapshot(states[p]).items()}
+    add_chain()
     counts = ", ".join(f"{n} {name}" for name, n in sorted(checked.items())) or "no"
     result.add("decision", None if mismatch is None else Failure("decision", mismatch.offset, mismatch.event,
                                                                  mismatch.detail),

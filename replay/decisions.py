@@ -28,6 +28,7 @@ from typing import Any
 from events.codec import InvalidEvent, decode
 from events.log import Record
 from events.models import (
+    HEADER_FIELDS,
     CheckpointEvicted,
     CheckpointRequested,
     DecisionEvent,
@@ -90,8 +91,13 @@ _MARKERS = tuple(f'"{t.type}"'.encode() for t in _BY_TYPE)
 
 
 def same_decision(a: Event, b: Event) -> bool:
-    """Whether two decision events carry the same decision (header fields ignored)."""
-    return type(a) is type(b) and a.payload() == b.payload()
+    """Whether two decision events carry the same decision: of one type, with equal fields but
+    the header's (:data:`events.models.HEADER_FIELDS`); nested models compare by value, as
+    their payloads would (without serializing them)."""
+    if type(a) is not type(b):
+        return False
+    mine, theirs = a.__dict__, b.__dict__
+    return all(value == theirs[name] for name, value in mine.items() if name not in HEADER_FIELDS)
 
 
 @dataclass

@@ -44,10 +44,6 @@ Price = Callable[[Stage], float]
 prices stages of unmeasured nodes at the plan's current mean seconds per step)."""
 
 
-def _stage_length(stage: Stage, price: Price | None = None) -> Length:
-    return (stage.est_seconds if price is None else price(stage), max(stage.steps, 1))
-
-
 def top_down(tree: StageTree) -> list[StageKey]:
     """Every stage key reachable from a root, each parent before its children (breadth-first
     from the roots in key order, children in key order). Linear in the number of stages."""
@@ -67,10 +63,17 @@ def longest(tree: StageTree, order: list[StageKey] | None = None, price: Price |
     Linear: children are visited before their parent by walking :func:`top_down` backwards.
     """
     memo: dict[StageKey, Length] = {}
+    stages, children = tree.stages, tree.children
     for key in reversed(top_down(tree) if order is None else order):
-        seconds, steps = _stage_length(tree.stages[key], price)
-        below = max((memo[c] for c in tree.children.get(key, [])), default=(0.0, 0))
-        memo[key] = (seconds + below[0], steps + below[1])
+        stage = stages[key]
+        seconds = stage.est_seconds if price is None else price(stage)
+        steps = max(stage.to_step - stage.from_step, 1)
+        kids = children.get(key)
+        if kids:
+            below = max(memo[c] for c in kids)
+            memo[key] = (seconds + below[0], steps + below[1])
+        else:
+            memo[key] = (seconds + 0.0, steps)  # as below (0.0, 0): the same float, bit for bit
     return memo
 
 
@@ -91,12 +94,14 @@ def ready_stages(tree: StageTree) -> list[Stage]:
     return [stage for stage in tree.roots() if stage.source in READY]
 
 
-def critical_path(tree: StageTree) -> Path | None:
+def critical_path(tree: StageTree, lengths: dict[StageKey, Length] | None = None) -> Path | None:
     """The longest path (estimated seconds, then steps) starting at a ready root stage, or None
-    when nothing can start. Equal lengths go to the smaller stage key."""
+    when nothing can start. Equal lengths go to the smaller stage key. ``lengths``:
+    :func:`longest` of ``tree``, when the caller has it (the stage index ranked by it)."""
     if not tree.stages:
         return None
-    lengths = longest(tree)
+    if lengths is None:
+        lengths = longest(tree)
     best = longest_ready_root(tree, lengths)
     if best is None:
         return None

@@ -39,10 +39,10 @@ from dataclasses import dataclass
 
 from events.models import CheckpointSource, StageDispatched, StageSpec
 from projections.state import Plan, State
-from scheduler.critical_path import Path, critical_path, descendants, ready_stages, top_down
+from scheduler.critical_path import Length, Path, critical_path, descendants, ready_stages, top_down
 from scheduler.policies import POLICIES, Policy, check_policy  # noqa: F401 (exported here too)
 from scheduler.stage_index import index_of
-from scheduler.stage_tree import COLD_SEC_PER_STEP, StageTree, build_stage_tree, measured_profile
+from scheduler.stage_tree import COLD_SEC_PER_STEP, StageKey, StageTree, build_stage_tree, measured_profile
 
 _MEMO = "decide.choice"  # plan.cache key prefix: (_MEMO, policy) -> (revision, choice)
 
@@ -60,10 +60,11 @@ class Choice:
     rank: tuple[float, ...]
 
 
-def _choose(tree: StageTree, policy: Policy) -> Choice | None:
-    """The candidate under ``policy`` in ``tree``, or None if nothing is ready."""
+def _choose(tree: StageTree, policy: Policy, lengths: dict[StageKey, Length] | None = None) -> Choice | None:
+    """The candidate under ``policy`` in ``tree``, or None if nothing is ready (``lengths``:
+    :func:`~scheduler.critical_path.longest` of ``tree``, when the caller has it)."""
     if policy == "critical-path":
-        path = critical_path(tree)
+        path = critical_path(tree, lengths)
         return None if path is None else Choice(path, (-path.est_seconds, -path.steps))
     ready = ready_stages(tree)
     if not ready:
@@ -101,8 +102,8 @@ def plan_choice(plan: Plan, policy: Policy = "critical-path", fallback: float = 
     memo = plan.cache.get((_MEMO, policy))
     if memo is not None and memo[0] == stamp:
         return memo[1]
-    tree = index_of(plan).choose(policy, fallback)
-    choice = None if tree is None else _choose(tree, policy)
+    chosen = index_of(plan).choose(policy, fallback)
+    choice = None if chosen is None else _choose(chosen[0], policy, chosen[1])
     plan.cache[(_MEMO, policy)] = (stamp, choice)
     return choice
 
@@ -182,8 +183,3 @@ def decide(state: State, policy: str = "critical-path") -> StageDispatched | Non
             for s in path.stages
         ],
     )
-
-
-def same_decision(a: StageDispatched, b: StageDispatched) -> bool:
-    """True when two dispatches carry the same decision (header fields ignored)."""
-    return a.payload() == b.payload()

@@ -60,6 +60,7 @@ class _Component:
     mean: float
     unmeasured: frozenset[StageKey]
     priced: tuple[float, tuple[Length, StageKey] | None] | None = None  # (mean, best) of the last pricing
+    lengths: dict[StageKey, Length] | None = None  # longest(tree) over its est_seconds, once computed
 
     def best_at(self, mean: float) -> tuple[Length, StageKey] | None:
         """The longest ready root's length and key with unmeasured stages priced at ``mean``."""
@@ -69,7 +70,7 @@ class _Component:
                 lengths = longest(self.tree, price=lambda s: max(s.steps, 1) * mean if s.key in unmeasured
                                   else s.est_seconds)
             else:
-                lengths = longest(self.tree)
+                lengths = self.lengths = longest(self.tree)
             root = longest_ready_root(self.tree, lengths)
             self.priced = (mean, None if root is None else (lengths[root.key], root.key))
         return self.priced[1]
@@ -235,9 +236,10 @@ class StageTreeIndex:
         self.sync()
         return Needs(self)
 
-    def choose(self, policy: str, fallback: float) -> StageTree | None:
+    def choose(self, policy: str, fallback: float) -> tuple[StageTree, dict[StageKey, Length] | None] | None:
         """The stage tree of the component holding ``policy``'s choice, its stages priced as the
-        whole tree's would be (``fallback``: seconds per step of a plan with no measurement);
+        whole tree's would be (``fallback``: seconds per step of a plan with no measurement), and
+        :func:`~scheduler.critical_path.longest` of it when the ranking computed that already;
         None when nothing is ready."""
         self.sync()
         mean = mean_sec_per_step(self.plan, fallback)
@@ -255,8 +257,8 @@ class StageTreeIndex:
             return None
         comp = self.components[best]
         if comp.unmeasured and comp.mean != mean:  # priced at an older mean: the same stages, priced now
-            comp.tree, comp.mean = self._tree(best, fallback), mean
-        return comp.tree
+            comp.tree, comp.mean, comp.lengths = self._tree(best, fallback), mean, None
+        return comp.tree, comp.lengths
 
     def _tree(self, root: str, fallback: float) -> StageTree:
         return build_stage_tree(self.plan, fallback, sorted(self._pending_under.get(root, ())), self._ckpt_steps)

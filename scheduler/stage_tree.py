@@ -199,22 +199,23 @@ def build_stage_tree(plan: Plan, fallback: float = COLD_SEC_PER_STEP, nodes: Ite
     # it. Only nodes with endpoints do anything, so only they are visited, from a heap in the
     # order a sort of all nodes would give; a parent gaining its first endpoint joins the heap
     # when it comes later in that order.
-    def order(n: Node) -> tuple[int, int]:
-        return (-n.depth, node_number(n.node_id))
-
-    heap = [(*order(plan.nodes[node_id]), node_id) for node_id in endpoints]
+    heap = [(-n.depth, node_number(node_id), node_id) for node_id in endpoints for n in (plan.nodes[node_id],)]
     heapq.heapify(heap)
+    first: dict[str, tuple[int, _Anchor | None]] = {}  # node id -> its lowest endpoint and that one's anchor
     while heap:
-        *rank, node_id = heapq.heappop(heap)
+        minus_depth, number, node_id = heapq.heappop(heap)
         node = plan.nodes[node_id]
         if node.parent_id is None:
             continue
-        ends = endpoints[node_id]
-        if _anchor(plan, node, min(ends), ckpt_steps) is None:
+        low = min(endpoints[node_id])  # final: only the deeper nodes popped before add to it
+        anchor = first[node_id] = (low, _anchor(plan, node, low, ckpt_steps))
+        if anchor[1] is None:
             up = plan.nodes[node.parent_id]
             if not covers(up, node.start_step):
-                if up.node_id not in endpoints and order(up) > tuple(rank):
-                    heapq.heappush(heap, (*order(up), up.node_id))
+                if up.node_id not in endpoints:
+                    above = (-up.depth, node_number(up.node_id))
+                    if above > (minus_depth, number):
+                        heapq.heappush(heap, (*above, up.node_id))
                 endpoints[up.node_id].add(node.start_step)
 
     tree = StageTree(plan.plan_key)
@@ -224,9 +225,10 @@ def build_stage_tree(plan: Plan, fallback: float = COLD_SEC_PER_STEP, nodes: Ite
         sps = sec_per_step(plan, node, mean)
         previous: int | None = None
         req = requested.get(node_id, ())
+        known = first.get(node_id)
         for end in sorted(endpoints[node_id]):
             evaluate = end in req
-            anchor = _anchor(plan, node, end, ckpt_steps)
+            anchor = known[1] if known is not None and known[0] == end else _anchor(plan, node, end, ckpt_steps)
             source: SourceKind
             parent: StageKey | None = None
             ckpt: tuple[str, int, str] | None = None

@@ -440,3 +440,28 @@ def test_a_worker_lost_broadcast_to_every_partition_is_one_decision_checked_once
     assert twice is not None and "computes w0 lost" in twice.detail, twice
     stranger, _ = check([joined, lost("w9")])
     assert stranger is not None and "computes nothing" in stranger.detail, stranger
+
+
+def test_same_decision_compares_every_field_but_the_header() -> None:
+    """What verify compares a recorded decision with: equal payloads, whatever the event id,
+    producer, timestamp and trace; any field of the decision, nested ones included, tells them
+    apart, as does the event type."""
+    from events.hp import Constant, MultiStep
+    from events.models import CheckpointSource, StageDispatched, StageSpec
+    from replay.decisions import same_decision
+
+    def dispatch(to_step: int = 5, lr: float = 0.1, ref: str = "a" * 64, **header: Any) -> StageDispatched:
+        return StageDispatched(dispatch_id="d1", worker_id="w0", plan_key="p", seed=3, decided_at=7, policy="bfs",
+                               source=CheckpointSource(node_id="n1", step=2, ref=ref),
+                               stages=[StageSpec(node_id="n2", hp={"lr": MultiStep(lr, [3], 0.5), "bs": Constant(16)},
+                                                 from_step=2, to_step=to_step, evaluate=True)], **header)
+
+    recorded = decode(encode(dispatch(producer="scheduler", ts=12.5, trace={"traceparent": "00-" + "1" * 32 + "-"
+                                                                                           + "2" * 16 + "-01"})))
+    assert same_decision(dispatch(), recorded) and same_decision(recorded, dispatch())
+    assert recorded.event_id != dispatch().event_id
+    for other in (dispatch(to_step=6), dispatch(lr=0.2), dispatch(ref="b" * 64),
+                  dispatch().model_copy(update={"policy": "critical-path"}),
+                  dispatch().model_copy(update={"decided_at": 8})):
+        assert not same_decision(other, recorded)
+    assert not same_decision(WorkerLost(worker_id="w0", reason="gone"), WorkerJoined(worker_id="w0", device="cpu"))

@@ -31,7 +31,8 @@ from events.models import (
 )
 from projections.state import State
 from projections.store import ProjectionStore, fold_records, snapshot
-from scheduler.decide import decide, same_decision
+from replay.decisions import same_decision
+from scheduler.decide import decide
 
 pytestmark = pytest.mark.e2e
 
