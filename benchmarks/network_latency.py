@@ -61,15 +61,19 @@ def _api(port: int, path: str, body: dict[str, object]) -> None:
 
 
 @contextmanager
-def delayed_endpoint(upstream: str, latency_ms: int) -> Iterator[str]:
+def delayed_endpoint(upstream: str, latency_ms: int = 0, rate_kb_s: int | None = None) -> Iterator[str]:
     """``HOST:PORT`` of a proxy to ``upstream`` (``HOST:PORT``) that holds every response
-    ``latency_ms`` milliseconds (Toxiproxy's ``latency`` toxic on the downstream direction), for
-    the duration of the ``with`` block; the proxy server is stopped afterwards.
+    ``latency_ms`` milliseconds (Toxiproxy's ``latency`` toxic on the downstream direction) and,
+    with ``rate_kb_s``, passes each connection's responses at most that many KB (1,000 bytes)
+    per second (its ``bandwidth`` toxic: S3 serves one connection at a bounded rate), for the
+    duration of the ``with`` block; the proxy server is stopped afterwards.
 
-    Raises ValueError for a negative ``latency_ms``; RuntimeError when the server cannot be built
-    or does not answer within 10 seconds."""
+    Raises ValueError for a negative ``latency_ms`` or a ``rate_kb_s`` below 1; RuntimeError when
+    the server cannot be built or does not answer within 10 seconds."""
     if isinstance(latency_ms, bool) or not isinstance(latency_ms, int) or latency_ms < 0:
         raise ValueError(f"`latency_ms` is {latency_ms!r}, but must be an int >= 0")
+    if rate_kb_s is not None and (isinstance(rate_kb_s, bool) or not isinstance(rate_kb_s, int) or rate_kb_s < 1):
+        raise ValueError(f"`rate_kb_s` is {rate_kb_s!r}, but must be an int >= 1")
     api, listen = _free_port(), _free_port()
     server = subprocess.Popen([str(toxiproxy_server()), "-host", "127.0.0.1", "-port", str(api)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -85,6 +89,9 @@ def delayed_endpoint(upstream: str, latency_ms: int) -> Iterator[str]:
                 time.sleep(0.05)
         _api(api, "/proxies/s3/toxics", {"name": "latency", "type": "latency", "stream": "downstream",
                                           "attributes": {"latency": latency_ms, "jitter": 0}})
+        if rate_kb_s is not None:
+            _api(api, "/proxies/s3/toxics", {"name": "rate", "type": "bandwidth", "stream": "downstream",
+                                              "attributes": {"rate": rate_kb_s}})
         yield f"127.0.0.1:{listen}"
     finally:
         server.terminate()

@@ -39,16 +39,19 @@ the coordinator's pipe), in one process on one CPU thread, without a coordinator
 Usage::
 
     .venv/bin/python benchmarks/worker_overhead.py [--stages 1000] [--big-steps 10] [--out runs/bench-worker] \\
-        [--device cuda:0] [--store s3://BUCKET/PREFIX [--s3-latency-ms 10]] [--cases tiny,big,memory]
+        [--device cuda:0] [--store s3://BUCKET/PREFIX [--s3-latency-ms 10] [--s3-rate-mb-s 100]] \\
+        [--cases tiny,big,memory]
 
 ``--store`` puts the checkpoints of cases 1 and 2 in an S3 store, as workers on a cluster do
 (``S3CheckpointStore``: a save uploads the encoded bytes in one PUT whose sha256 the store
-verifies, the checkpoints queued for the writer up to 8 uploads at once; a load downloads and
-hashes), each worker under a new prefix; the endpoint and credentials come from the
-``STAGETREE_S3_*`` variables (the local MinIO of ``infra/up.sh``: ``source .infra/env``).
-``--s3-latency-ms MS`` holds every response of that store MS milliseconds on its way (Toxiproxy
-in front of the endpoint, built on first use: ``benchmarks/network_latency.py``), as an object
-store across a network answers. ``--cases`` runs some of the three cases (``tiny,big,memory``).
+verifies, the checkpoints queued for the writer up to 8 uploads at once; a load downloads, a
+large checkpoint in 8 ranged GETs at once, and hashes), each worker under a new prefix; the
+endpoint and credentials come from the ``STAGETREE_S3_*`` variables (the local MinIO of
+``infra/up.sh``: ``source .infra/env``). ``--s3-latency-ms MS`` holds every response of that
+store MS milliseconds on its way, and ``--s3-rate-mb-s MB`` passes each connection's responses
+at most MB megabytes per second (Toxiproxy in front of the endpoint, built on first use:
+``benchmarks/network_latency.py``), as an object store across a network answers. ``--cases``
+runs some of the three cases (``tiny,big,memory``).
 
 Prints a table and writes ``OUT/worker_overhead.json``. Timings are wall seconds on this
 machine; read them as ratios and shares within one run.
@@ -245,6 +248,7 @@ def _bare_stage_seconds(trainer: Any, steps: int, device: Any, repeats: int = 3)
     (it falls inside ``train_seconds``); ``seconds`` against this does not."""
     import torch
 
+    torch.set_num_threads(1)  # as the worker trains (_executor), whichever case ran first
     trainer.build(0, device)
     indices = torch.empty(0, dtype=torch.int64)
     timings = []
@@ -312,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--s3-latency-ms", type=int, default=None, metavar="MS",
                    help="with --store: every response of the store held MS milliseconds on its way (Toxiproxy in "
                         "front of the endpoint, benchmarks/network_latency.py), as an object store across a network")
+    p.add_argument("--s3-rate-mb-s", type=int, default=None, metavar="MB",
+                   help="with --store: each connection's responses passed at most MB megabytes per second "
+                        "(Toxiproxy's bandwidth toxic), as S3 serves one connection")
     p.add_argument("--cases", default="tiny,big,memory",
                    help="which cases to run, comma-separated among tiny, big, memory (default all)")
     args = p.parse_args(argv)
@@ -320,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--cases must name some of tiny, big, memory, got {args.cases!r}")
     if args.s3_latency_ms is not None and (args.store is None or args.s3_latency_ms < 0):
         p.error(f"--s3-latency-ms ({args.s3_latency_ms}) needs --store and must be >= 0")
+    if args.s3_rate_mb_s is not None and (args.store is None or args.s3_rate_mb_s < 1):
+        p.error(f"--s3-rate-mb-s ({args.s3_rate_mb_s}) needs --store and must be >= 1")
     if args.stages < 1 or args.big_steps < 1:
         p.error(f"--stages ({args.stages}) and --big-steps ({args.big_steps}) must be >= 1")
     from gpu_worker.executor import resolve_device
@@ -332,13 +341,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--store must be an s3://BUCKET/PREFIX URL, got {args.store!r}")
     args.out.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
-        if args.s3_latency_ms is not None:
+        if args.s3_latency_ms is not None or args.s3_rate_mb_s is not None:
             from benchmarks.network_latency import delayed_endpoint
 
             endpoint = os.environ.get("STAGETREE_S3_ENDPOINT", "")
-            os.environ["STAGETREE_S3_ENDPOINT"] = stack.enter_context(delayed_endpoint(endpoint, args.s3_latency_ms))
+            os.environ["STAGETREE_S3_ENDPOINT"] = stack.enter_context(delayed_endpoint(
+                endpoint, args.s3_latency_ms or 0, None if args.s3_rate_mb_s is None else 1000 * args.s3_rate_mb_s))
         result: dict[str, Any] = {"device": args.device, "store": args.store or "local",
-                                  "s3_latency_ms": args.s3_latency_ms}
+                                  "s3_latency_ms": args.s3_latency_ms, "s3_rate_mb_s": args.s3_rate_mb_s}
         if "tiny" in cases:
             result["tiny"] = tiny(args.stages, args.out, args.device, args.store)
         if "big" in cases:
@@ -350,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     where = f"checkpoints in {args.store}" if args.store else "durable local checkpoints"
     if args.s3_latency_ms is not None:
         where += f", {args.s3_latency_ms} ms added to each of its responses"
+    if args.s3_rate_mb_s is not None:
+        where += f", each connection at most {args.s3_rate_mb_s} MB/s"
     table = Table(title=f"worker overhead per stage on {args.device} (one CPU thread, {where})")
     table.add_column("case")
     table.add_column("overhead per stage, median (p90)", justify="right")

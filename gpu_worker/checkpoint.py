@@ -431,22 +431,46 @@ class LoadMemory:
                 self._hashing[1].wait()  # the last load's bytes are still hashed from this memory
             yield
 
-    def read(self, size: int, readinto: Callable[[memoryview], int | None]) -> tuple[LoadedBytes, _Hasher]:
+    def read(self, size: int, readinto: Callable[[memoryview], int | None],
+             parts: Sequence[tuple[int, Callable[[memoryview], int]]] = ()) -> tuple[LoadedBytes, _Hasher]:
         """Read an object of ``size`` bytes with ``readinto`` (a file's or a response's: fills
         the view it is given, returns how many bytes it wrote, 0 at the end) into this memory,
         :data:`_READ_CHUNK` bytes at a time, each fed to a hasher as the next is read. Returns
         the bytes read (fewer than ``size`` when the source ended early: their hash then shows
-        it) and the hasher. Call within :meth:`turn`; raises what ``readinto`` raises."""
+        it) and the hasher. Call within :meth:`turn`; raises what ``readinto`` raises.
+
+        ``parts``: ``(offset, fill)`` of the object's later ranges, in increasing offsets, each
+        up to the next one's offset (the last up to ``size``): ``readinto`` then reads the bytes
+        before the first, while each ``fill`` (called once, on a thread of its own) fills the
+        view of its range and returns how many bytes it wrote (an object store's ranged GETs).
+        Each range is hashed, in order, once it and those before it are read; a range read
+        short ends the bytes read. Every ``fill`` has returned before this does; raises what
+        the first failed one raised (or ``readinto``)."""
         view, mapped = self._view(size)
         hasher = _Hasher(size)
+        ends = [offset for offset, _ in parts] + [size]
+        pool = futures.ThreadPoolExecutor(len(parts), thread_name_prefix="stagetree-range") if parts else None
+        filled = [] if pool is None else [pool.submit(fill, view[offset:ends[i + 1]])
+                                          for i, (offset, fill) in enumerate(parts)]
         got = 0
         try:
-            while got < size and (n := readinto(view[got:got + _READ_CHUNK])):
+            while got < ends[0] and (n := readinto(view[got:min(ends[0], got + _READ_CHUNK)])):
                 hasher.feed(view[got:got + n])
                 got += n
+            for (offset, _), part in zip(parts, filled):
+                if got != offset:  # a range before it ended early
+                    break
+                n = part.result()
+                hasher.feed(view[got:got + n])
+                got += n
+            for part in filled:
+                part.result()  # the first failure, even of a range after a short one
         except BaseException:
             hasher.hexdigest()
             raise
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)  # no thread writes into this memory once it is handed on
         return LoadedBytes(view[:got].toreadonly(), mapped if got == size else None), hasher
 
     def use(self, ref: str, read: tuple[LoadedBytes, _Hasher], use: Callable[[LoadedBytes], _T]

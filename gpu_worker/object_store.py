@@ -24,6 +24,7 @@ message or log record this module produces.
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import os
 import re
@@ -31,7 +32,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import urllib3
 from minio import Minio
@@ -77,6 +78,13 @@ ENV_S3_REGION = "STAGETREE_S3_REGION"
 SINGLE_PUT_BYTES = 5 * 1024**3
 """The largest checkpoint (bytes) uploaded in one PUT, S3's limit for one: such a PUT carries the
 object's sha256, which the store verifies (:meth:`S3CheckpointStore.put`)."""
+GET_CONCURRENCY = 8
+"""Ranged GETs one load of a large checkpoint keeps in flight at once (the first one's included):
+:meth:`S3CheckpointStore.load_pending`."""
+FIRST_RANGE_BYTES = 8 << 20
+"""The bytes a load's first GET asks for: an object up to this size comes in that one request;
+a larger one's rest in ranges of at least this size."""
+_RANGE_CHUNK = 8 << 20  # bytes a ranged GET's body is read at a time
 PUT_CONCURRENCY = 8
 """Uploads :meth:`S3CheckpointStore.put_many` keeps in flight at once (boto3's transfer manager
 keeps 10). An object store answers one request in milliseconds here and tens of them across a
@@ -334,26 +342,36 @@ class S3CheckpointStore:
         (:meth:`LocalCheckpointStore.load_pending
         <gpu_worker.checkpoint.LocalCheckpointStore.load_pending>`).
 
-        The response is read into memory this store keeps for the next load, as the local
+        The object is read into memory this store keeps for the next load, as the local
         store reads a file (:class:`~gpu_worker.checkpoint.LoadMemory`: a memory file that
         :meth:`LoadedBytes.decode <gpu_worker.checkpoint.LoadedBytes.decode>` maps, from 1 MiB
         on Linux), hashed chunk by chunk on a helper thread as it arrives, while ``use`` runs
-        and after it returns. A response without a usable Content-Length is read whole first.
+        and after it returns. The first GET asks for its first :data:`FIRST_RANGE_BYTES`;
+        a larger object's rest comes in up to ``GET_CONCURRENCY - 1`` ranged GETs at once, sent
+        as soon as the first reply names the size (S3 serves each connection at a bounded rate:
+        one stream of a large checkpoint is a load's slowest part). A reply without usable
+        sizes (no Content-Length, a Content-Encoding) is read whole first.
 
         Raises as :meth:`get` (CheckpointCorrupt only when ``use`` failed on the bytes); else
         what ``use`` raises.
         """
         key = self.key(ref)
         with self._memory.turn():
-            with self._response(ref, key) as response:
-                size = _content_length(response)
-                if size is None:
+            try:
+                with self._response(ref, key, length=FIRST_RANGE_BYTES) as response:
+                    read = self._read_ranges(ref, key, response)
+                    if read is None:  # a reply without usable sizes
+                        data = response.read() if response.status == 200 else None
+            except CheckpointStoreError as exc:
+                if exc.code != "InvalidRange":  # an empty object has no first byte to ask for
+                    raise
+                read = data = None
+            if read is not None:
+                return self._memory.use(ref, read, use)
+            if data is None:
+                with self._response(ref, key) as response:
                     data = response.read()
-                else:
-                    read = self._memory.read(size, response.readinto)
-            if size is None:
-                return use_pending(ref, data, use)
-            return self._memory.use(ref, read, use)
+            return use_pending(ref, data, use)
 
     def exists(self, ref: str) -> bool:
         """Return whether an object is stored under ``ref`` (its bytes are not checked)."""
@@ -392,20 +410,45 @@ class S3CheckpointStore:
             raise
         return stat.size
 
+    def _read_ranges(self, ref: str, key: str, response: urllib3.BaseHTTPResponse
+                     ) -> tuple[LoadedBytes, Any] | None:
+        """Read the object whose first range ``response`` holds into the load memory, the rest
+        in ranged GETs on threads of their own (:meth:`LoadMemory.read
+        <gpu_worker.checkpoint.LoadMemory.read>`); None when the reply's sizes are not usable."""
+        first = _content_length(response)
+        size = _object_size(response, first)
+        if first is None or size is None:
+            return None
+        rest = size - first
+        count = min(GET_CONCURRENCY - 1, -(-rest // FIRST_RANGE_BYTES))
+        step = -(-rest // count) if count else 0
+        parts = [(offset, functools.partial(self._fill, ref, key, offset)) for offset in range(first, size, step or 1)]
+        return self._memory.read(size, response.readinto, parts if rest else ())
+
+    def _fill(self, ref: str, key: str, offset: int, view: memoryview) -> int:
+        """Read the object's ``len(view)`` bytes from ``offset`` into ``view`` (one ranged GET);
+        how many it wrote (fewer when the object is shorter)."""
+        with self._response(ref, key, offset=offset, length=len(view)) as response:
+            got = 0
+            while got < len(view) and (n := response.readinto(view[got:got + _RANGE_CHUNK])):
+                got += n
+            return got
+
     def _download(self, ref: str, key: str) -> bytes:
         with self._response(ref, key) as response:
             return response.read()
 
     @contextmanager
-    def _response(self, ref: str, key: str) -> Iterator[urllib3.BaseHTTPResponse]:
-        """The GET response of ``key`` (its body not read yet), closed and its connection
-        released afterwards. Raises CheckpointMissing when the object (or the bucket) is absent,
+    def _response(self, ref: str, key: str, offset: int = 0, length: int = 0) -> Iterator[urllib3.BaseHTTPResponse]:
+        """The GET response of ``key`` (its body not read yet), of ``length`` bytes from
+        ``offset`` when ``length`` is not 0 (a ranged GET), closed and its connection released
+        afterwards. Raises CheckpointMissing when the object (or the bucket) is absent,
         CheckpointStoreError when the request or reading the body fails (a short read
         included)."""
         response = None
         try:
             with self._translate("get", key):
-                response = self._client.get_object(self.bucket, key)
+                response = self._client.get_object(self.bucket, key, offset=offset, length=length)
                 yield response
         except CheckpointStoreError as exc:
             if exc.code in _ABSENT_CODES:
@@ -470,6 +513,24 @@ class S3CheckpointStore:
         else:
             return
         raise error from None
+
+
+def _object_size(response: urllib3.BaseHTTPResponse, body: int | None) -> int | None:
+    """The size in bytes of the object a GET's reply is part of: the total of its Content-Range
+    (a ranged GET's 206), else ``body``, the reply's own size (a 200: the store sent it whole);
+    None when neither is usable."""
+    if response.status != 206:
+        return body if response.status == 200 else None
+    unit, _, span = response.headers.get("Content-Range", "").partition(" ")
+    first_last, _, total = span.partition("/")
+    first, _, last = first_last.partition("-")
+    try:
+        size, start, end = int(total), int(first), int(last)
+    except ValueError:
+        return None
+    if unit.strip().lower() != "bytes" or start != 0 or body != end + 1 or not 0 < body <= size:
+        return None
+    return size
 
 
 def _content_length(response: urllib3.BaseHTTPResponse) -> int | None:

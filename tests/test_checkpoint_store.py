@@ -36,6 +36,7 @@ import torch
 import urllib3
 from kafka_cluster import remove_prefix
 
+from gpu_worker import object_store
 from gpu_worker.checkpoint import (
     CheckpointCorrupt,
     CheckpointError,
@@ -54,10 +55,12 @@ from gpu_worker.checkpoint import (
     write_state,
 )
 from gpu_worker.object_store import (
+    GET_CONCURRENCY,
     PUT_CONCURRENCY,
     CheckpointStoreError,
     S3CheckpointStore,
     _content_length,
+    _object_size,
     open_checkpoint_store,
 )
 
@@ -1248,6 +1251,84 @@ def test_a_load_waits_until_the_last_ones_bytes_are_hashed_before_it_reads_into_
     verifications = [store.load_pending(ref, lambda loaded: None)[1] for ref in refs]
     for verification in verifications:
         verification.check()
+
+
+def test_s3_a_large_load_reads_its_rest_in_ranged_gets_at_once(
+    minio_store_factory: Callable[[], S3CheckpointStore], minio_client: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """S3 serves each connection at a bounded rate: a load's first GET asks for the first
+    ``FIRST_RANGE_BYTES`` (here 1 MiB), whose reply names the object's size, and the rest comes
+    in ``GET_CONCURRENCY - 1`` ranged GETs, all in flight before any ends (one after another,
+    the first would wait for the others forever, and the barrier breaks). The bytes decode to
+    the state saved; a byte altered in the last range fails the load's hash."""
+    monkeypatch.setattr(object_store, "FIRST_RANGE_BYTES", 1 << 20)
+    backend = minio_backend(minio_store_factory, minio_client, {}, monkeypatch, [])
+    store = backend.store
+    state = {"w": torch.randn(1600, 1600)}
+    data = encode_state(state)
+    assert len(data) > GET_CONCURRENCY << 20  # a range of at least 1 MiB for each GET
+    ref = store.put(data).ref
+    counting_get = store._client.get_object
+    together = threading.Barrier(GET_CONCURRENCY - 1, timeout=60)
+    asked: list[tuple[int, int]] = []
+
+    def ranged_get(bucket: str, key: str, *args: Any, offset: int = 0, length: int = 0, **kwargs: Any) -> Any:
+        asked.append((offset, length))
+        if offset > 0:
+            together.wait()
+        return counting_get(bucket, key, *args, offset=offset, length=length, **kwargs)
+
+    monkeypatch.setattr(store._client, "get_object", ranged_get)
+    assert store.load(ref, LoadedBytes.decode)["w"].equal(state["w"])
+    first, *rest = asked
+    assert first == (0, 1 << 20) and len(rest) == GET_CONCURRENCY - 1
+    ranges = sorted(rest)  # they tile the rest of the object
+    assert ranges[0][0] == 1 << 20 and sum(o + n == o_next for (o, n), (o_next, _) in zip(ranges, ranges[1:])) == \
+        len(ranges) - 1 and ranges[-1][0] + ranges[-1][1] == len(data)
+    damaged = bytearray(data)
+    damaged[-10] ^= 1
+    backend.write_raw(ref, bytes(damaged))
+    with pytest.raises(CheckpointCorrupt) as caught:
+        store.load(ref, lambda loaded: None)
+    assert caught.value.actual == hashlib.sha256(damaged).hexdigest()
+
+
+def test_s3_loads_an_empty_object_and_from_a_store_that_ignores_ranges(
+    minio_store_factory: Callable[[], S3CheckpointStore], minio_client: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An empty object has no first byte to ask for (S3 answers InvalidRange): it is read with a
+    plain GET. A store that ignores the Range header sends the whole object in its first reply,
+    which the load then reads alone."""
+    backend = minio_backend(minio_store_factory, minio_client, {}, monkeypatch, [])
+    store = backend.store
+    empty = store.put(b"").ref
+    assert store.load(empty, lambda loaded: bytes(loaded.view)) == b""
+    monkeypatch.setattr(object_store, "FIRST_RANGE_BYTES", 1 << 20)
+    data = os.urandom(3 << 20)
+    ref = store.put(data).ref
+    counting_get = store._client.get_object
+
+    def whole_get(bucket: str, key: str, *args: Any, offset: int = 0, length: int = 0, **kwargs: Any) -> Any:
+        return counting_get(bucket, key, *args, **kwargs)  # the Range dropped: a 200 with every byte
+
+    monkeypatch.setattr(store._client, "get_object", whole_get)
+    backend.reads.clear()
+    assert store.load(ref, lambda loaded: bytes(loaded.view)) == data
+    assert backend.reads == [store.key(ref)]
+
+
+@pytest.mark.parametrize(("status", "headers", "body", "size"), [
+    (206, {"Content-Range": "bytes 0-99/1000"}, 100, 1000), (206, {"Content-Range": "bytes 0-99/100"}, 100, 100),
+    (200, {}, 1000, 1000), (206, {"Content-Range": "bytes 5-99/1000"}, 95, None),
+    (206, {"Content-Range": "bytes 0-99/*"}, 100, None), (206, {}, 100, None),
+    (206, {"Content-Range": "bytes 0-99/1000"}, 50, None), (206, {"Content-Range": "items 0-99/1000"}, 100, None),
+    (206, {"Content-Range": "bytes 0-99/1000"}, None, None), (304, {}, 100, None)])
+def test_an_s3_load_takes_the_objects_size_from_a_ranged_replys_content_range(
+        status: int, headers: dict[str, str], body: int | None, size: int | None) -> None:
+    """The first GET asks for a range: a 206 names the object's size in its Content-Range
+    (which must start at byte 0 and match the body); a 200 is the whole object."""
+    response = urllib3.HTTPResponse(body=io.BytesIO(b""), headers=headers, status=status, preload_content=False)
+    assert _object_size(response, body) == size
 
 
 @pytest.mark.parametrize(("headers", "size"), [
