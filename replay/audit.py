@@ -575,15 +575,15 @@ def check_seals(source: Source, secret: bytes | None) -> Failure | None:
     return None
 
 
-def check_chain(source: Source, secret: bytes | None, skip: Iterable[str] = ()) -> Failure | None:
-    """Recompute every stream's hash chain (but those named in ``skip``); the first gap or
-    mismatch."""
+def check_chain(source: Source, secret: bytes | None, names: Iterable[str] | None = None) -> Failure | None:
+    """Recompute every stream's hash chain (those named in ``names`` only, when given), in the
+    order of their names; the first gap or mismatch."""
     if source.chain == "sealed":
         return check_seals(source, secret)
     if source.chain != chain_algorithm(secret):
         return Failure("chain", None, None, f"the log is chained with {source.chain}, "
                        f"but verification was given {'a' if secret else 'no'} secret")
-    for name in sorted(set(source.streams) - set(skip)):
+    for name in sorted(source.streams if names is None else set(names) & set(source.streams)):
         check = ChainCheck(name)
         head = CHAIN_START
         for r in source.streams[name]:
@@ -641,12 +641,16 @@ def _verify(source: Source, secret: bytes | None, progress: Callable[[int], None
     # read in the source's order, is checked in the fold's pass instead of a pass of its own.
     plan_chain = (ChainCheck(topics.PLAN) if isinstance(plan, Stream) and set(parts) == {0}
                   and source.chain == chain_algorithm(secret) else None)
-    failure = check_chain(source, secret, skip=() if plan_chain is None else (topics.PLAN,))
+    names = sorted(source.streams)
+    failure = check_chain(source, secret, None if plan_chain is None else [n for n in names if n < topics.PLAN])
 
-    def add_chain() -> None:
+    def add_chain() -> None:  # the first failure in the order of the streams' names, as check_chain's
+        first = failure
+        if first is None and plan_chain is not None:
+            first = plan_chain.failure or check_chain(source, secret, [n for n in names if n > topics.PLAN])
         result.events = sum(len(v) for v in source.streams.values())  # counted by the passes that read them
-        result.add("chain", failure if failure is not None or plan_chain is None else plan_chain.failure,
-                   f"{result.events} records in {len(source.streams)} streams chain correctly ({source.chain})")
+        result.add("chain", first, f"{result.events} records in {len(source.streams)} streams chain correctly "
+                                   f"({source.chain})")
 
     saved: dict[str, tuple[int, str, str, int]] = {}  # checkpoint ref -> (offset, type, node, step) of its first save
 

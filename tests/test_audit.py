@@ -10,10 +10,11 @@ from pathlib import Path
 import orjson
 import pytest
 
+from events import topics
 from events.codec import decode
-from events.log import chain_next
+from events.log import Record, chain_next
 from projections.store import ProjectionStore
-from replay.audit import open_source, verify
+from replay.audit import Stream, open_source, verify
 from stagetree.cli import main
 
 STUDY = Path(__file__).parent / "studies" / "tiny_sha.py"
@@ -85,6 +86,27 @@ def test_an_edited_metric_value_fails_at_its_offset(run_dir: Path, export: Path,
     write(export, rows)
     msg = first_failure(export, run_dir, capsys)
     assert f"chain check failed at offset {row['offset']} (MetricsReported)" in msg
+
+
+def test_of_several_broken_streams_verify_names_the_first_by_name(export: Path) -> None:
+    """The plan stream's chain is checked in the fold's own pass, the other streams' in a pass
+    each: the first failure reported is still that of the first stream by name, as when every
+    stream was checked in one loop."""
+    source = open_source(export)
+    plan = list(source.streams[topics.PLAN])
+    edited = Record(topics.PLAN, 3, plan[3].key, plan[3].value.replace(b'"', b' "', 1), plan[3].chain)
+    source.streams[topics.PLAN] = Stream(topics.PLAN, (0,), lambda p: iter([*plan[:3], edited, *plan[4:]]))
+
+    def broken(name: str) -> list[Record]:
+        return [Record(name, 0, "k", b"{}", bytes(32))]
+
+    source.streams["stagetree.zz"] = broken("stagetree.zz")
+    failure = verify(source).first_failure
+    assert failure is not None and failure.check == "chain" and failure.offset == 3
+    assert f"stream {topics.PLAN}:" in failure.detail
+    source.streams["stagetree.aa"] = broken("stagetree.aa")
+    failure = verify(source).first_failure
+    assert failure is not None and failure.detail.startswith("stream stagetree.aa:"), failure
 
 
 def test_a_deleted_event_fails_at_its_offset(run_dir: Path, export: Path, capsys) -> None:
