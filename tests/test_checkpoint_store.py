@@ -1298,7 +1298,8 @@ def test_s3_loads_an_empty_object_and_from_a_store_that_ignores_ranges(
 ) -> None:
     """An empty object has no first byte to ask for (S3 answers InvalidRange): it is read with a
     plain GET. A store that ignores the Range header sends the whole object in its first reply,
-    which the load then reads alone."""
+    which the load then reads alone. A part whose reply does not say the object's size (no
+    Content-Range) is dropped, and the object asked for whole."""
     backend = minio_backend(minio_store_factory, minio_client, {}, monkeypatch, [])
     store = backend.store
     empty = store.put(b"").ref
@@ -1315,6 +1316,16 @@ def test_s3_loads_an_empty_object_and_from_a_store_that_ignores_ranges(
     backend.reads.clear()
     assert store.load(ref, lambda loaded: bytes(loaded.view)) == data
     assert backend.reads == [store.key(ref)]
+
+    def sizeless_get(bucket: str, key: str, *args: Any, **kwargs: Any) -> Any:
+        response = counting_get(bucket, key, *args, **kwargs)
+        response.headers.discard("Content-Range")  # a part of the object, but of what size?
+        return response
+
+    monkeypatch.setattr(store._client, "get_object", sizeless_get)
+    backend.reads.clear()
+    assert store.load(ref, lambda loaded: bytes(loaded.view)) == data  # asked again, for every byte
+    assert backend.reads == [store.key(ref)] * 2
 
 
 @pytest.mark.parametrize(("status", "headers", "body", "size"), [
