@@ -4,8 +4,9 @@ The local MinIO answers a request in about a millisecond; an object store across
 tens of them (a cloud region's S3: 10 to 30 ms for a small PUT). :func:`delayed_endpoint` starts
 Shopify's Toxiproxy (https://github.com/Shopify/toxiproxy), a TCP proxy built for exactly this,
 between a client and an endpoint, and makes it hold every response ``latency_ms`` milliseconds
-before it passes it on. The server is built on first use with ``go install`` (as ``infra/up.sh``
-builds MinIO) into ``.infra/cache/toxiproxy``.
+before it passes it on and, with ``rate_kb_s``, pass each connection's responses at a bounded
+rate. The server is built on first use with ``go install`` (as ``infra/up.sh`` builds MinIO)
+into ``.infra/cache/toxiproxy``.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from minio import Minio
 from minio.error import MinioException, S3Error
 
 from gpu_worker.checkpoint import (
+    _READ_CHUNK,
     CheckpointCorrupt,
     CheckpointMissing,
     CheckpointRef,
@@ -84,7 +85,6 @@ GET_CONCURRENCY = 8
 FIRST_RANGE_BYTES = 8 << 20
 """The bytes a load's first GET asks for: an object up to this size comes in that one request;
 a larger one's rest in ranges of at least this size."""
-_RANGE_CHUNK = 8 << 20  # bytes a ranged GET's body is read at a time
 PUT_CONCURRENCY = 8
 """Uploads :meth:`S3CheckpointStore.put_many` keeps in flight at once (boto3's transfer manager
 keeps 10). An object store answers one request in milliseconds here and tens of them across a
@@ -430,7 +430,7 @@ class S3CheckpointStore:
         how many it wrote (fewer when the object is shorter)."""
         with self._response(ref, key, offset=offset, length=len(view)) as response:
             got = 0
-            while got < len(view) and (n := response.readinto(view[got:got + _RANGE_CHUNK])):
+            while got < len(view) and (n := response.readinto(view[got:got + _READ_CHUNK])):
                 got += n
             return got
 

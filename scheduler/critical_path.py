@@ -67,7 +67,7 @@ def longest(tree: StageTree, order: list[StageKey] | None = None, price: Price |
     for key in reversed(top_down(tree) if order is None else order):
         stage = stages[key]
         seconds = stage.est_seconds if price is None else price(stage)
-        steps = max(stage.to_step - stage.from_step, 1)
+        steps = max(stage.steps, 1)
         kids = children.get(key)
         if kids:
             below = max(memo[c] for c in kids)

@@ -199,7 +199,10 @@ def build_stage_tree(plan: Plan, fallback: float = COLD_SEC_PER_STEP, nodes: Ite
     # it. Only nodes with endpoints do anything, so only they are visited, from a heap in the
     # order a sort of all nodes would give; a parent gaining its first endpoint joins the heap
     # when it comes later in that order.
-    heap = [(-n.depth, node_number(node_id), node_id) for node_id in endpoints for n in (plan.nodes[node_id],)]
+    def order(n: Node) -> tuple[int, int]:
+        return (-n.depth, node_number(n.node_id))
+
+    heap = [(*order(plan.nodes[node_id]), node_id) for node_id in endpoints]
     heapq.heapify(heap)
     first: dict[str, tuple[int, _Anchor | None]] = {}  # node id -> its lowest endpoint and that one's anchor
     while heap:
@@ -208,14 +211,13 @@ def build_stage_tree(plan: Plan, fallback: float = COLD_SEC_PER_STEP, nodes: Ite
         if node.parent_id is None:
             continue
         low = min(endpoints[node_id])  # final: only the deeper nodes popped before add to it
-        anchor = first[node_id] = (low, _anchor(plan, node, low, ckpt_steps))
-        if anchor[1] is None:
+        found = _anchor(plan, node, low, ckpt_steps)
+        first[node_id] = (low, found)
+        if found is None:
             up = plan.nodes[node.parent_id]
             if not covers(up, node.start_step):
-                if up.node_id not in endpoints:
-                    above = (-up.depth, node_number(up.node_id))
-                    if above > (minus_depth, number):
-                        heapq.heappush(heap, (*above, up.node_id))
+                if up.node_id not in endpoints and order(up) > (minus_depth, number):
+                    heapq.heappush(heap, (*order(up), up.node_id))
                 endpoints[up.node_id].add(node.start_step)
 
     tree = StageTree(plan.plan_key)
