@@ -39,7 +39,8 @@ the coordinator's pipe), in one process on one CPU thread, without a coordinator
 Usage::
 
     .venv/bin/python benchmarks/worker_overhead.py [--stages 1000] [--big-steps 10] [--out runs/bench-worker] \\
-        [--device cuda:0] [--store s3://BUCKET/PREFIX [--s3-latency-ms 10] [--s3-rate-mb-s 100]] \\
+        [--device cuda:0] [--store s3://BUCKET/PREFIX [--s3-latency-ms 10] [--s3-rate-mb-s 100] \\
+        [--checkpoint-cache]] \\
         [--cases tiny,big,memory]
 
 ``--store`` puts the checkpoints of cases 1 and 2 in an S3 store, as workers on a cluster do
@@ -50,7 +51,10 @@ endpoint and credentials come from the ``STAGETREE_S3_*`` variables (the local M
 ``infra/up.sh``: ``source .infra/env``). ``--s3-latency-ms MS`` holds every response of that
 store MS milliseconds on its way, and ``--s3-rate-mb-s MB`` passes each connection's responses
 at most MB megabytes per second (Toxiproxy in front of the endpoint, built on first use:
-``benchmarks/network_latency.py``), as an object store across a network answers. ``--cases``
+``benchmarks/network_latency.py``), as an object store across a network answers.
+``--checkpoint-cache`` puts each worker's S3 store behind a node cache of the checkpoints it
+saves (``gpu_worker/checkpoint_cache.py``, in a fresh directory under ``--out``): its loads of
+them read the local copy. ``--cases``
 runs some of the three cases (``tiny,big,memory``).
 
 Prints a table and writes ``OUT/worker_overhead.json``. Timings are wall seconds on this
@@ -91,16 +95,21 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _store(store: str | None, store_dir: Path) -> Any:
+def _store(store: str | None, store_dir: Path, cache: bool = False) -> Any:
     """A fresh checkpoint store: ``store_dir`` emptied (``store`` None), or a new prefix under the
     ``s3://BUCKET/PREFIX`` URL ``store`` (:func:`gpu_worker.object_store.open_checkpoint_store`,
-    its endpoint and credentials from the ``STAGETREE_S3_*`` variables)."""
+    its endpoint and credentials from the ``STAGETREE_S3_*`` variables), behind a node cache in
+    ``store_dir`` emptied (``cache``: :class:`gpu_worker.checkpoint_cache.CachedCheckpointStore`,
+    its default budget)."""
+    from gpu_worker.checkpoint_cache import cached
     from gpu_worker.object_store import open_checkpoint_store
 
-    if store is None:
+    if store is None or cache:
         shutil.rmtree(store_dir, ignore_errors=True)
+    if store is None:
         return open_checkpoint_store(store_dir)
-    return open_checkpoint_store(f"{store.rstrip('/')}/{store_dir.name}-{uuid.uuid4().hex[:12]}")
+    remote = open_checkpoint_store(f"{store.rstrip('/')}/{store_dir.name}-{uuid.uuid4().hex[:12]}")
+    return cached(remote, store_dir if cache else None, None)
 
 
 def _forget(executor: Any, events: list[Any]) -> None:
@@ -108,21 +117,22 @@ def _forget(executor: Any, events: list[Any]) -> None:
     writes under a prefix of its own, which nothing reads afterwards); a local store's directory
     is emptied by the next :func:`_store` and kept under ``--out`` after the last."""
     from events.models import CheckpointSaved
+    from gpu_worker.checkpoint_cache import CachedCheckpointStore
     from gpu_worker.object_store import S3CheckpointStore
 
-    if isinstance(executor.store, S3CheckpointStore):
+    if isinstance(executor.store, (S3CheckpointStore, CachedCheckpointStore)):
         for ref in {e.ref for e in events if isinstance(e, CheckpointSaved)}:
             executor.store.delete(ref)
 
 
-def _executor(trainer: Any, store_dir: Path, device: Any, store: str | None = None) -> Any:
+def _executor(trainer: Any, store_dir: Path, device: Any, store: str | None = None, cache: bool = False) -> Any:
     import torch
 
     from gpu_worker.executor import PathExecutor
     from gpu_worker.process import warm_up
 
     torch.set_num_threads(1)
-    checkpoints = _store(store, store_dir)
+    checkpoints = _store(store, store_dir, cache)
     warm_up(trainer, device)
     return PathExecutor(trainer, "w0", checkpoints, device)
 
@@ -161,7 +171,8 @@ def _dispatch(i: int, stages: list[tuple[str, dict[str, Any], int, int, bool]], 
                                                   for n, hp, a, b, e in stages])
 
 
-def tiny(stages: int, out: Path, device: str = "cpu", store: str | None = None) -> dict[str, Any]:
+def tiny(stages: int, out: Path, device: str = "cpu", store: str | None = None, cache: bool = False
+         ) -> dict[str, Any]:
     from events.hp import Constant
     from gpu_worker.executor import resolve_device
     from gpu_worker.loader import load_trainer
@@ -177,7 +188,7 @@ def tiny(stages: int, out: Path, device: str = "cpu", store: str | None = None) 
         "one-step paths from a fresh start, each end waits for its write": (fresh, False),
     }
     for name, (dispatches, hand_off) in cases.items():
-        executor = _executor(trainer, out / "tiny", dev, store)
+        executor = _executor(trainer, out / "tiny", dev, store, cache)
         wall, finished, events = _run(executor, dispatches, hand_off)
         _forget(executor, events)
         overhead = [1000 * (e.seconds - e.train_seconds) for e in finished]
@@ -187,7 +198,8 @@ def tiny(stages: int, out: Path, device: str = "cpu", store: str | None = None) 
     return figures
 
 
-def big(steps: int, out: Path, device: str = "cpu", store: str | None = None) -> dict[str, Any]:
+def big(steps: int, out: Path, device: str = "cpu", store: str | None = None, cache: bool = False
+        ) -> dict[str, Any]:
     from events.hp import Constant
     from events.models import CheckpointSaved, CheckpointSource
     from gpu_worker.executor import resolve_device
@@ -200,7 +212,7 @@ def big(steps: int, out: Path, device: str = "cpu", store: str | None = None) ->
     bare = _bare_stage_seconds(trainer, steps, dev)
     rows: list[tuple[Any, str, bool, bool]] = []  # (StageFinished, how it started, path end, handed off)
     for hand_off in (True, False):
-        executor = _executor(trainer, out / "big", dev, store)  # a worker of its own for each way
+        executor = _executor(trainer, out / "big", dev, store, cache)  # a worker of its own for each way
         # a path of 3 stages from a fresh start; a sibling of its last stage, loaded from the
         # checkpoint before it into the trainer built for the first path; then a path resumed from
         # the first path's last checkpoint by a worker that must build its trainer again
@@ -319,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--s3-rate-mb-s", type=int, default=None, metavar="MB",
                    help="with --store: each connection's responses passed at most MB megabytes per second "
                         "(Toxiproxy's bandwidth toxic), as S3 serves one connection")
+    p.add_argument("--checkpoint-cache", action="store_true",
+                   help="with --store: each worker's S3 store behind a node cache of its checkpoints in a fresh "
+                        "directory under --out (gpu_worker/checkpoint_cache.py)")
     p.add_argument("--cases", default="tiny,big,memory",
                    help="which cases to run, comma-separated among tiny, big, memory (default all)")
     args = p.parse_args(argv)
@@ -329,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--s3-latency-ms ({args.s3_latency_ms}) needs --store and must be >= 0")
     if args.s3_rate_mb_s is not None and (args.store is None or args.s3_rate_mb_s < 1):
         p.error(f"--s3-rate-mb-s ({args.s3_rate_mb_s}) needs --store and must be >= 1")
+    if args.checkpoint_cache and args.store is None:
+        p.error("--checkpoint-cache needs --store (a local store's checkpoints are local already)")
     if args.stages < 1 or args.big_steps < 1:
         p.error(f"--stages ({args.stages}) and --big-steps ({args.big_steps}) must be >= 1")
     from gpu_worker.executor import resolve_device
@@ -348,11 +365,12 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["STAGETREE_S3_ENDPOINT"] = stack.enter_context(delayed_endpoint(
                 endpoint, args.s3_latency_ms or 0, None if args.s3_rate_mb_s is None else 1000 * args.s3_rate_mb_s))
         result: dict[str, Any] = {"device": args.device, "store": args.store or "local",
+                                  "checkpoint_cache": args.checkpoint_cache,
                                   "s3_latency_ms": args.s3_latency_ms, "s3_rate_mb_s": args.s3_rate_mb_s}
         if "tiny" in cases:
-            result["tiny"] = tiny(args.stages, args.out, args.device, args.store)
+            result["tiny"] = tiny(args.stages, args.out, args.device, args.store, args.checkpoint_cache)
         if "big" in cases:
-            result["big"] = big(args.big_steps, args.out, args.device, args.store)
+            result["big"] = big(args.big_steps, args.out, args.device, args.store, args.checkpoint_cache)
         if "memory" in cases:
             result["memory"] = memory(args.big_steps, args.out)
     (args.out / "worker_overhead.json").write_text(json.dumps(result, indent=2))
@@ -362,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         where += f", {args.s3_latency_ms} ms added to each of its responses"
     if args.s3_rate_mb_s is not None:
         where += f", each connection at most {args.s3_rate_mb_s} MB/s"
+    if args.checkpoint_cache:
+        where += ", behind a node cache of the worker's checkpoints"
     table = Table(title=f"worker overhead per stage on {args.device} (one CPU thread, {where})")
     table.add_column("case")
     table.add_column("overhead per stage, median (p90)", justify="right")

@@ -512,11 +512,14 @@ class LocalCheckpointStore:
     plus at most a stray ``root/.tmp-*`` file that is never read as an object;
     a power loss before the sync may leave a renamed object incomplete, which its
     sha256 shows on the next read (it is then recomputed, never loaded).
+
+    ``memory``: the :class:`LoadMemory` its loads read into (default: its own).
     """
 
-    def __init__(self, root: Path | str) -> None:
+    def __init__(self, root: Path | str, memory: LoadMemory | None = None) -> None:
         self.root = Path(root)
-        self._memory = LoadMemory()  # what loads read into, reused: see load_pending
+        # what loads read into, reused (see load_pending); a cache shares its store's
+        self._memory = LoadMemory() if memory is None else memory
 
     def __reduce__(self) -> tuple[type[LocalCheckpointStore], tuple[Path]]:
         return LocalCheckpointStore, (self.root,)  # the load memory and its lock stay here

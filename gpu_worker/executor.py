@@ -199,7 +199,7 @@ class _SourceCheck:
     def result(self) -> None:
         try:
             self.verification.check()
-        except CheckpointCorrupt as exc:
+        except (CheckpointCorrupt, StorageError) as exc:  # StorageError: a damaged cached copy
             raise _fault(exc, self.verification.ref) from exc
 
 

@@ -369,13 +369,19 @@ def _print_summary(summary: dict[str, Any], console: Console) -> None:
 
 
 def _budget_default() -> int | None:
-    value = os.environ.get("STAGETREE_CHECKPOINT_BUDGET")
+    return _size_from_env("STAGETREE_CHECKPOINT_BUDGET")
+
+
+def _size_from_env(name: str) -> int | None:
+    """The size in bytes that the environment variable ``name`` gives (None when unset or
+    empty); UsageError naming the variable and its value when it is not a size."""
+    value = os.environ.get(name)
     if not value:
         return None
     try:
         return parse_size(value)
     except argparse.ArgumentTypeError as exc:
-        raise UsageError(f"$STAGETREE_CHECKPOINT_BUDGET {exc}") from None
+        raise UsageError(f"${name} {exc}") from None
 
 
 def _budget_flag(p: argparse.ArgumentParser) -> None:
@@ -461,6 +467,12 @@ def parser() -> argparse.ArgumentParser:
     _kafka_flags(wrk, required=True)
     wrk.add_argument("--checkpoint-store", default=os.environ.get("STAGETREE_CHECKPOINT_STORE"),
                      help="s3://BUCKET/PREFIX or a directory (default: $STAGETREE_CHECKPOINT_STORE)")
+    wrk.add_argument("--checkpoint-cache", default=os.environ.get("STAGETREE_CHECKPOINT_CACHE"), metavar="DIR",
+                     help="keep a copy of the checkpoints this node saves in DIR (shared by the node's workers) and "
+                          "load them from it instead of the object store (default: $STAGETREE_CHECKPOINT_CACHE; none)")
+    wrk.add_argument("--checkpoint-cache-bytes", type=parse_size, default=None, metavar="SIZE",
+                     help="bytes of copies the cache holds at most, least recently used evicted first (default: "
+                          "$STAGETREE_CHECKPOINT_CACHE_BYTES, else 10GiB)")
     wrk.add_argument("--device", default=os.environ.get("STAGETREE_DEVICE", "auto"), help="auto, cpu or cuda:N")
     wrk.add_argument("--worker-id", default=os.environ.get("STAGETREE_WORKER_ID"),
                      help="worker id (default: $STAGETREE_WORKER_ID, else host name and device)")
@@ -521,11 +533,18 @@ def cmd_worker(args: argparse.Namespace, console: Console) -> int:
     import socket
 
     from events import tracing
+    from gpu_worker.checkpoint_cache import cached
     from gpu_worker.kafka_worker import KafkaWorker, TrainingRunner
     from gpu_worker.object_store import open_checkpoint_store
 
     if not args.checkpoint_store:
         raise UsageError("--checkpoint-store (or $STAGETREE_CHECKPOINT_STORE) is required")
+    cache_bytes = args.checkpoint_cache_bytes
+    if cache_bytes is None:
+        cache_bytes = _size_from_env("STAGETREE_CHECKPOINT_CACHE_BYTES")
+    if cache_bytes is not None and not args.checkpoint_cache:
+        raise UsageError("--checkpoint-cache-bytes (or $STAGETREE_CHECKPOINT_CACHE_BYTES) needs --checkpoint-cache "
+                         "(or $STAGETREE_CHECKPOINT_CACHE)")
     worker_id = args.worker_id or f"{socket.gethostname()}-{args.device.replace(':', '')}"
     topics.dispatch_stream(worker_id)  # a ValueError naming the id when it cannot name a topic
 
@@ -533,8 +552,8 @@ def cmd_worker(args: argparse.Namespace, console: Console) -> int:
         return _kafka_log(args, f"stagetree-worker-{worker_id}")
 
     tracing.configure(args.otel_exporter, f"stagetree-worker-{worker_id}")
-    runner = TrainingRunner(make_log(), worker_id, open_checkpoint_store(args.checkpoint_store), args.device,
-                            study_file=args.study)
+    store = cached(open_checkpoint_store(args.checkpoint_store), args.checkpoint_cache, cache_bytes)
+    runner = TrainingRunner(make_log(), worker_id, store, args.device, study_file=args.study)
     worker = KafkaWorker(make_log, worker_id, runner, heartbeat_s=args.heartbeat)
     signal.signal(signal.SIGTERM, lambda *_: worker.drain())
     worker.run()

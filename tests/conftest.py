@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from hypothesis import settings
+
+if TYPE_CHECKING:
+    from gpu_worker.object_store import S3CheckpointStore
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,6 +60,58 @@ def infra_env() -> dict[str, str]:
             name, value = words[1].split("=", 1)
             env[name] = value
     return env
+
+
+# ---------------------------------------------------------------------- MinIO
+
+
+@pytest.fixture(scope="session")
+def minio_env(infra_env: dict[str, str]) -> dict[str, str]:
+    """The variables of ``.infra/env`` (the session's ``infra_env``), checked for MinIO use."""
+    env = infra_env
+    for name in ("STAGETREE_S3_ENDPOINT", "STAGETREE_S3_ACCESS_KEY", "STAGETREE_S3_SECRET_KEY"):
+        assert env.get(name), f"{name} missing from .infra/env"
+    host = env["STAGETREE_S3_ENDPOINT"].rpartition(":")[0]
+    assert host == "127.0.0.1", "tests only ever talk to a MinIO on 127.0.0.1"
+    assert env["STAGETREE_CHECKPOINT_STORE"].startswith("s3://")
+    return env
+
+
+@pytest.fixture(scope="session")
+def minio_client(minio_env: dict[str, str]) -> Any:
+    """A plain minio client, to look at and tamper with objects behind the store's back."""
+    from minio import Minio
+
+    return Minio(
+        minio_env["STAGETREE_S3_ENDPOINT"],
+        access_key=minio_env["STAGETREE_S3_ACCESS_KEY"],
+        secret_key=minio_env["STAGETREE_S3_SECRET_KEY"],
+        secure=False,
+    )
+
+
+@pytest.fixture
+def minio_store_factory(
+    minio_env: dict[str, str], minio_client: Any
+) -> Iterator[Callable[[], S3CheckpointStore]]:
+    """Opens S3 stores on the infra bucket, each under a fresh prefix that is removed afterwards."""
+    from kafka_cluster import infra_bucket, remove_prefix
+
+    from gpu_worker.object_store import S3CheckpointStore, open_checkpoint_store
+
+    bucket = infra_bucket(minio_env)
+    prefixes: list[str] = []
+
+    def make() -> S3CheckpointStore:
+        prefix = f"test-checkpoint-store/{uuid.uuid4().hex}"
+        prefixes.append(prefix)
+        store = open_checkpoint_store(f"s3://{bucket}/{prefix}", minio_env)
+        assert isinstance(store, S3CheckpointStore)
+        return store
+
+    yield make
+    for prefix in prefixes:
+        remove_prefix(minio_client, bucket, prefix)
 
 
 TINY = REPO / "tests" / "studies" / "tiny_sha.py"

@@ -324,6 +324,11 @@ def delete_topics(bootstrap: str, *prefixes: str) -> list[str]:
         return log.delete_topics(*prefixes)
 
 
+def infra_bucket(env: dict[str, str]) -> str:
+    """The bucket of the deployment's checkpoint store (``s3://BUCKET/...``)."""
+    return env["STAGETREE_CHECKPOINT_STORE"].removeprefix("s3://").partition("/")[0]
+
+
 def remove_prefix(client: Any, bucket: str, prefix: str) -> None:
     """Delete every object under ``prefix/`` of ``bucket`` through the minio ``client``; raises
     when one could not be deleted."""

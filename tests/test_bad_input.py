@@ -487,3 +487,21 @@ def test_cli_flags_are_checked_before_anything_is_created(tmp_path: Path,
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+
+
+def test_cli_worker_checkpoint_cache_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache size without a cache directory, or a size that is not one, is refused before the
+    worker contacts anything, naming the flag or variable and the value."""
+    worker = ["worker", "--bootstrap-servers", "127.0.0.1:1", "--checkpoint-store", str(tmp_path / "store"),
+              "--worker-id", "w0"]
+    assert cli([*worker, "--checkpoint-cache-bytes", "1GB"]) == 2
+    assert "--checkpoint-cache-bytes" in squash(capsys.readouterr().err)
+    assert cli([*worker, "--checkpoint-cache", str(tmp_path / "cache"), "--checkpoint-cache-bytes", "lots"]) == 2
+    err = squash(capsys.readouterr().err)
+    assert "--checkpoint-cache-bytes" in err and "'lots'" in err
+    monkeypatch.setenv("STAGETREE_CHECKPOINT_CACHE_BYTES", "-3")
+    assert cli([*worker, "--checkpoint-cache", str(tmp_path / "cache")]) == 2
+    err = squash(capsys.readouterr().err)
+    assert "$STAGETREE_CHECKPOINT_CACHE_BYTES" in err and "'-3'" in err
+    assert not (tmp_path / "cache").exists()

@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 import torch
 import urllib3
-from kafka_cluster import remove_prefix
+from kafka_cluster import infra_bucket
 
 from gpu_worker import object_store
 from gpu_worker.checkpoint import (
@@ -82,36 +82,7 @@ def flip_middle_byte(data: bytes) -> bytes:
     return bytes(flipped)
 
 
-# ---------------------------------------------------------------------- MinIO fixtures
-
-
-@pytest.fixture(scope="session")
-def minio_env(infra_env: dict[str, str]) -> dict[str, str]:
-    """The variables of ``.infra/env`` (the session's ``infra_env``), checked for MinIO use."""
-    env = infra_env
-    for name in ("STAGETREE_S3_ENDPOINT", "STAGETREE_S3_ACCESS_KEY", "STAGETREE_S3_SECRET_KEY"):
-        assert env.get(name), f"{name} missing from .infra/env"
-    host = env["STAGETREE_S3_ENDPOINT"].rpartition(":")[0]
-    assert host == "127.0.0.1", "tests only ever talk to a MinIO on 127.0.0.1"
-    assert env["STAGETREE_CHECKPOINT_STORE"].startswith("s3://")
-    return env
-
-
-@pytest.fixture(scope="session")
-def minio_client(minio_env: dict[str, str]) -> Any:
-    """A plain minio client, to look at and tamper with objects behind the store's back."""
-    from minio import Minio
-
-    return Minio(
-        minio_env["STAGETREE_S3_ENDPOINT"],
-        access_key=minio_env["STAGETREE_S3_ACCESS_KEY"],
-        secret_key=minio_env["STAGETREE_S3_SECRET_KEY"],
-        secure=False,
-    )
-
-
-def infra_bucket(env: dict[str, str]) -> str:
-    return env["STAGETREE_CHECKPOINT_STORE"].removeprefix("s3://").partition("/")[0]
+# ---------------------------------------------------------------------- MinIO helpers (fixtures: conftest.py)
 
 
 def remove_bucket(client: Any, bucket: str) -> None:
@@ -119,26 +90,6 @@ def remove_bucket(client: Any, bucket: str) -> None:
         for item in client.list_objects(bucket, recursive=True):
             client.remove_object(bucket, item.object_name)
         client.remove_bucket(bucket)
-
-
-@pytest.fixture
-def minio_store_factory(
-    minio_env: dict[str, str], minio_client: Any
-) -> Iterator[Callable[[], S3CheckpointStore]]:
-    """Opens S3 stores on the infra bucket, each under a fresh prefix that is removed afterwards."""
-    bucket = infra_bucket(minio_env)
-    prefixes: list[str] = []
-
-    def make() -> S3CheckpointStore:
-        prefix = f"test-checkpoint-store/{uuid.uuid4().hex}"
-        prefixes.append(prefix)
-        store = open_checkpoint_store(f"s3://{bucket}/{prefix}", minio_env)
-        assert isinstance(store, S3CheckpointStore)
-        return store
-
-    yield make
-    for prefix in prefixes:
-        remove_prefix(minio_client, bucket, prefix)
 
 
 # ---------------------------------------------------------------------- the contract suite

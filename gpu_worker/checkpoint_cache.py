@@ -1,0 +1,305 @@
+"""A node-local cache of checkpoints in front of a remote checkpoint store (an object store).
+
+The store of record stays the remote one: a checkpoint is saved there, verified as before
+(DESIGN.md invariant 4), and only its events name it. The cache keeps a copy of each checkpoint
+a worker of this node saved, in a local directory, so that a later load of it by any worker of
+the node (a sibling branch of a stage tree, a path resumed after a failure) reads the local
+copy instead of downloading it: a copy is a cache, never a source of truth, so it is written
+without a sync, and a damaged or missing one costs a download, never a result.
+
+A cached load is read and hashed like a local store's (:meth:`LocalCheckpointStore.load_pending
+<gpu_worker.checkpoint.LocalCheckpointStore.load_pending>`: ``use`` runs while the bytes are
+hashed). When a cached copy does not hash to its ref, the copy is deleted and
+:class:`CachedCopyCorrupt` is raised, a :class:`~gpu_worker.checkpoint.StorageError`: a fault of
+this node's disk, not of the checkpoint, so the worker retries (the retry downloads it) or hands
+its path back to be dispatched again, and the checkpoint is not dropped from the plan.
+
+The directory holds at most ``budget_bytes`` of copies (each named by its ref, like a local
+store's objects): beyond it, the least recently used ones (by modification time, which a hit
+renews) are deleted down to :data:`EVICT_TO` of it. Several worker processes of one node may
+share a directory: copies are written to a temporary name and renamed into place, and each
+process evicts by a scan of the directory.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from gpu_worker.checkpoint import (
+    _BESIDE_BYTES,
+    CheckpointCorrupt,
+    CheckpointMissing,
+    CheckpointRef,
+    CheckpointStore,
+    LoadedBytes,
+    LocalCheckpointStore,
+    StorageError,
+    Verification,
+    _beside,
+    _check_ref,
+    _write_all,
+)
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+DEFAULT_BUDGET_BYTES = 10 << 30
+"""Bytes of copies a cache holds by default (10 GiB)."""
+
+STRAY_TEMP_S = 3600.0
+"""A temporary file of the cache directory older than this (seconds) is a copy whose writer
+died: deleted when the copies are counted."""
+
+EVICT_TO = 0.9
+"""When copies exceed the budget, the least recently used are deleted until they hold at most
+this share of it (so a full cache scans its directory once per tenth of its budget written,
+not at every save)."""
+
+
+class CachedCopyCorrupt(StorageError):
+    """The cache's copy of checkpoint ``ref`` at ``path`` hashes to ``actual``: it was deleted.
+    A fault of this node's disk (the remote object is not involved): retried, never a reason to
+    drop the checkpoint from the plan."""
+
+    def __init__(self, ref: str, path: Path, actual: str) -> None:
+        super().__init__(f"the cached copy {path} of checkpoint {ref} is damaged (its bytes hash to {actual}); "
+                         "it was deleted and the checkpoint is read from the store")
+        self.ref, self.path, self.actual = ref, path, actual
+
+
+class _CachedVerification(Verification):
+    """The :class:`Verification` of a load from a cached copy: a mismatch deletes the copy and
+    raises :class:`CachedCopyCorrupt` instead of CheckpointCorrupt."""
+
+    def __init__(self, inner: Verification, damaged: Callable[[CheckpointCorrupt], CachedCopyCorrupt]) -> None:
+        super().__init__(inner.ref, inner._digest)
+        self._damaged = damaged
+
+    def check(self) -> None:
+        try:
+            super().check()
+        except CheckpointCorrupt as exc:
+            raise self._damaged(exc) from None
+
+
+class CachedCheckpointStore:
+    """A :class:`~gpu_worker.checkpoint.CheckpointStore`: ``store`` (the store of record, e.g.
+    :class:`~gpu_worker.object_store.S3CheckpointStore`) behind a cache of copies in the local
+    directory ``root`` holding at most ``budget_bytes`` (see the module's docstring).
+
+    ``put``/``put_many`` store in ``store`` (verified there) while the copies are written here
+    (no sync: a copy is only a cache); ``load_pending``/``load``/``get`` read a copy when there is
+    one, else ``store``; ``exists`` asks ``store``; ``delete`` deletes both.
+
+    Raises ValueError when ``budget_bytes`` is not a positive int. A copy that cannot be
+    written (a full disk) is logged and skipped: the save itself stands.
+    """
+
+    def __init__(self, store: CheckpointStore, root: Path | str, budget_bytes: int) -> None:
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+            raise ValueError(f"`budget_bytes` of the checkpoint cache is {budget_bytes!r}, but must be an int > 0")
+        self.store = store
+        self.root = Path(root)
+        self.budget_bytes = budget_bytes
+        # copies are read as the local store reads its objects, into the store of record's load
+        # memory when it has one (one memory file kept for loads, not two)
+        self._copies = LocalCheckpointStore(self.root, memory=getattr(store, "_memory", None))
+        self._held: int | None = None  # bytes of copies as last counted here (None: not yet)
+
+    def __repr__(self) -> str:
+        return f"CachedCheckpointStore({self.store!r}, root={str(self.root)!r}, budget_bytes={self.budget_bytes})"
+
+    def path(self, ref: str) -> Path:
+        """The path of the copy of ``ref`` (ValueError on a malformed ref)."""
+        return self._copies.path(ref)
+
+    # ------------------------------------------------------------------ writes
+
+    def put(self, data: bytes) -> CheckpointRef:
+        """Store ``data`` in the store of record (as its ``put``) and keep a copy here."""
+        return self.put_many([data])[0]
+
+    def put_many(self, datas: Sequence[bytes]) -> list[CheckpointRef]:
+        """Store ``datas`` in the store of record (its ``put_many`` when it has one) and keep a
+        copy of each here: written beside the uploads (from 1 MiB in all) to temporary files,
+        renamed under the refs the store returns. Returns the refs in order; raises what the
+        store raises (no copy is then kept)."""
+        put_many = getattr(self.store, "put_many", None)
+
+        def upload() -> list[CheckpointRef]:
+            return list(put_many(datas)) if put_many is not None else [self.store.put(d) for d in datas]
+
+        temps: list[Path | None] = []
+        try:
+            if sum(len(d) for d in datas) >= _BESIDE_BYTES:
+                refs = _beside(functools.partial(self._write_temps, datas, temps), upload)[1]
+            else:  # small: a helper thread's hand-over would cost more than it saves
+                refs = upload()
+                self._write_temps(datas, temps)
+        except BaseException:
+            for tmp in temps:
+                if tmp is not None:
+                    tmp.unlink(missing_ok=True)
+            raise
+        for tmp, ref in zip(temps, refs):
+            if tmp is not None:
+                self._place(tmp, ref)
+        if self._held is None or self._held > self.budget_bytes:
+            self._evict()
+        return refs
+
+    def _write_temps(self, datas: Sequence[bytes], temps: list[Path | None]) -> None:
+        """Write each of ``datas`` to a temporary file here, appending its path to ``temps``
+        (None when it could not be written: logged, the copy skipped)."""
+        for data in datas:
+            tmp: Path | None = None
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                fd, name = tempfile.mkstemp(prefix=".tmp-", dir=self.root)
+                tmp = Path(name)
+                with os.fdopen(fd, "wb") as file:
+                    _write_all(file, data)
+            except OSError as exc:
+                log.warning("checkpoint cache: no copy kept under %s: %s", self.root, exc)
+                if tmp is not None:
+                    tmp.unlink(missing_ok=True)
+                tmp = None
+            temps.append(tmp)
+
+    def _place(self, tmp: Path, ref: CheckpointRef) -> None:
+        """Rename the copy ``tmp`` of ``ref`` into place (atomic: a reader sees no copy or all
+        of it); an OSError is logged and the copy dropped."""
+        try:
+            target = self.path(ref.ref)
+            target.parent.mkdir(exist_ok=True)
+            os.replace(tmp, target)
+        except OSError as exc:
+            log.warning("checkpoint cache: no copy kept under %s: %s", self.root, exc)
+            tmp.unlink(missing_ok=True)
+            return
+        if self._held is not None:
+            self._held += ref.size
+
+    def _evict(self) -> None:
+        """Count the copies in the directory (every process's) and, beyond the budget, delete
+        the least recently used down to :data:`EVICT_TO` of it; delete temporary files older
+        than :data:`STRAY_TEMP_S` (left by a process killed while it wrote a copy)."""
+        copies: list[tuple[float, int, Path]] = []
+        stray_before = time.time() - STRAY_TEMP_S
+        try:
+            for shard in self.root.iterdir():
+                if shard.name.startswith(".tmp-"):
+                    try:
+                        if shard.stat().st_mtime < stray_before:
+                            shard.unlink()
+                    except FileNotFoundError:
+                        pass
+                elif shard.is_dir() and len(shard.name) == 2:
+                    for entry in os.scandir(shard):
+                        try:
+                            st = entry.stat()
+                        except FileNotFoundError:  # evicted by another process meanwhile
+                            continue
+                        copies.append((st.st_mtime, st.st_size, Path(entry.path)))
+        except OSError as exc:
+            log.warning("checkpoint cache: cannot count the copies under %s: %s", self.root, exc)
+            return
+        held = sum(size for _, size, _ in copies)
+        if held > self.budget_bytes:
+            copies.sort(key=lambda c: c[0])
+            for _, size, path in copies:
+                if held <= self.budget_bytes * EVICT_TO:
+                    break
+                path.unlink(missing_ok=True)
+                held -= size
+        self._held = held
+
+    # ------------------------------------------------------------------ reads
+
+    def load_pending(self, ref: str, use: Callable[[LoadedBytes], _T]) -> tuple[_T, Verification]:
+        """``use`` of the bytes of checkpoint ``ref`` and the :class:`Verification` that they hash
+        to ``ref``, which may still be running: from the copy here when there is one (a hit
+        renews it), else from the store of record (its ``load_pending``, else ``load``).
+
+        Raises what the store's ``load_pending`` raises; :class:`CachedCopyCorrupt` (a
+        StorageError) when ``use`` failed on a copy that does not hash to ``ref`` (the copy is
+        deleted: a retry reads the store); the returned verification raises it too, in
+        place of CheckpointCorrupt."""
+        _check_ref(ref)
+        try:
+            value, verification = self._copies.load_pending(ref, use)
+        except CheckpointMissing:
+            return self._from_store(ref, use)
+        except CheckpointCorrupt as exc:  # use failed on damaged bytes
+            raise self._damaged(exc) from None
+        except StorageError as exc:  # this disk failed: the store still has it
+            log.warning("checkpoint cache: %s", exc)
+            return self._from_store(ref, use)
+        self._renew(ref)
+        return value, _CachedVerification(verification, self._damaged)
+
+    def _from_store(self, ref: str, use: Callable[[LoadedBytes], _T]) -> tuple[_T, Verification]:
+        load_pending = getattr(self.store, "load_pending", None)
+        if load_pending is not None:
+            return load_pending(ref, use)  # type: ignore[no-any-return]
+        data = self.store.get(ref)
+        return use(LoadedBytes(memoryview(data))), Verification.passed(ref)
+
+    def load(self, ref: str, use: Callable[[LoadedBytes], _T]) -> _T:
+        """:meth:`load_pending`, checked: ``use`` of bytes that hash to ``ref``."""
+        value, verification = self.load_pending(ref, use)
+        verification.check()
+        return value
+
+    def get(self, ref: str) -> bytes:
+        """The bytes of checkpoint ``ref``, checked: the copy here when it verifies (a damaged
+        one is deleted), else the store's ``get``."""
+        try:
+            data = self._copies.get(ref)
+        except CheckpointCorrupt as exc:
+            self._damaged(exc)
+        except (CheckpointMissing, StorageError):
+            pass
+        else:
+            self._renew(ref)
+            return data
+        return self.store.get(ref)
+
+    def exists(self, ref: str) -> bool:
+        """Whether the store of record holds ``ref`` (a copy here does not count)."""
+        return self.store.exists(ref)
+
+    def delete(self, ref: str) -> None:
+        """Delete ``ref`` from the store of record, then its copy here."""
+        self.store.delete(ref)
+        self._copies.delete(ref)
+
+    def _renew(self, ref: str) -> None:
+        try:
+            os.utime(self.path(ref))
+        except OSError:
+            pass  # evicted meanwhile
+
+    def _damaged(self, exc: CheckpointCorrupt) -> CachedCopyCorrupt:
+        """Delete the damaged copy of ``exc.ref``; the error to raise for it."""
+        path = self.path(exc.ref)
+        path.unlink(missing_ok=True)
+        log.warning("checkpoint cache: deleted the damaged copy %s (hashes to %s)", path, exc.actual)
+        return CachedCopyCorrupt(exc.ref, path, exc.actual)
+
+
+def cached(store: Any, root: str | os.PathLike[str] | None, budget_bytes: int | None) -> Any:
+    """``store`` behind a :class:`CachedCheckpointStore` in ``root`` when ``root`` is given (a
+    local store is returned as it is: its objects are local already)."""
+    if not root or isinstance(store, LocalCheckpointStore):
+        return store
+    return CachedCheckpointStore(store, Path(root), budget_bytes if budget_bytes is not None else DEFAULT_BUDGET_BYTES)
+

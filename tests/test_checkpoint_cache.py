@@ -1,0 +1,248 @@
+"""The node-local checkpoint cache in front of a real MinIO (gpu_worker/checkpoint_cache.py).
+
+The store of record is MinIO; the cache keeps copies of what this node saved and loads them
+instead of downloading; a damaged copy is a StorageError of this node (retried from MinIO),
+never a corrupt checkpoint; the copies stay within their budget.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from events.models import CheckpointSaved, CheckpointSource, Event, StageDispatched, StageFailed, StageSpec
+from gpu_worker import checkpoint
+from gpu_worker.checkpoint import (
+    CheckpointCorrupt,
+    CheckpointMissing,
+    LoadedBytes,
+    StorageError,
+    decode_state,
+    encode_state,
+    sha256_hex,
+)
+from gpu_worker.checkpoint_cache import CachedCheckpointStore, CachedCopyCorrupt, cached
+from gpu_worker.executor import PathExecutor
+from gpu_worker.object_store import S3CheckpointStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from digits import DigitsTrainer  # noqa: E402
+from test_executor import CONFIG, flip_byte  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class CountedGets(S3CheckpointStore):
+    """The real S3 store, counting the loads that reach MinIO (no behaviour changed)."""
+
+    gets: list[str]
+
+    def load_pending(self, ref: str, use: Callable[[LoadedBytes], Any]) -> Any:
+        self.gets.append(ref)
+        return super().load_pending(ref, use)
+
+    def get(self, ref: str) -> bytes:
+        self.gets.append(ref)
+        return super().get(ref)
+
+
+@pytest.fixture
+def remote(minio_store_factory: Callable[[], S3CheckpointStore]) -> CountedGets:
+    store = minio_store_factory()
+    store.__class__ = CountedGets
+    assert isinstance(store, CountedGets)
+    store.gets = []
+    return store
+
+
+def copies(root: Path) -> dict[str, int]:
+    """The copies under ``root`` by ref, with their sizes (temporary files would show too)."""
+    return {p.name: p.stat().st_size for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("size", [10, 3 << 20], ids=["small", "beside"])
+def test_a_saved_checkpoint_is_kept_here_and_loaded_from_the_copy(remote: CountedGets, tmp_path: Path,
+                                                                 size: int) -> None:
+    """``put_many`` stores in MinIO (verified there) and keeps a copy named by the ref; a load
+    and a get read the copy, not MinIO, and hash it; ``exists`` asks MinIO; ``delete`` removes
+    both."""
+    store = CachedCheckpointStore(remote, tmp_path / "cache", budget_bytes=1 << 30)
+    datas = [os.urandom(size), os.urandom(size), b""]
+    refs = store.put_many(datas)
+    assert [r.ref for r in refs] == [sha256_hex(d) for d in datas]
+    assert [remote.get(r.ref) for r in refs] == datas  # stored and verified in MinIO
+    remote.gets.clear()
+    assert copies(tmp_path / "cache") == {r.ref: r.size for r in refs}
+    value, verification = store.load_pending(refs[0].ref, lambda b: bytes(b.view))
+    verification.check()
+    assert value == datas[0]
+    assert store.load(refs[1].ref, lambda b: bytes(b.view)) == datas[1]
+    assert store.get(refs[2].ref) == b""
+    assert remote.gets == []  # every read came from the copies
+    assert store.exists(refs[0].ref)
+    store.delete(refs[0].ref)
+    assert not store.exists(refs[0].ref) and not store.path(refs[0].ref).exists()
+    with pytest.raises(CheckpointMissing):
+        store.load(refs[0].ref, lambda b: bytes(b.view))
+    assert remote.gets == [refs[0].ref]
+
+
+def test_without_a_copy_the_load_reads_the_store_and_a_second_process_shares_the_copies(
+        remote: CountedGets, tmp_path: Path, minio_env: dict[str, str]) -> None:
+    """A checkpoint saved by another node has no copy here: it is downloaded. One saved by
+    another process of this node (a second worker sharing the directory) is read from its copy."""
+    cache = tmp_path / "cache"
+    elsewhere = remote.put(b"saved on another node")
+    store = CachedCheckpointStore(remote, cache, budget_bytes=1 << 30)
+    assert store.load(elsewhere.ref, lambda b: bytes(b.view)) == b"saved on another node"
+    assert remote.gets == [elsewhere.ref]
+    code = ("import sys; from gpu_worker.object_store import open_checkpoint_store; "
+            "from gpu_worker.checkpoint_cache import cached; "
+            "s = cached(open_checkpoint_store(sys.argv[1]), sys.argv[2], 1 << 30); "
+            "print(s.put(b'saved by the other worker').ref)")
+    ref = subprocess.run([sys.executable, "-c", code, remote.url, str(cache)], env={**os.environ, **minio_env},
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    assert store.load(ref, lambda b: bytes(b.view)) == b"saved by the other worker"
+    assert remote.gets == [elsewhere.ref]  # read from the other process's copy
+
+
+def test_a_damaged_copy_is_deleted_and_reported_as_this_nodes_storage_fault(
+        remote: CountedGets, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy that does not hash to its ref: the load's verification raises CachedCopyCorrupt
+    (a StorageError, not CheckpointCorrupt) and deletes it, as does a load whose ``use`` failed
+    on it; the next load reads MinIO and verifies. A truncated copy likewise."""
+    monkeypatch.setattr(checkpoint, "_BESIDE_BYTES", 1)  # hashed beside use, as from 1 MiB
+    store = CachedCheckpointStore(remote, tmp_path / "cache", budget_bytes=1 << 30)
+    state = {"w": torch.arange(1000, dtype=torch.float32)}
+    ref = store.put(encode_state(state)).ref
+    path = store.path(ref)
+    good = path.read_bytes()
+
+    path.write_bytes(flip_byte(good))
+    value, verification = store.load_pending(ref, lambda b: bytes(b.view))  # use succeeds on the bytes
+    with pytest.raises(CachedCopyCorrupt) as caught:
+        verification.check()
+    assert isinstance(caught.value, StorageError) and not isinstance(caught.value, CheckpointCorrupt)
+    assert caught.value.ref == ref and caught.value.actual == sha256_hex(flip_byte(good))
+    assert not path.exists() and remote.gets == []
+    assert torch.equal(store.load(ref, LoadedBytes.decode)["w"], state["w"])  # from MinIO
+    assert remote.gets == [ref]
+
+    path.write_bytes(b"not a checkpoint")  # use raises on these bytes
+    with pytest.raises(CachedCopyCorrupt):
+        store.load_pending(ref, LoadedBytes.decode)
+    assert not path.exists()
+    path.write_bytes(good[: len(good) // 2])
+    with pytest.raises(CachedCopyCorrupt):
+        store.load(ref, lambda b: bytes(b.view))
+    assert torch.equal(decode_state(store.get(ref))["w"], state["w"])
+    assert remote.gets == [ref, ref]
+
+
+def test_the_copies_stay_within_the_budget_least_recently_used_evicted_first(remote: CountedGets,
+                                                                            tmp_path: Path) -> None:
+    """Beyond ``budget_bytes`` the least recently used copies go (a load renews one) down to
+    EVICT_TO of the budget; every checkpoint stays in MinIO."""
+    cache = tmp_path / "cache"
+    store = CachedCheckpointStore(remote, cache, budget_bytes=10_000)
+    refs = [store.put(os.urandom(3000)).ref for _ in range(3)]
+    assert set(copies(cache)) == set(refs)
+    os.utime(store.path(refs[0]), (1, 1))  # long ago ...
+    os.utime(store.path(refs[1]), (2, 2))
+    os.utime(store.path(refs[2]), (3, 3))
+    store.load(refs[0], lambda b: None)  # ... but used now
+    fourth = store.put(os.urandom(3000)).ref  # 12,000 bytes: down to at most 9,000
+    assert set(copies(cache)) == {refs[0], refs[2], fourth}
+    fifth = store.put(os.urandom(3000)).ref
+    assert set(copies(cache)) == {refs[0], fourth, fifth}
+    assert sum(copies(cache).values()) <= 10_000
+    assert all(store.exists(r) for r in [*refs, fourth, fifth])
+    assert store.get(refs[1]) and remote.gets == [refs[1]]  # evicted: downloaded
+
+
+def test_a_failed_upload_keeps_no_copy(remote: CountedGets, tmp_path: Path, minio_env: dict[str, str]) -> None:
+    """When the store of record refuses a save, nothing is kept here (not even a temporary
+    file): a copy is only ever of a stored checkpoint."""
+    from gpu_worker.object_store import open_checkpoint_store
+
+    absent = open_checkpoint_store(f"s3://{remote.bucket}/x", {**minio_env, "STAGETREE_S3_SECRET_KEY": "wrong"})
+    store = CachedCheckpointStore(absent, tmp_path / "cache", budget_bytes=1 << 30)
+    with pytest.raises(StorageError):
+        store.put_many([os.urandom(2 << 20), b"small"])
+    assert copies(tmp_path / "cache") == {}
+
+
+def test_the_cache_is_checked_and_only_fronts_a_remote_store(remote: CountedGets, tmp_path: Path) -> None:
+    for bad in (0, -1, 1.5, True, "1GB"):
+        with pytest.raises(ValueError, match=r"`budget_bytes` of the checkpoint cache is .*must be an int > 0"):
+            CachedCheckpointStore(remote, tmp_path, bad)  # type: ignore[arg-type]
+    local = checkpoint.LocalCheckpointStore(tmp_path / "local")
+    assert cached(local, tmp_path / "cache", None) is local  # its objects are local already
+    assert cached(remote, None, None) is remote
+    wrapped = cached(remote, tmp_path / "cache", None)
+    assert isinstance(wrapped, CachedCheckpointStore) and wrapped.budget_bytes == 10 << 30
+
+
+def dispatch(i: int, stages: list[tuple[str, int, int]], source: CheckpointSource | None = None) -> StageDispatched:
+    return StageDispatched(dispatch_id=f"d{i}", worker_id="w0", plan_key="p", seed=3, decided_at=i, source=source,
+                           stages=[StageSpec(node_id=n, hp=CONFIG, from_step=a, to_step=b, evaluate=False)
+                                   for n, a, b in stages])
+
+
+def test_a_worker_loads_a_sibling_source_from_the_copy_and_a_damaged_copy_hands_the_path_back(
+        remote: CountedGets, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker saving to MinIO through the cache: the sibling branch of its path loads its
+    source from the copy (no download) and saves what a worker without a cache saves. With the
+    copy damaged, the stage fails as "storage" (the path is handed back; the checkpoint is not
+    dropped from the plan) and the path dispatched again downloads it and saves the same."""
+    monkeypatch.setattr(checkpoint, "_BESIDE_BYTES", 1)  # the source is used while it is hashed
+
+    def run(worker: PathExecutor, d: StageDispatched) -> list[Event]:
+        events: list[Event] = []
+        worker.run(d, events.extend)
+        return events
+
+    def saved(events: list[Event]) -> dict[str, str]:
+        return {e.node_id: e.ref for e in events if isinstance(e, CheckpointSaved)}
+
+    plain = PathExecutor(DigitsTrainer(), "w0", remote, torch.device("cpu"))
+    straight = saved(run(plain, dispatch(0, [("n0", 0, 2), ("n1", 2, 5)])))
+    source = CheckpointSource(node_id="n0", step=2, ref=straight["n0"])
+    expected = saved(run(plain, dispatch(1, [("m1", 2, 5)], source)))
+
+    store = CachedCheckpointStore(remote, tmp_path / "cache", budget_bytes=1 << 30)
+    worker = PathExecutor(DigitsTrainer(), "w0", store, torch.device("cpu"))
+    assert saved(run(worker, dispatch(2, [("n0", 0, 2), ("n1", 2, 5)]))) == straight
+    remote.gets.clear()
+    assert saved(run(worker, dispatch(3, [("m1", 2, 5)], source))) == expected
+    assert remote.gets == []  # the source came from the copy
+
+    path = store.path(straight["n0"])
+    path.write_bytes(flip_byte(path.read_bytes()))
+    failed = [e for e in run(worker, dispatch(4, [("m1", 2, 5)], source)) if isinstance(e, StageFailed)]
+    assert [(f.kind, f.ref) for f in failed] == [("storage", None)]
+    assert "cached copy" in failed[0].error and not path.exists()
+    assert saved(run(worker, dispatch(5, [("m1", 2, 5)], source))) == expected
+    assert remote.gets == [straight["n0"]]
+
+
+def test_a_temporary_file_left_by_a_killed_writer_goes_when_the_copies_are_counted(remote: CountedGets,
+                                                                                   tmp_path: Path) -> None:
+    """A writer killed mid-copy leaves a ``.tmp-*`` file, never a copy under a ref; once it is
+    older than STRAY_TEMP_S the next count deletes it (a fresh one may be another process's
+    copy being written, and stays)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / ".tmp-stray").write_bytes(b"half a checkpoint")
+    (cache / ".tmp-fresh").write_bytes(b"being written")
+    os.utime(cache / ".tmp-stray", (1, 1))
+    store = CachedCheckpointStore(remote, cache, budget_bytes=1 << 30)
+    ref = store.put(b"a checkpoint").ref  # the first save counts the copies
+    assert sorted(copies(cache)) == sorted([".tmp-fresh", ref])
