@@ -110,7 +110,12 @@ def _stall_hook(events: Sequence[Event]) -> Callable[[], None] | None:
 
     def stall() -> None:
         Path(path).write_bytes(b"\n".join(encode(e) for e in events))
-        os.kill(os.getpid(), signal.SIGSTOP)
+        # Stop this thread first: a SIGSTOP sent to the process (os.kill) is taken by whichever
+        # thread the kernel picks (the main one, when it can), and this thread runs on until that
+        # one is scheduled and stops the others: on a loaded machine, long enough to commit the
+        # transaction this hook was to leave open. Sent to this thread, it stops before the call
+        # returns (and the whole process with it).
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
     return stall
 

@@ -11,10 +11,15 @@ the deployment would have no scheduler. The role takes itself over again once th
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from kafka_cluster import kafka_log, plan_records, wait_for
@@ -25,6 +30,8 @@ from events.kafka_log import KafkaLog, TransactionalAppender, event_writes
 from events.models import LogSealed, WorkerJoined
 from scheduler.role import SchedulerRole, role_transactional_id
 from stagetree.serve import ensure_topics
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _seals_by(log, producer: str, after: float) -> list[LogSealed]:  # type: ignore[no-untyped-def]
@@ -97,3 +104,55 @@ def test_a_fenced_role_the_group_revoked_stays_out(deployment: dict[str, str],
         assert role.acquired_at == first
         assert "still grants this instance" not in caplog.text
         successor.close()
+
+
+STALLING_CHILD = """
+import os, sys, threading
+from events.models import StageDispatched, StageSpec
+from events.hp import Constant
+from scheduler.role import STALL_HOOK_ENV, _stall_hook
+
+root = sys.argv[1]
+decision = StageDispatched(dispatch_id="d0", worker_id="w0", plan_key="p", seed=1, decided_at=0, source=None,
+                           stages=[StageSpec(node_id="n0", hp={"lr": Constant(0.1)}, from_step=0, to_step=1,
+                                             evaluate=False)])
+
+def appender():
+    for i in range(int(sys.argv[2])):
+        os.environ[STALL_HOOK_ENV] = f"{root}/stall-{i}"
+        _stall_hook([decision])()  # stops the process; returns once it is continued
+        open(f"{root}/after-{i}", "w").close()  # what the appender would do next: commit
+    os._exit(0)
+
+threading.Thread(target=appender).start()
+while True:  # the main thread busy in Python, as a serve's event loop may be
+    sum(range(1000))
+"""
+
+
+def test_the_stall_hook_stops_the_appending_thread_before_it_returns(tmp_path: Path) -> None:
+    """The fault injection the fencing test relies on: the thread appending a decision stops
+    inside the hook, before the commit. A SIGSTOP sent to the process stopped it only once the
+    kernel's chosen thread (the busy main one) ran, and the appender went on meanwhile (on a
+    loaded machine, long enough to commit: the zombie's decision then landed); run 10 times,
+    the appender never gets past the hook before the process is continued."""
+    rounds = 10
+    child = subprocess.Popen([sys.executable, "-c", STALLING_CHILD, str(tmp_path), str(rounds)], cwd=ROOT)
+    try:
+        for i in range(rounds):
+            wait_for(lambda i=i: child.poll() is not None
+                     or (tmp_path / f"stall-{i}").exists() and _process_state(child.pid) == "T", f"stall {i}", 60)
+            assert child.poll() is None, f"the stalling process ended (exit {child.returncode})"
+            time.sleep(0.05)  # what the appender would do after the hook, given the time
+            assert not (tmp_path / f"after-{i}").exists(), f"stall {i}: the appender ran past the hook"
+            os.kill(child.pid, signal.SIGCONT)
+            wait_for(lambda i=i: (tmp_path / f"after-{i}").exists(), f"the appender to go on after stall {i}", 60)
+        assert child.wait(timeout=60) == 0
+    finally:
+        child.kill()
+        child.wait()
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of process ``pid`` (``T``: stopped), from /proc."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
