@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,7 @@ def copies(root: Path) -> dict[str, int]:
 @pytest.mark.parametrize("size", [10, 3 << 20], ids=["small", "beside"])
 def test_a_saved_checkpoint_is_kept_here_and_loaded_from_the_copy(remote: CountedGets, tmp_path: Path,
                                                                  size: int) -> None:
-    """``put_many`` stores in MinIO (verified there) and keeps a copy named by the ref; a load
+    """``put_many`` stores in MinIO (verified there), then writes a copy named by the ref; a load
     and a get read the copy, not MinIO, and hash it; ``exists`` asks MinIO; ``delete`` removes
     both."""
     store = CachedCheckpointStore(remote, tmp_path / "cache", budget_bytes=1 << 30)
@@ -79,6 +80,7 @@ def test_a_saved_checkpoint_is_kept_here_and_loaded_from_the_copy(remote: Counte
     assert [r.ref for r in refs] == [sha256_hex(d) for d in datas]
     assert [remote.get(r.ref) for r in refs] == datas  # stored and verified in MinIO
     remote.gets.clear()
+    store.copies_written()
     assert copies(tmp_path / "cache") == {r.ref: r.size for r in refs}
     value, verification = store.load_pending(refs[0].ref, lambda b: bytes(b.view))
     verification.check()
@@ -106,7 +108,7 @@ def test_without_a_copy_the_load_reads_the_store_and_a_second_process_shares_the
     code = ("import sys; from gpu_worker.object_store import open_checkpoint_store; "
             "from gpu_worker.checkpoint_cache import cached; "
             "s = cached(open_checkpoint_store(sys.argv[1]), sys.argv[2], 1 << 30); "
-            "print(s.put(b'saved by the other worker').ref)")
+            "print(s.put(b'saved by the other worker').ref); s.copies_written()")
     ref = subprocess.run([sys.executable, "-c", code, remote.url, str(cache)], env={**os.environ, **minio_env},
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     assert store.load(ref, lambda b: bytes(b.view)) == b"saved by the other worker"
@@ -122,6 +124,7 @@ def test_a_damaged_copy_is_deleted_and_reported_as_this_nodes_storage_fault(
     store = CachedCheckpointStore(remote, tmp_path / "cache", budget_bytes=1 << 30)
     state = {"w": torch.arange(1000, dtype=torch.float32)}
     ref = store.put(encode_state(state)).ref
+    store.copies_written()
     path = store.path(ref)
     good = path.read_bytes()
 
@@ -153,14 +156,17 @@ def test_the_copies_stay_within_the_budget_least_recently_used_evicted_first(rem
     cache = tmp_path / "cache"
     store = CachedCheckpointStore(remote, cache, budget_bytes=10_000)
     refs = [store.put(os.urandom(3000)).ref for _ in range(3)]
+    store.copies_written()
     assert set(copies(cache)) == set(refs)
     os.utime(store.path(refs[0]), (1, 1))  # long ago ...
     os.utime(store.path(refs[1]), (2, 2))
     os.utime(store.path(refs[2]), (3, 3))
     store.load(refs[0], lambda b: None)  # ... but used now
     fourth = store.put(os.urandom(3000)).ref  # 12,000 bytes: down to at most 9,000
+    store.copies_written()
     assert set(copies(cache)) == {refs[0], refs[2], fourth}
     fifth = store.put(os.urandom(3000)).ref
+    store.copies_written()
     assert set(copies(cache)) == {refs[0], fourth, fifth}
     assert sum(copies(cache).values()) <= 10_000
     assert all(store.exists(r) for r in [*refs, fourth, fifth])
@@ -220,6 +226,7 @@ def test_a_worker_loads_a_sibling_source_from_the_copy_and_a_damaged_copy_hands_
     store = CachedCheckpointStore(remote, tmp_path / "cache", budget_bytes=1 << 30)
     worker = PathExecutor(DigitsTrainer(), "w0", store, torch.device("cpu"))
     assert saved(run(worker, dispatch(2, [("n0", 0, 2), ("n1", 2, 5)]))) == straight
+    store.copies_written()
     remote.gets.clear()
     assert saved(run(worker, dispatch(3, [("m1", 2, 5)], source))) == expected
     assert remote.gets == []  # the source came from the copy
@@ -244,5 +251,40 @@ def test_a_temporary_file_left_by_a_killed_writer_goes_when_the_copies_are_count
     (cache / ".tmp-fresh").write_bytes(b"being written")
     os.utime(cache / ".tmp-stray", (1, 1))
     store = CachedCheckpointStore(remote, cache, budget_bytes=1 << 30)
-    ref = store.put(b"a checkpoint").ref  # the first save counts the copies
+    ref = store.put(b"a checkpoint").ref  # the first copy counts the copies
+    store.copies_written()
     assert sorted(copies(cache)) == sorted([".tmp-fresh", ref])
+
+
+def test_copies_are_written_after_the_save_returns_and_their_backlog_is_bounded(
+        remote: CountedGets, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save returns once the store of record has it, while its copy waits for the copier (here
+    held at a gate, as a slow disk would hold it) and a load of it takes the bytes waiting;
+    copies waiting hold at most
+    COPY_BACKLOG_BYTES of checkpoints (one always may): a save beyond gets no copy, and is
+    stored all the same. The copier runs at the lowest CPU priority."""
+    from gpu_worker import checkpoint_cache
+
+    gate = threading.Event()
+    priorities: list[int] = []
+
+    def held_write(file: Any, data: bytes) -> None:
+        priorities.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        assert gate.wait(60)
+        file.write(data)
+
+    monkeypatch.setattr(checkpoint_cache, "_write_all", held_write)
+    monkeypatch.setattr(checkpoint_cache, "COPY_BACKLOG_BYTES", 5000)
+    store = CachedCheckpointStore(remote, tmp_path / "cache", budget_bytes=1 << 30)
+    first = store.put(os.urandom(3000)).ref  # returns while its copy waits at the gate
+    second = store.put(os.urandom(3000)).ref  # 6,000 bytes would wait: no copy
+    third = store.put(os.urandom(1000)).ref  # 4,000: copied
+    assert not set(copies(tmp_path / "cache")) & {first, second, third}  # a temporary file at most
+    remote.gets.clear()
+    assert store.load(third, lambda b: bytes(b.view)) == remote.get(third)  # from the bytes waiting
+    assert remote.gets == [third]  # (the get above)
+    gate.set()
+    store.copies_written()
+    assert set(copies(tmp_path / "cache")) == {first, third}
+    assert all(remote.exists(r) for r in (first, second, third))
+    assert priorities == [19, 19]
