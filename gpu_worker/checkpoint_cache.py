@@ -123,7 +123,7 @@ class CachedCheckpointStore:
         self._backlog = 0  # bytes of checkpoints waiting for their copy
         self._copier: futures.ThreadPoolExecutor | None = None
         self._copier_pid = 0
-        self._copied: list[futures.Future[None]] = []  # copies queued since copies_written
+        self._copied: list[futures.Future[None]] = []  # copies queued and not known to be written
         self._waiting: dict[str, bytes] = {}  # ref -> the bytes of a checkpoint whose copy waits
 
     def __repr__(self) -> str:
@@ -164,6 +164,7 @@ class CachedCheckpointStore:
                 self._copier = futures.ThreadPoolExecutor(1, thread_name_prefix="stagetree-cache",
                                                           initializer=_lowest_priority)
                 self._copier_pid = os.getpid()
+            self._copied = [f for f in self._copied if not f.done()]  # only those still waiting
             self._copied.append(self._copier.submit(self._copy, data, ref))
 
     def copies_written(self) -> None:
