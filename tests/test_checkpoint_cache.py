@@ -110,7 +110,7 @@ def test_without_a_copy_the_load_reads_the_store_and_a_second_process_shares_the
             "s = cached(open_checkpoint_store(sys.argv[1]), sys.argv[2], 1 << 30); "
             "print(s.put(b'saved by the other worker').ref); s.copies_written()")
     ref = subprocess.run([sys.executable, "-c", code, remote.url, str(cache)], env={**os.environ, **minio_env},
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+                         cwd=ROOT, capture_output=True, text=True, check=True, timeout=300).stdout.strip()
     assert store.load(ref, lambda b: bytes(b.view)) == b"saved by the other worker"
     assert remote.gets == [elsewhere.ref]  # read from the other process's copy
 
