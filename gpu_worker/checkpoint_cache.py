@@ -123,7 +123,6 @@ class CachedCheckpointStore:
         self._backlog = 0  # bytes of checkpoints waiting for their copy
         self._copier: futures.ThreadPoolExecutor | None = None
         self._copier_pid = 0
-        self._copied: list[futures.Future[None]] = []  # copies queued and not known to be written
         self._waiting: dict[str, bytes] = {}  # ref -> the bytes of a checkpoint whose copy waits
 
     def __repr__(self) -> str:
@@ -164,53 +163,44 @@ class CachedCheckpointStore:
                 self._copier = futures.ThreadPoolExecutor(1, thread_name_prefix="stagetree-cache",
                                                           initializer=_lowest_priority)
                 self._copier_pid = os.getpid()
-            self._copied = [f for f in self._copied if not f.done()]  # only those still waiting
-            self._copied.append(self._copier.submit(self._copy, data, ref))
+            self._copier.submit(self._copy, data, ref)
 
     def copies_written(self) -> None:
-        """Wait until every copy queued so far is written (or skipped)."""
+        """Wait until every copy queued so far is written (or skipped): the one copier thread
+        takes them in order, so a task queued now runs after them."""
         with self._lock:
-            pending, self._copied = self._copied, []
-        futures.wait(pending)
+            copier = self._copier if self._copier_pid == os.getpid() else None
+        if copier is not None:
+            copier.submit(lambda: None).result()
 
     def _copy(self, data: bytes, ref: CheckpointRef) -> None:
-        """Write the copy of ``data`` under ``ref`` (the copier thread): to a temporary file, then
-        renamed into place; an OSError is logged and the copy skipped."""
+        """Write the copy of ``data`` under ``ref`` (the copier thread): to a temporary file,
+        renamed into place (atomic: a reader sees no copy or all of it); an OSError is logged and
+        the copy skipped. Then count the copies, when due (:meth:`_evict`)."""
+        tmp: Path | None = None
         try:
-            tmp: Path | None = None
-            try:
-                self.root.mkdir(parents=True, exist_ok=True)
-                fd, name = tempfile.mkstemp(prefix=".tmp-", dir=self.root)
-                tmp = Path(name)
-                with os.fdopen(fd, "wb") as file:
-                    _write_all(file, data)
-            except OSError as exc:
-                log.warning("checkpoint cache: no copy kept under %s: %s", self.root, exc)
-                if tmp is not None:
-                    tmp.unlink(missing_ok=True)
-                return
-            self._place(tmp, ref)
-            if self._held is None or self._held > self.budget_bytes:
-                self._evict()
-        finally:
-            with self._lock:
-                self._backlog -= len(data)
-                if self._waiting.get(ref.ref) is data:
-                    del self._waiting[ref.ref]
-
-    def _place(self, tmp: Path, ref: CheckpointRef) -> None:
-        """Rename the copy ``tmp`` of ``ref`` into place (atomic: a reader sees no copy or all
-        of it); an OSError is logged and the copy dropped."""
-        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd, name = tempfile.mkstemp(prefix=".tmp-", dir=self.root)
+            tmp = Path(name)
+            with os.fdopen(fd, "wb") as file:
+                _write_all(file, data)
             target = self.path(ref.ref)
             target.parent.mkdir(exist_ok=True)
             os.replace(tmp, target)
         except OSError as exc:
             log.warning("checkpoint cache: no copy kept under %s: %s", self.root, exc)
-            tmp.unlink(missing_ok=True)
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
             return
+        finally:
+            with self._lock:
+                self._backlog -= len(data)
+                if self._waiting.get(ref.ref) is data:
+                    del self._waiting[ref.ref]
         if self._held is not None:
             self._held += ref.size
+        if self._held is None or self._held > self.budget_bytes:
+            self._evict()
 
     def _evict(self) -> None:
         """Count the copies in the directory (every process's) and, beyond the budget, delete
