@@ -53,8 +53,10 @@ store MS milliseconds on its way, and ``--s3-rate-mb-s MB`` passes each connecti
 at most MB megabytes per second (Toxiproxy in front of the endpoint, built on first use:
 ``benchmarks/network_latency.py``), as an object store across a network answers.
 ``--checkpoint-cache`` puts each worker's S3 store behind a node cache of the checkpoints it
-saves (``gpu_worker/checkpoint_cache.py``, in a fresh directory under ``--out``): its loads of
-them read the local copy. ``--cases``
+saves and downloads (``gpu_worker/checkpoint_cache.py``, in a fresh directory under ``--out``):
+its loads of them read the local copy; case 2 then also loads a checkpoint whose copy it deleted
+(as if another node had saved it: downloaded, a copy kept) and, once that copy is written, the
+same checkpoint again. ``--cases``
 runs some of the three cases (``tiny,big,memory``).
 
 Prints a table and writes ``OUT/worker_overhead.json``. Timings are wall seconds on this
@@ -230,6 +232,14 @@ def big(steps: int, out: Path, device: str = "cpu", store: str | None = None, ca
                                 CheckpointSource(node_id="n1", step=2 * steps, ref=refs[1])))
         cousin = run(_dispatch(5, [("c1", {"lr": Constant(0.03)}, steps, 2 * steps, False)],
                                CheckpointSource(node_id="n0", step=steps, ref=refs[0])))
+        downloaded: list[Any] = []
+        if cache:  # the last checkpoint as if another node had saved it: no copy here
+            executor.store.copies_written()
+            executor.store.path(refs[2]).unlink()
+            from_n2 = CheckpointSource(node_id="n2", step=3 * steps, ref=refs[2])
+            downloaded = run(_dispatch(6, [("e3", {"lr": Constant(0.04)}, 3 * steps, 4 * steps, False)], from_n2))
+            executor.store.copies_written()  # (the copier thread may take longer than a stage on a busy CPU)
+            downloaded += run(_dispatch(7, [("f3", {"lr": Constant(0.05)}, 3 * steps, 4 * steps, False)], from_n2))
         kept = run(_dispatch(3, [("r0", {"lr": Constant(0.02)}, 0, steps, False)]))
         root = run(_dispatch(4, [("q0", {"lr": Constant(0.03)}, 0, steps, False)]))
         executor.abandon()  # as a worker that failed a path (or ran another trainer) would
@@ -242,6 +252,9 @@ def big(steps: int, out: Path, device: str = "cpu", store: str | None = None, ca
         rows += [(sibling[0], "loaded from a checkpoint into the trainer built before, the store's first load", True,
                   hand_off),
                  (cousin[0], "loaded from a checkpoint into the trainer built before", True, hand_off),
+                 *[(e, how, True, hand_off) for e, how in zip(downloaded, (
+                     "loaded from a checkpoint another node saved: downloaded, its copy kept while it trains",
+                     "loaded again from that checkpoint: its copy kept on download"))],
                  (kept[0], "fresh start, built again and its state kept", True, hand_off),
                  (root[0], "fresh start, the trainer's state after its build restored", True, hand_off),
                  (resumed[0], "loaded from a checkpoint, trainer built again", True, hand_off)]
@@ -332,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --store: each connection's responses passed at most MB megabytes per second "
                         "(Toxiproxy's bandwidth toxic), as S3 serves one connection")
     p.add_argument("--checkpoint-cache", action="store_true",
-                   help="with --store: each worker's S3 store behind a node cache of its checkpoints in a fresh "
-                        "directory under --out (gpu_worker/checkpoint_cache.py)")
+                   help="with --store: each worker's S3 store behind a node cache of the checkpoints it saves and "
+                        "downloads, in a fresh directory under --out (gpu_worker/checkpoint_cache.py)")
     p.add_argument("--cases", default="tiny,big,memory",
                    help="which cases to run, comma-separated among tiny, big, memory (default all)")
     args = p.parse_args(argv)

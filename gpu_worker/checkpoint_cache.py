@@ -2,11 +2,13 @@
 
 The store of record stays the remote one: a checkpoint is saved there, verified as before
 (DESIGN.md invariant 4), and only its events name it. The cache keeps a copy of each checkpoint
-a worker of this node saved (written once the save is stored, on a thread of lowest CPU
-priority), in a local directory, so that a later load of it by any worker of
-the node (a sibling branch of a stage tree, a path resumed after a failure) reads the local
-copy instead of downloading it: a copy is a cache, never a source of truth, so it is written
-without a sync, and a damaged or missing one costs a download, never a result.
+a worker of this node saved (written once the save is stored) or downloaded (written from the
+memory it was read into, kept only when it hashes to its ref), on a thread of lowest CPU
+priority, in a local directory, so that a later load of it by any worker of the node (a sibling
+branch of a stage tree, a branch point that workers of several nodes load, a path resumed after
+a failure) reads the local copy instead of downloading it: a copy is a cache, never a source of
+truth, so it is written without a sync, and a damaged or missing one costs a download, never a
+result.
 
 A cached load is read and hashed like a local store's (:meth:`LocalCheckpointStore.load_pending
 <gpu_worker.checkpoint.LocalCheckpointStore.load_pending>`: ``use`` runs while the bytes are
@@ -24,6 +26,7 @@ process evicts by a scan of the directory.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import tempfile
@@ -35,6 +38,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gpu_worker.checkpoint import (
+    _BESIDE_BYTES,
+    _READ_CHUNK,
     CheckpointCorrupt,
     CheckpointMissing,
     CheckpointRef,
@@ -54,7 +59,8 @@ _T = TypeVar("_T")
 
 COPY_BACKLOG_BYTES = 256 << 20
 """Bytes of checkpoints that may wait for their copy (their bytes stay in memory until it is
-written); a checkpoint that would go beyond gets no copy (one always may)."""
+written: a saved checkpoint's, or the memory file a download was read into); a checkpoint that
+would go beyond gets no copy (one always may)."""
 
 DEFAULT_BUDGET_BYTES = 10 << 30
 """Bytes of copies a cache holds by default (10 GiB)."""
@@ -95,6 +101,46 @@ class _CachedVerification(Verification):
             raise self._damaged(exc) from None
 
 
+class _Downloaded:
+    """The bytes of a checkpoint downloaded into a store's load memory (a memory file: ``fd``
+    is a descriptor of its own on it, ``size`` bytes long), to be copied into the cache. The
+    store reads its next object into the same memory, so by the time the copy is written they
+    may be another checkpoint's, or cut short: the copier hashes what it reads and keeps the copy
+    only when it hashes to the ref."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size = fd, size
+
+    @classmethod
+    def of(cls, loaded: LoadedBytes) -> _Downloaded | bytes | None:
+        """What to copy of ``loaded`` once ``use`` has it: a descriptor of its memory file, the
+        bytes themselves when they are small (under 1 MiB, as a local store reads them: a
+        buffer), else None (no memory file to read them from again: no copy)."""
+        if loaded.path is not None:
+            try:
+                return cls(os.open(loaded.path, os.O_RDONLY | os.O_CLOEXEC), loaded.view.nbytes)
+            except OSError:
+                return None
+        return bytes(loaded.view) if loaded.view.nbytes < _BESIDE_BYTES else None
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def write(self, file: Any) -> str:
+        """Write the bytes into ``file`` and return their sha256 hex digest (a read that comes
+        short, the memory file cut by the next load, ends them early: the digest shows it)."""
+        hasher, buffer, offset = hashlib.sha256(), bytearray(min(self.size, _READ_CHUNK)), 0
+        while offset < self.size:
+            n = os.preadv(self.fd, [memoryview(buffer)[:min(len(buffer), self.size - offset)]], offset)
+            if n <= 0:
+                break
+            chunk = memoryview(buffer)[:n]
+            hasher.update(chunk)
+            file.write(chunk)
+            offset += n
+        return hasher.hexdigest()
+
+
 class CachedCheckpointStore:
     """A :class:`~gpu_worker.checkpoint.CheckpointStore`: ``store`` (the store of record, e.g.
     :class:`~gpu_worker.object_store.S3CheckpointStore`) behind a cache of copies in the local
@@ -102,7 +148,8 @@ class CachedCheckpointStore:
 
     ``put``/``put_many`` store in ``store`` (verified there), then the copies are written here
     in the background (no sync: a copy is only a cache; :meth:`copies_written` waits for them);
-    ``load_pending``/``load``/``get`` read a copy when there is one, else ``store``; ``exists``
+    ``load_pending``/``load``/``get`` read a copy when there is one, else ``store``, and keep a
+    copy of what they downloaded (written likewise, kept when it hashes to its ref); ``exists``
     asks ``store``; ``delete`` deletes both.
 
     Raises ValueError when ``budget_bytes`` is not a positive int. A copy that cannot be
@@ -149,21 +196,29 @@ class CachedCheckpointStore:
         put_many = getattr(self.store, "put_many", None)
         refs = list(put_many(datas)) if put_many is not None else [self.store.put(d) for d in datas]
         for data, ref in zip(datas, refs):
-            self._copy_later(data, ref)
+            self._copy_later(data, ref.ref, saved=True)
         return refs
 
-    def _copy_later(self, data: bytes, ref: CheckpointRef) -> None:
+    def _copy_later(self, data: bytes | _Downloaded, ref: str, saved: bool = False) -> None:
+        """Queue the copy of ``data`` under ``ref`` for the copier thread, unless the backlog is
+        full. ``saved``: the bytes of a checkpoint just saved (verified by the store: written as
+        they are, and loads take them from memory meanwhile); else bytes downloaded (hashed as
+        they are written, kept only when they hash to ``ref``)."""
+        size = data.size if isinstance(data, _Downloaded) else len(data)
         with self._lock:
-            if self._backlog and self._backlog + len(data) > COPY_BACKLOG_BYTES:
-                log.debug("checkpoint cache: no copy of %s (%d bytes of copies wait already)", ref.ref, self._backlog)
+            if self._backlog and self._backlog + size > COPY_BACKLOG_BYTES:
+                log.debug("checkpoint cache: no copy of %s (%d bytes of copies wait already)", ref, self._backlog)
+                if isinstance(data, _Downloaded):
+                    data.close()
                 return
-            self._backlog += len(data)
-            self._waiting[ref.ref] = data
+            self._backlog += size
+            if saved and isinstance(data, bytes):
+                self._waiting[ref] = data
             if self._copier is None or self._copier_pid != os.getpid():  # none yet, or a forked child's
                 self._copier = futures.ThreadPoolExecutor(1, thread_name_prefix="stagetree-cache",
                                                           initializer=_lowest_priority)
                 self._copier_pid = os.getpid()
-            self._copier.submit(self._copy, data, ref)
+            self._copier.submit(self._copy, data, ref, size, saved)
 
     def copies_written(self) -> None:
         """Wait until every copy queued so far is written (or skipped): the one copier thread
@@ -173,18 +228,28 @@ class CachedCheckpointStore:
         if copier is not None:
             copier.submit(lambda: None).result()
 
-    def _copy(self, data: bytes, ref: CheckpointRef) -> None:
+    def _copy(self, data: bytes | _Downloaded, ref: str, size: int, saved: bool) -> None:
         """Write the copy of ``data`` under ``ref`` (the copier thread): to a temporary file,
-        renamed into place (atomic: a reader sees no copy or all of it); an OSError is logged and
-        the copy skipped. Then count the copies, when due (:meth:`_evict`)."""
+        renamed into place (atomic: a reader sees no copy or all of it), unless downloaded bytes
+        do not hash to ``ref`` (their memory was read into again before this ran: no copy); an
+        OSError is logged and the copy skipped. Then count the copies, when due
+        (:meth:`_evict`)."""
         tmp: Path | None = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             fd, name = tempfile.mkstemp(prefix=".tmp-", dir=self.root)
             tmp = Path(name)
             with os.fdopen(fd, "wb") as file:
-                _write_all(file, data)
-            target = self.path(ref.ref)
+                if isinstance(data, _Downloaded):
+                    digest = data.write(file)
+                else:
+                    _write_all(file, data)
+                    digest = ref if saved else hashlib.sha256(data).hexdigest()
+            if digest != ref:
+                log.debug("checkpoint cache: no copy of %s (its memory held other bytes by then)", ref)
+                tmp.unlink()
+                return
+            target = self.path(ref)
             target.parent.mkdir(exist_ok=True)
             os.replace(tmp, target)
         except OSError as exc:
@@ -193,12 +258,14 @@ class CachedCheckpointStore:
                 tmp.unlink(missing_ok=True)
             return
         finally:
+            if isinstance(data, _Downloaded):
+                data.close()
             with self._lock:
-                self._backlog -= len(data)
-                if self._waiting.get(ref.ref) is data:
-                    del self._waiting[ref.ref]
+                self._backlog -= size
+                if self._waiting.get(ref) is data:
+                    del self._waiting[ref]
         if self._held is not None:
-            self._held += ref.size
+            self._held += size
         if self._held is None or self._held > self.budget_bytes:
             self._evict()
 
@@ -242,7 +309,8 @@ class CachedCheckpointStore:
         """``use`` of the bytes of checkpoint ``ref`` and the :class:`Verification` that they hash
         to ``ref``, which may still be running: from the bytes of a checkpoint whose copy is
         still waiting to be written, else from the copy here when there is one (a hit renews
-        it), else from the store of record (its ``load_pending``, else ``get``).
+        it), else from the store of record (its ``load_pending``, else ``get``), whose bytes
+        are then copied here (:meth:`_from_store`).
 
         Raises what the store's ``load_pending`` raises; :class:`CachedCopyCorrupt` (a
         StorageError) when ``use`` failed on a copy that does not hash to ``ref`` (the copy is
@@ -266,11 +334,31 @@ class CachedCheckpointStore:
         return value, _CachedVerification(verification, self._damaged)
 
     def _from_store(self, ref: str, use: Callable[[LoadedBytes], _T]) -> tuple[_T, Verification]:
+        """``use`` of checkpoint ``ref`` downloaded from the store of record, and a copy of it
+        queued for the copier: from the memory the store read it into (a descriptor of its
+        memory file is taken before ``use`` runs; the copy is kept only when what the copier
+        reads hashes to ``ref``, since the store may have read its next object there by then),
+        or from the bytes ``get`` returned (checked by it)."""
         load_pending = getattr(self.store, "load_pending", None)
-        if load_pending is not None:
-            return load_pending(ref, use)  # type: ignore[no-any-return]
-        data = self.store.get(ref)
-        return use(LoadedBytes(memoryview(data))), Verification.passed(ref)
+        if load_pending is None:
+            data = self.store.get(ref)
+            self._copy_later(data, ref)
+            return use(LoadedBytes(memoryview(data))), Verification.passed(ref)
+        kept: list[_Downloaded | bytes | None] = []
+
+        def use_and_keep(loaded: LoadedBytes) -> _T:
+            kept.append(_Downloaded.of(loaded))
+            try:
+                return use(loaded)
+            except BaseException:
+                if isinstance(kept[0], _Downloaded):
+                    kept[0].close()
+                raise
+
+        value, verification = load_pending(ref, use_and_keep)
+        if kept and kept[0] is not None:
+            self._copy_later(kept[0], ref)
+        return value, verification
 
     def load(self, ref: str, use: Callable[[LoadedBytes], _T]) -> _T:
         """:meth:`load_pending`, checked: ``use`` of bytes that hash to ``ref``."""
@@ -280,7 +368,7 @@ class CachedCheckpointStore:
 
     def get(self, ref: str) -> bytes:
         """The bytes of checkpoint ``ref``, checked: the copy here when it verifies (a damaged
-        one is deleted), else the store's ``get``."""
+        one is deleted), else the store's ``get`` (a copy of them is then written here)."""
         try:
             data = self._copies.get(ref)
         except CheckpointCorrupt as exc:
@@ -290,7 +378,9 @@ class CachedCheckpointStore:
         else:
             self._renew(ref)
             return data
-        return self.store.get(ref)
+        data = self.store.get(ref)
+        self._copy_later(data, ref)
+        return data
 
     def exists(self, ref: str) -> bool:
         """Whether the store of record holds ``ref`` (a copy here does not count)."""

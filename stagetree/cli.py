@@ -468,8 +468,9 @@ def parser() -> argparse.ArgumentParser:
     wrk.add_argument("--checkpoint-store", default=os.environ.get("STAGETREE_CHECKPOINT_STORE"),
                      help="s3://BUCKET/PREFIX or a directory (default: $STAGETREE_CHECKPOINT_STORE)")
     wrk.add_argument("--checkpoint-cache", default=os.environ.get("STAGETREE_CHECKPOINT_CACHE"), metavar="DIR",
-                     help="keep a copy of the checkpoints this node saves in DIR (shared by the node's workers) and "
-                          "load them from it instead of the object store (default: $STAGETREE_CHECKPOINT_CACHE; none)")
+                     help="keep a copy of the checkpoints this node saves or downloads in DIR (shared by the node's "
+                          "workers) and load them from it instead of the object store (default: "
+                          "$STAGETREE_CHECKPOINT_CACHE; none)")
     wrk.add_argument("--checkpoint-cache-bytes", type=parse_size, default=None, metavar="SIZE",
                      help="bytes of copies the cache holds at most, least recently used evicted first (default: "
                           "$STAGETREE_CHECKPOINT_CACHE_BYTES, else 10GiB)")

@@ -1,7 +1,7 @@
 """The node-local checkpoint cache in front of a real MinIO (gpu_worker/checkpoint_cache.py).
 
-The store of record is MinIO; the cache keeps copies of what this node saved and loads them
-instead of downloading; a damaged copy is a StorageError of this node (retried from MinIO),
+The store of record is MinIO; the cache keeps copies of what this node saved or downloaded and
+loads them instead of downloading; a damaged copy is a StorageError of this node (retried from MinIO),
 never a corrupt checkpoint; the copies stay within their budget.
 """
 
@@ -96,15 +96,25 @@ def test_a_saved_checkpoint_is_kept_here_and_loaded_from_the_copy(remote: Counte
     assert remote.gets == [refs[0].ref]
 
 
-def test_without_a_copy_the_load_reads_the_store_and_a_second_process_shares_the_copies(
-        remote: CountedGets, tmp_path: Path, minio_env: dict[str, str]) -> None:
-    """A checkpoint saved by another node has no copy here: it is downloaded. One saved by
-    another process of this node (a second worker sharing the directory) is read from its copy."""
+@pytest.mark.parametrize("size", [10, 3 << 20], ids=["small", "beside"])
+def test_a_download_is_kept_here_and_a_second_process_shares_the_copies(
+        remote: CountedGets, tmp_path: Path, minio_env: dict[str, str], size: int) -> None:
+    """A checkpoint saved by another node has no copy here: it is downloaded, and a copy of
+    what was downloaded is kept (hashed as it is written), which the next load reads (so does a
+    ``get``, which keeps a copy too). One saved by another process of this node (a second worker
+    sharing the directory) is read from its copy."""
     cache = tmp_path / "cache"
-    elsewhere = remote.put(b"saved on another node")
+    data, other = os.urandom(size), os.urandom(size)
+    elsewhere, fetched = remote.put(data), remote.put(other)
     store = CachedCheckpointStore(remote, cache, budget_bytes=1 << 30)
-    assert store.load(elsewhere.ref, lambda b: bytes(b.view)) == b"saved on another node"
-    assert remote.gets == [elsewhere.ref]
+    assert store.load(elsewhere.ref, lambda b: bytes(b.view)) == data
+    assert store.get(fetched.ref) == other
+    assert remote.gets == [elsewhere.ref, fetched.ref]
+    store.copies_written()
+    assert copies(cache) == {elsewhere.ref: size, fetched.ref: size}
+    assert store.load(elsewhere.ref, lambda b: bytes(b.view)) == data
+    assert store.load(fetched.ref, lambda b: bytes(b.view)) == other
+    assert remote.gets == [elsewhere.ref, fetched.ref]  # both read from their copies
     code = ("import sys; from gpu_worker.object_store import open_checkpoint_store; "
             "from gpu_worker.checkpoint_cache import cached; "
             "s = cached(open_checkpoint_store(sys.argv[1]), sys.argv[2], 1 << 30); "
@@ -112,7 +122,35 @@ def test_without_a_copy_the_load_reads_the_store_and_a_second_process_shares_the
     ref = subprocess.run([sys.executable, "-c", code, remote.url, str(cache)], env={**os.environ, **minio_env},
                          cwd=ROOT, capture_output=True, text=True, check=True, timeout=300).stdout.strip()
     assert store.load(ref, lambda b: bytes(b.view)) == b"saved by the other worker"
-    assert remote.gets == [elsewhere.ref]  # read from the other process's copy
+    assert remote.gets == [elsewhere.ref, fetched.ref]  # read from the other process's copy
+
+
+def test_a_download_whose_memory_was_read_into_again_before_its_copy_gets_no_copy(
+        remote: CountedGets, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy of a download is read from the memory file the store read it into, which the
+    store's next load reuses: when the next load came first (the copier held at a gate, as a
+    busy CPU holds a thread of lowest priority), what the copier reads hashes to another ref and
+    no copy is kept under the first one; the next download's copy is kept."""
+    from gpu_worker import checkpoint_cache
+
+    gate = threading.Event()
+    write = checkpoint_cache._Downloaded.write
+
+    def held(self: Any, file: Any) -> str:
+        assert gate.wait(60)
+        return write(self, file)
+
+    monkeypatch.setattr(checkpoint_cache._Downloaded, "write", held)
+    first, second = os.urandom(3 << 20), os.urandom(3 << 20)  # one memory file, read into twice
+    refs = [remote.put(first).ref, remote.put(second).ref]
+    store = CachedCheckpointStore(remote, tmp_path / "cache", budget_bytes=1 << 30)
+    assert store.load(refs[0], lambda b: bytes(b.view)) == first
+    assert store.load(refs[1], lambda b: bytes(b.view)) == second
+    gate.set()
+    store.copies_written()
+    assert copies(tmp_path / "cache") == {refs[1]: 3 << 20}
+    assert store.load(refs[0], lambda b: bytes(b.view)) == first  # downloaded again
+    assert remote.gets == [refs[0], refs[1], refs[0]]
 
 
 def test_a_damaged_copy_is_deleted_and_reported_as_this_nodes_storage_fault(
@@ -137,6 +175,8 @@ def test_a_damaged_copy_is_deleted_and_reported_as_this_nodes_storage_fault(
     assert not path.exists() and remote.gets == []
     assert torch.equal(store.load(ref, LoadedBytes.decode)["w"], state["w"])  # from MinIO
     assert remote.gets == [ref]
+    store.copies_written()
+    assert path.read_bytes() == good  # the download's copy
 
     path.write_bytes(b"not a checkpoint")  # use raises on these bytes
     with pytest.raises(CachedCopyCorrupt):
@@ -147,6 +187,8 @@ def test_a_damaged_copy_is_deleted_and_reported_as_this_nodes_storage_fault(
         store.load(ref, lambda b: bytes(b.view))
     assert torch.equal(decode_state(store.get(ref))["w"], state["w"])
     assert remote.gets == [ref, ref]
+    store.copies_written()
+    assert path.read_bytes() == good
 
 
 def test_the_copies_stay_within_the_budget_least_recently_used_evicted_first(remote: CountedGets,
@@ -207,7 +249,8 @@ def test_a_worker_loads_a_sibling_source_from_the_copy_and_a_damaged_copy_hands_
     """A worker saving to MinIO through the cache: the sibling branch of its path loads its
     source from the copy (no download) and saves what a worker without a cache saves. With the
     copy damaged, the stage fails as "storage" (the path is handed back; the checkpoint is not
-    dropped from the plan) and the path dispatched again downloads it and saves the same."""
+    dropped from the plan) and the path dispatched again downloads it and saves the same; the
+    next dispatch from it reads the copy of that download."""
     monkeypatch.setattr(checkpoint, "_BESIDE_BYTES", 1)  # the source is used while it is hashed
 
     def run(worker: PathExecutor, d: StageDispatched) -> list[Event]:
@@ -238,6 +281,10 @@ def test_a_worker_loads_a_sibling_source_from_the_copy_and_a_damaged_copy_hands_
     assert "cached copy" in failed[0].error and not path.exists()
     assert saved(run(worker, dispatch(5, [("m1", 2, 5)], source))) == expected
     assert remote.gets == [straight["n0"]]
+    store.copies_written()
+    assert path.exists()  # a copy of the download
+    assert saved(run(worker, dispatch(6, [("m1", 2, 5)], source))) == expected
+    assert remote.gets == [straight["n0"]]  # read from it
     store.copies_written()  # nothing of this store's is written once the test has ended
 
 
