@@ -348,14 +348,15 @@ class CachedCheckpointStore:
 
         def use_and_keep(loaded: LoadedBytes) -> _T:
             kept.append(_Downloaded.of(loaded))
-            try:
-                return use(loaded)
-            except BaseException:
-                if isinstance(kept[0], _Downloaded):
-                    kept[0].close()
-                raise
+            return use(loaded)
 
-        value, verification = load_pending(ref, use_and_keep)
+        try:
+            value, verification = load_pending(ref, use_and_keep)
+        except BaseException:
+            for held in kept:
+                if isinstance(held, _Downloaded):
+                    held.close()
+            raise
         if kept and kept[0] is not None:
             self._copy_later(kept[0], ref)
         return value, verification

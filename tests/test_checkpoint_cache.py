@@ -151,6 +151,41 @@ def test_a_download_whose_memory_was_read_into_again_before_its_copy_gets_no_cop
     assert copies(tmp_path / "cache") == {refs[1]: 3 << 20}
     assert store.load(refs[0], lambda b: bytes(b.view)) == first  # downloaded again
     assert remote.gets == [refs[0], refs[1], refs[0]]
+    store.copies_written()  # nothing of this store's is written once the test has ended
+
+
+def test_a_download_whose_use_fails_keeps_no_copy_and_no_descriptor(remote: CountedGets, tmp_path: Path) -> None:
+    """When ``use`` raises on downloaded bytes, the error is the caller's, no copy is queued and
+    the descriptor taken on the load memory for the copy is closed."""
+    data = os.urandom(3 << 20)
+    ref = remote.put(data).ref
+    store = CachedCheckpointStore(remote, tmp_path / "cache", budget_bytes=1 << 30)
+    assert store.load(ref, lambda b: bytes(b.view)) == data  # the load memory exists from here on
+    store.copies_written()
+    store.path(ref).unlink()
+    memory = remote._memory._file
+    assert memory is not None
+
+    def descriptors() -> int:
+        """This process's descriptors of the load memory's file."""
+        count = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                count += os.stat(f"/proc/self/fd/{fd}").st_ino == memory.inode
+            except OSError:  # closed meanwhile
+                pass
+        return count
+
+    held = descriptors()  # the store's own (and its map's duplicate)
+
+    def fail(loaded: LoadedBytes) -> None:
+        raise ValueError("the trainer refused it")
+
+    with pytest.raises(ValueError, match="refused"):
+        store.load(ref, fail)
+    store.copies_written()
+    assert descriptors() == held
+    assert copies(tmp_path / "cache") == {}
 
 
 def test_a_damaged_copy_is_deleted_and_reported_as_this_nodes_storage_fault(
