@@ -153,7 +153,8 @@ class CachedCheckpointStore:
     asks ``store``; ``delete`` deletes both.
 
     Raises ValueError when ``budget_bytes`` is not a positive int. A copy that cannot be
-    written (a full disk) is logged and skipped: the save itself stands.
+    written (a full disk) is logged and skipped: the save itself stands. A checkpoint larger
+    than :data:`EVICT_TO` of the budget gets no copy (it would evict itself).
     """
 
     def __init__(self, store: CheckpointStore, root: Path | str, budget_bytes: int) -> None:
@@ -201,13 +202,15 @@ class CachedCheckpointStore:
 
     def _copy_later(self, data: bytes | _Downloaded, ref: str, saved: bool = False) -> None:
         """Queue the copy of ``data`` under ``ref`` for the copier thread, unless the backlog is
-        full. ``saved``: the bytes of a checkpoint just saved (verified by the store: written as
-        they are, and loads take them from memory meanwhile); else bytes downloaded (hashed as
-        they are written, kept only when they hash to ``ref``)."""
+        full or the copy alone would be evicted (over :data:`EVICT_TO` of the budget).
+        ``saved``: the bytes of a checkpoint just saved (verified by the store: written as they
+        are, and loads take them from memory meanwhile); else bytes downloaded (hashed as they
+        are written, kept only when they hash to ``ref``)."""
         size = data.size if isinstance(data, _Downloaded) else len(data)
         with self._lock:
-            if self._backlog and self._backlog + size > COPY_BACKLOG_BYTES:
-                log.debug("checkpoint cache: no copy of %s (%d bytes of copies wait already)", ref, self._backlog)
+            if size > self.budget_bytes * EVICT_TO or (self._backlog and self._backlog + size > COPY_BACKLOG_BYTES):
+                log.debug("checkpoint cache: no copy of %s (%d bytes; %d bytes of copies wait already; budget %d)",
+                          ref, size, self._backlog, self.budget_bytes)
                 if isinstance(data, _Downloaded):
                     data.close()
                 return

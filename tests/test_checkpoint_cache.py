@@ -248,6 +248,20 @@ def test_the_copies_stay_within_the_budget_least_recently_used_evicted_first(rem
     assert sum(copies(cache).values()) <= 10_000
     assert all(store.exists(r) for r in [*refs, fourth, fifth])
     assert store.get(refs[1]) and remote.gets == [refs[1]]  # evicted: downloaded
+    store.copies_written()  # nothing of this store's is written once the test has ended
+
+
+def test_a_checkpoint_larger_than_the_budget_allows_gets_no_copy(remote: CountedGets, tmp_path: Path) -> None:
+    """A checkpoint over EVICT_TO of the budget would evict itself once written: neither its
+    save nor its download writes a copy (nor a temporary file); both still work."""
+    store = CachedCheckpointStore(remote, tmp_path / "cache", budget_bytes=10_000)
+    data = os.urandom(9_500)
+    ref = store.put(data).ref
+    store.copies_written()
+    assert store.load(ref, lambda b: bytes(b.view)) == data
+    assert store.get(ref) == data
+    store.copies_written()
+    assert copies(tmp_path / "cache") == {} and remote.gets == [ref, ref]
 
 
 def test_a_failed_upload_keeps_no_copy(remote: CountedGets, tmp_path: Path, minio_env: dict[str, str]) -> None:
