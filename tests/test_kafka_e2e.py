@@ -57,10 +57,14 @@ def _faust_topics(env: dict[str, str]) -> set[str]:
 
 
 def test_kafka_study_equals_embedded_bit_for_bit(embedded: Path, deployment: dict[str, str], tmp_path: Path) -> None:
-    out = tmp_path / "kafka"
+    """A study on Kafka and MinIO, with two workers sharing a node cache of checkpoints (what they
+    save and download), gives the embedded run's results and plan; the deployment's log verifies
+    (chain, decisions, every checkpoint in MinIO), and an edited export of it does not."""
+    out, cache = tmp_path / "kafka", tmp_path / "cache"
     before = _faust_topics(deployment)
     proc = subprocess.run([*CLI, "run", str(STUDY), "--workers", "2", "--out", str(out), "--quiet"],
-                          capture_output=True, text=True, timeout=900, env=deployment)
+                          capture_output=True, text=True, timeout=900,
+                          env={**deployment, "STAGETREE_CHECKPOINT_CACHE": str(cache)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # the run's serve app is its own: its faust topics go with it (one a run was left before)
     assert _faust_topics(deployment) <= before, proc.stdout + proc.stderr
@@ -68,8 +72,10 @@ def test_kafka_study_equals_embedded_bit_for_bit(embedded: Path, deployment: dic
     local = orjson.loads((embedded / "summary.json").read_bytes())
     assert per_trial(kafka) == per_trial(local)
     assert kafka["executed_steps"] == local["executed_steps"] == local["unique_steps"]
-    state, _ = kafka_state(deployment)
+    state, events = kafka_state(deployment)
     assert search_plan_records(state) == search_plan_records(embedded_state(embedded))
+    copies = {p.name for p in cache.rglob("*") if p.is_file() and not p.name.startswith(".tmp-")}
+    assert copies and copies <= {e.ref for e in events if isinstance(e, CheckpointSaved)}
 
     # the serve projector sealed the plan stream: the deployment verifies as a source...
     source = f"kafka://{deployment['STAGETREE_BOOTSTRAP_SERVERS']}/{deployment['STAGETREE_TOPIC_PREFIX']}stagetree.plan"
