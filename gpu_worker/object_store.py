@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
+import certifi
 import urllib3
 from minio import Minio
 from minio.error import MinioException, S3Error
@@ -89,6 +90,13 @@ PUT_CONCURRENCY = 8
 """Uploads :meth:`S3CheckpointStore.put_many` keeps in flight at once (boto3's transfer manager
 keeps 10). An object store answers one request in milliseconds here and tens of them across a
 network, which bounds a worker whose stages are shorter than that when it stores one at a time."""
+POOL_CONNECTIONS = GET_CONCURRENCY + PUT_CONCURRENCY + 2
+"""Connections the store's HTTP pool keeps to the endpoint: a load's ranged GETs and the uploads
+of a ``put_many`` are in flight together when a worker loads its next source while its last
+path's checkpoints are stored, plus single requests (an ``exists``, a ``put``) from other
+threads. A connection beyond the pool is closed once its request ends (the minio client's own
+pool keeps 10: the next request then opens a new TCP, and over HTTPS TLS, connection, and
+urllib3 warns "Connection pool is full")."""
 _MIN_PART_BYTES = 5 * 1024**2  # the minio client's smallest part size (an object up to it is one PUT)
 _CHECKSUM_HEADER = "x-amz-checksum-sha256"  # S3's full-object sha256: base64 of the digest
 
@@ -173,8 +181,10 @@ class S3CheckpointStore:
     ``region`` is the bucket's region (None: asked from the server).
     ``access_key`` / ``secret_key`` go to the minio client only. The bucket
     is created on the first ``put`` when it does not exist. ``http_client``
-    (optional) replaces the minio client's default urllib3 pool (5 retries
-    with backoff, 5 minute timeouts), e.g. to fail fast.
+    (optional) replaces the store's default urllib3 pool (the minio client's:
+    5 retries with backoff, 5 minute timeouts, the CA certificates of
+    ``$SSL_CERT_FILE`` or certifi, but :data:`POOL_CONNECTIONS` connections
+    kept), e.g. to fail fast.
 
     Uploads are single S3 PUTs up to :data:`SINGLE_PUT_BYTES` (multipart
     above); S3 makes an object visible only when complete, so a crash
@@ -222,7 +232,7 @@ class S3CheckpointStore:
             secret_key=secret_key,
             secure=self.secure,
             region=region,
-            http_client=http_client,
+            http_client=http_client if http_client is not None else _http_client(),
         )
         self._bucket_ready = False
         self._memory = LoadMemory()  # what loads download into, reused: see load_pending
@@ -562,6 +572,20 @@ def _required(env: Mapping[str, str], name: str, what: str, url: str) -> str:
     if not value:
         raise ValueError(f"{name} is not set: {what} is needed to open checkpoint store {url}")
     return value
+
+
+def _http_client() -> urllib3.PoolManager:
+    """The minio client's default HTTP pool (minio 7.2: 5 minute timeouts, 5 retries with
+    backoff on 5xx replies, certificates checked against ``$SSL_CERT_FILE`` or certifi's), keeping
+    :data:`POOL_CONNECTIONS` connections per endpoint instead of 10."""
+    timeout = 300
+    return urllib3.PoolManager(
+        timeout=urllib3.Timeout(connect=timeout, read=timeout),
+        maxsize=POOL_CONNECTIONS,
+        cert_reqs="CERT_REQUIRED",
+        ca_certs=os.environ.get("SSL_CERT_FILE") or certifi.where(),
+        retries=urllib3.Retry(total=5, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]),
+    )
 
 
 def open_checkpoint_store(

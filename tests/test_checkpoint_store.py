@@ -26,6 +26,7 @@ import traceback
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -358,6 +359,37 @@ def test_s3_put_many_keeps_several_uploads_in_flight(
     assert sorted(backend.writes) == sorted(backend.store.key(r.ref) for r in refs)
     assert [minio_client.stat_object(backend.store.bucket, backend.store.key(r.ref)).size for r in refs] == \
         [len(d) for d in datas]
+
+
+def test_s3_keeps_a_connection_for_every_request_a_load_and_uploads_have_in_flight_together(
+    minio_store_factory: Callable[[], S3CheckpointStore], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker loads its next source (GET_CONCURRENCY ranged GETs) while the checkpoints of its
+    last path are uploaded (PUT_CONCURRENCY at once): the store's pool keeps a connection for each
+    of those requests, so none is closed when it ends (urllib3's "Connection pool is full") and the
+    next round of them opens no new connection (over HTTPS each would be a TLS handshake)."""
+    store = minio_store_factory()
+    ref = store.put(os.urandom(64)).ref
+    together = GET_CONCURRENCY + PUT_CONCURRENCY
+
+    def round_of_requests() -> None:
+        meet = threading.Barrier(together, timeout=60)
+
+        def request(offset: int) -> None:
+            with store._response(ref, store.key(ref), offset=offset, length=1) as response:
+                meet.wait()  # each holds its connection (its body unread) until all of them are in flight
+                assert len(response.read()) == 1
+
+        with ThreadPoolExecutor(together) as pool:
+            list(pool.map(request, range(together)))
+
+    caplog.set_level(logging.DEBUG, logger="urllib3.connectionpool")
+    round_of_requests()
+    assert "Connection pool is full" not in caplog.text
+    caplog.clear()
+    round_of_requests()
+    assert "Connection pool is full" not in caplog.text
+    assert "Starting new HTTP" not in caplog.text, caplog.text  # every connection of the first round reused
 
 
 def test_s3_put_many_raises_the_first_refused_upload_and_a_retry_sends_only_what_is_missing(
