@@ -235,7 +235,7 @@ def big(steps: int, out: Path, device: str = "cpu", store: str | None = None, ca
         downloaded: list[Any] = []
         if cache:  # the last checkpoint as if another node had saved it: no copy here
             executor.store.copies_written()
-            executor.store.path(refs[2]).unlink()
+            executor.store.path(refs[2]).unlink(missing_ok=True)  # (none when the backlog was full)
             from_n2 = CheckpointSource(node_id="n2", step=3 * steps, ref=refs[2])
             downloaded = run(_dispatch(6, [("e3", {"lr": Constant(0.04)}, 3 * steps, 4 * steps, False)], from_n2))
             executor.store.copies_written()  # (the copier thread may take longer than a stage on a busy CPU)
