@@ -50,6 +50,7 @@ from gpu_worker.checkpoint import (
     Verification,
     _check_ref,
     _write_all,
+    sha256_hex,
     use_pending,
 )
 
@@ -197,15 +198,16 @@ class CachedCheckpointStore:
         put_many = getattr(self.store, "put_many", None)
         refs = list(put_many(datas)) if put_many is not None else [self.store.put(d) for d in datas]
         for data, ref in zip(datas, refs):
-            self._copy_later(data, ref.ref, saved=True)
+            self._copy_later(data, ref.ref, verified=True)
         return refs
 
-    def _copy_later(self, data: bytes | _Downloaded, ref: str, saved: bool = False) -> None:
+    def _copy_later(self, data: bytes | _Downloaded, ref: str, verified: bool = False) -> None:
         """Queue the copy of ``data`` under ``ref`` for the copier thread, unless the backlog is
         full or the copy alone would be evicted (over :data:`EVICT_TO` of the budget).
-        ``saved``: the bytes of a checkpoint just saved (verified by the store: written as they
-        are, and loads take them from memory meanwhile); else bytes downloaded (hashed as they
-        are written, kept only when they hash to ``ref``)."""
+        ``verified``: bytes known to hash to ``ref`` (a save's, which the store verified, or what
+        the store's ``get`` checked): written as they are, and loads take them from memory
+        meanwhile; else bytes read back from a download's memory (hashed as they are written,
+        kept only when they hash to ``ref``)."""
         size = data.size if isinstance(data, _Downloaded) else len(data)
         with self._lock:
             if size > self.budget_bytes * EVICT_TO or (self._backlog and self._backlog + size > COPY_BACKLOG_BYTES):
@@ -215,13 +217,13 @@ class CachedCheckpointStore:
                     data.close()
                 return
             self._backlog += size
-            if saved and isinstance(data, bytes):
+            if verified and isinstance(data, bytes):
                 self._waiting[ref] = data
             if self._copier is None or self._copier_pid != os.getpid():  # none yet, or a forked child's
                 self._copier = futures.ThreadPoolExecutor(1, thread_name_prefix="stagetree-cache",
                                                           initializer=_lowest_priority)
                 self._copier_pid = os.getpid()
-            self._copier.submit(self._copy, data, ref, size, saved)
+            self._copier.submit(self._copy, data, ref, size, verified)
 
     def copies_written(self) -> None:
         """Wait until every copy queued so far is written (or skipped): the one copier thread
@@ -231,7 +233,7 @@ class CachedCheckpointStore:
         if copier is not None:
             copier.submit(lambda: None).result()
 
-    def _copy(self, data: bytes | _Downloaded, ref: str, size: int, saved: bool) -> None:
+    def _copy(self, data: bytes | _Downloaded, ref: str, size: int, verified: bool) -> None:
         """Write the copy of ``data`` under ``ref`` (the copier thread): to a temporary file,
         renamed into place (atomic: a reader sees no copy or all of it), unless downloaded bytes
         do not hash to ``ref`` (their memory was read into again before this ran: no copy); an
@@ -247,7 +249,7 @@ class CachedCheckpointStore:
                     digest = data.write(file)
                 else:
                     _write_all(file, data)
-                    digest = ref if saved else hashlib.sha256(data).hexdigest()
+                    digest = ref if verified else sha256_hex(data)
             if digest != ref:
                 log.debug("checkpoint cache: no copy of %s (its memory held other bytes by then)", ref)
                 tmp.unlink()
@@ -345,7 +347,7 @@ class CachedCheckpointStore:
         load_pending = getattr(self.store, "load_pending", None)
         if load_pending is None:
             data = self.store.get(ref)
-            self._copy_later(data, ref)
+            self._copy_later(data, ref, verified=True)
             return use(LoadedBytes(memoryview(data))), Verification.passed(ref)
         kept: list[_Downloaded | bytes | None] = []
 
@@ -383,7 +385,7 @@ class CachedCheckpointStore:
             self._renew(ref)
             return data
         data = self.store.get(ref)
-        self._copy_later(data, ref)
+        self._copy_later(data, ref, verified=True)
         return data
 
     def exists(self, ref: str) -> bool:
