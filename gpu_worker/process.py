@@ -9,6 +9,7 @@ log itself: in embedded mode the coordinator is the only writer (DESIGN.md "Proc
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import deque
 from collections.abc import Callable
@@ -38,17 +39,21 @@ def warm_up(trainer: Trainer, device: torch.device) -> None:
 
     The step trains the build's own hyper-parameter values at the trainer's default batch size
     (no ``setup``); its weights are thrown away, since every stage builds or loads its own. A
-    trainer that cannot train without its hyper-parameters set raises here: that error is left
-    to the first stage, which reports it as the trainer's (the worker joins all the same).
+    trainer that cannot build with seed 0, evaluate or train without its hyper-parameters set
+    raises here: that error is left to the stage that meets it, which reports it as the
+    trainer's (a failed trial, README "Writing a trainer"), and the worker joins all the same.
     Costs one training step and one evaluation of start-up.
     """
     session = TrainingSession(trainer, 0, device)
-    session.start_fresh()
-    session.evaluate()
     try:
-        session.train({}, 1)
-    except Exception:  # a warm-up only: the first stage raises it again, as the trainer's error
-        pass
+        session.start_fresh()
+    except Exception:  # a warm-up only: a stage that builds with this seed fails with it
+        return
+    for warm in (session.evaluate, functools.partial(session.train, {}, 1)):
+        try:
+            warm()
+        except Exception:  # likewise: the first stage that evaluates or trains raises it again
+            pass
 
 
 def serve(conn: Connection, worker_id: str, index: int, study_file: str, checkpoint_dir: str, device: str,

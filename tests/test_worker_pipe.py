@@ -85,6 +85,33 @@ def test_the_warm_up_leaves_a_trainer_that_needs_its_hyper_parameters_to_its_fir
     assert isinstance(_trained(trainer), bytes)
 
 
+class EvaluatesOnlyAfterSetup(NeedsSetup):
+    """Evaluates only once ``setup`` gave it a learning rate, as its steps."""
+
+    def evaluate(self) -> dict[str, float]:
+        return {"loss": self.lr * float(self.model.weight.sum())}
+
+
+class CannotBuildWithSeedZero(Regression):
+    def build(self, seed: int, device: torch.device) -> None:
+        if seed == 0:
+            raise ValueError("seed 0 is reserved")
+        super().build(seed, device)
+
+
+@pytest.mark.parametrize("trainer_class", [EvaluatesOnlyAfterSetup, CannotBuildWithSeedZero])
+def test_the_warm_up_leaves_a_build_or_an_evaluation_that_raises_to_the_stages(trainer_class: type[Trainer]) -> None:
+    """The warm-up builds with seed 0 and evaluates before any ``setup``: a trainer that cannot
+    still joins (the stage that meets the error reports it as the trainer's, a failed trial),
+    and trains and evaluates normally with its hyper-parameters."""
+    trainer = trainer_class()
+    warm_up(trainer, torch.device("cpu"))
+    session = TrainingSession(trainer, 3, "cpu")
+    session.start_fresh()
+    session.train({"lr": Constant(0.05)}, 5)
+    assert set(session.evaluate()) == {"loss"}
+
+
 def test_a_worker_leaves_its_path_when_the_coordinator_closes_the_pipe() -> None:
     """A coordinator killed with kill -9 closes the pipe: the worker must not train the rest of
     its path for nobody (an orphan keeps a GPU busy); it leaves at the next step boundary."""

@@ -1,4 +1,6 @@
-"""A study whose trainer raises at step 12 when the learning rate is 0.5: that trial fails."""
+"""A study whose trainer raises at step 12 when the learning rate is 0.5: that trial fails. Its
+evaluation, like its steps, reads what ``setup`` set (a worker's warm-up, which runs no
+``setup``, must not end the run on it)."""
 
 import sys
 from pathlib import Path
@@ -22,6 +24,11 @@ class ExplodingTrainer(DigitsTrainer):
         if self.lr == 0.5 and step == 12:
             raise FloatingPointError("loss diverged at step 12")
         super().train_step(indices, step)
+
+    def evaluate(self):
+        if self.lr <= 0:  # AttributeError before any setup
+            raise ValueError(f"lr {self.lr} must be > 0")
+        return super().evaluate()
 
 
 trainer = ExplodingTrainer()
