@@ -151,16 +151,21 @@ def _check_device(spec: str, flag: str = "--device") -> None:
         raise UsageError(str(exc).replace("`device`", flag, 1)) from None  # "--device is 'x', but ..."
 
 
-def _studies_in(log_dir: Path) -> set[str]:
-    """Ids of the studies started in the embedded log at ``log_dir``, read without writing or
-    locking anything (undecodable records are skipped; they hold no study)."""
+def _studies_in(log_dir: Path) -> dict[str, str]:
+    """The studies started in the embedded log at ``log_dir``: id -> mode (``merged`` or
+    ``trial``, of its first StudyStarted), read without writing or locking anything
+    (undecodable records are skipped; they hold no study)."""
     from events.log import EmbeddedLog
     from events.models import StudyStarted
     from projections.summary import plan_events
 
     log = EmbeddedLog(log_dir, read_only=True)
     try:
-        return {e.study_id for e in plan_events(log) if isinstance(e, StudyStarted)}
+        studies: dict[str, str] = {}
+        for e in plan_events(log):
+            if isinstance(e, StudyStarted):
+                studies.setdefault(e.study_id, e.mode)
+        return studies
     finally:
         log.close()
 
@@ -187,7 +192,7 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
     _check_out(out)
     _check_device(args.device)
     has_log = (out / "log" / "CURRENT").is_file()
-    studies = _studies_in(out / "log") if has_log else set()
+    studies = _studies_in(out / "log") if has_log else {}
     if args.resume and studies and name not in studies:
         raise UsageError(f"--resume: {str(out)!r} holds no run of study {name!r} (it holds "
                          f"{', '.join(map(repr, sorted(studies)))}); to add study {name!r} to this directory, "
@@ -200,8 +205,15 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
             raise UsageError(f"--out {str(out)!r} already holds a run that never started a study; pass --resume "
                              "to start it there, or choose another --out")
     mode = "trial" if args.no_merge else "merged"
+    if studies.get(name, mode) != mode:
+        raise UsageError(f"the log holds a {studies[name]!r} run of {name!r}; it cannot continue as {mode!r} "
+                         f"({'without' if args.no_merge else 'with'} --no-merge)")
     budget = args.checkpoint_budget if args.checkpoint_budget is not None else _budget_default()
     port = reserve(args.dashboard) if args.dashboard is not None else None
+    try:  # the last check: a directory that cannot be made (no parent, no permission)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {str(out)!r} cannot be created: {exc.strerror or exc}") from None
     dashboard = None
     try:
         async with EmbeddedCoordinator(out, args.file, args.workers, device=args.device,

@@ -467,6 +467,29 @@ def test_cli_resume_of_another_study_is_refused_and_summaries_are_per_study(tmp_
     assert orjson.loads(summary_path(out, "tiny").read_bytes())["name"] == "tiny"
 
 
+def test_cli_resume_in_the_other_mode_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """``--resume`` with or without ``--no-merge`` against what the log holds: exit 2 naming the
+    modes, with the log as it was (no worker joined, nothing dispatched), and the directory
+    resumes in its own mode after it."""
+    path = write(tmp_path / "study.py", VALID)
+    out = tmp_path / "out"
+    first = run_cli(path, out, "--no-merge")
+    assert first.returncode == 0, first.stdout + first.stderr
+
+    def records() -> list[bytes]:
+        with EmbeddedLog(out / "log", read_only=True) as log:
+            return [r.value for r in log.read(topics.PLAN)]
+
+    before = records()
+    refused = run_cli(path, out, "--resume")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    err = squash(refused.stderr)
+    assert "'trial'runof'tiny'" in err and "cannotcontinueas'merged'" in err and "Traceback" not in err, err
+    assert records() == before
+    resumed = run_cli(path, out, "--resume", "--no-merge")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+
+
 def test_cli_flags_are_checked_before_anything_is_created(tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 11 item 10: a file as --out, a directory under a file, an unknown device: exit 2
@@ -477,7 +500,8 @@ def test_cli_flags_are_checked_before_anything_is_created(tmp_path: Path,
     cases = [(["--out", str(afile)], ["--out", str(afile), "is a file"]),
              (["--out", str(afile / "sub")], ["--out", "which is a file"]),
              (["--out", str(tmp_path / "dev"), "--device", "bogus"], ["--device", "'bogus'"]),
-             (["--out", str(tmp_path / "dev"), "--device", "cuda:7"], ["--device", "'cuda:7'"])]
+             (["--out", str(tmp_path / "dev"), "--device", "cuda:7"], ["--device", "'cuda:7'"]),
+             (["--out", "/proc/stagetree-none/run"], ["--out", "'/proc/stagetree-none/run'", "cannot be created"])]
     for flags, needles in cases:
         assert cli(["run", str(path), "--quiet", *flags]) == 2
         err = squash(capsys.readouterr().err)
