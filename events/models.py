@@ -414,6 +414,12 @@ class WorkerJoined(Event):
     device: str
 
 
+COORDINATOR_RESTARTED = "coordinator restarted"
+"""The ``reason`` of the WorkerLost events with which an embedded coordinator that opens a log
+declares lost the workers the run before it left alive (a killed run): the first events of a
+new incarnation of the run (:func:`projections.summary.elapsed` ends a killed one before them)."""
+
+
 class WorkerLost(DecisionEvent):
     """A worker is gone (process died, heartbeat timed out, coordinator restarted, the worker
     drained on SIGTERM); its unfinished stages are dispatched again from the last checkpoints.

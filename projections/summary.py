@@ -22,7 +22,7 @@ from events import topics
 from events.codec import InvalidEvent, decode
 from events.hp import config_to_json
 from events.log import EventLog
-from events.models import Event, StageFinished, StudyFinished, StudyStarted
+from events.models import COORDINATOR_RESTARTED, Event, StageFinished, StudyFinished, StudyStarted, WorkerLost
 from projections.queries import study_needs
 from projections.search_plan import merged_unique_steps
 from projections.state import State, Trial
@@ -45,8 +45,10 @@ def summary_path(run_dir: Path, study_id: str) -> Path:
 def elapsed(events: Iterable[Event], study_id: str) -> float:
     """Wall seconds of the incarnations of ``study_id`` in ``events`` (log order, ``ts`` in
     epoch seconds): each StudyStarted of the study runs to its StudyFinished; an incarnation
-    without one (a killed run) ends at the last event before the next StudyStarted of any study
-    or at the end of the log. Other studies run later on the same log therefore do not count."""
+    without one (a killed run) ends at the last event before the next run began (a
+    :data:`~events.models.COORDINATOR_RESTARTED` WorkerLost, a StudyStarted of any study) or at
+    the end of the log. Other studies run later on the same log, and the time between a killed
+    run and its resumption, therefore do not count."""
     total, start, last = 0.0, None, None
 
     def close() -> None:
@@ -56,9 +58,9 @@ def elapsed(events: Iterable[Event], study_id: str) -> float:
         start = None
 
     for event in events:
-        if isinstance(event, StudyStarted):
+        if isinstance(event, StudyStarted) or (isinstance(event, WorkerLost) and event.reason == COORDINATOR_RESTARTED):
             close()
-            if event.study_id == study_id:
+            if isinstance(event, StudyStarted) and event.study_id == study_id:
                 start = event.ts
         if event.ts:
             last = event.ts

@@ -39,7 +39,7 @@ from events import topics, tracing
 from events.codec import InvalidEvent, decode_batch, encode
 from events.deadletter import dead_letter
 from events.log import EmbeddedLog, append_event_streams, event_key
-from events.models import DeadLettered, Event, StageDispatched, WorkerJoined, WorkerLost
+from events.models import COORDINATOR_RESTARTED, DeadLettered, Event, StageDispatched, WorkerJoined, WorkerLost
 from gpu_worker.boot import STOP, embedded_worker_main
 from gpu_worker.checkpoint import LocalCheckpointStore
 from projections.store import ProjectionStore, Projector
@@ -139,7 +139,7 @@ class EmbeddedCoordinator(RuntimeBase):
         self._inbox = asyncio.Queue()
         stale = [w for w in sorted(self.state.workers) if self.state.workers[w].alive]
         if stale:
-            self.append([WorkerLost(producer="coordinator", worker_id=w, reason="coordinator restarted")
+            self.append([WorkerLost(producer="coordinator", worker_id=w, reason=COORDINATOR_RESTARTED)
                          for w in stale])
         self.scheduler.collect_garbage()  # objects of evictions a crash left undeleted; no worker writes yet
         for slot in self._slots.values():

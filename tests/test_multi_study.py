@@ -21,7 +21,16 @@ from events import topics
 from events.codec import decode
 from events.hp import Constant, Piecewise, config_from_json, first_divergence
 from events.log import EmbeddedLog, append_events
-from events.models import StageDispatched, StageFinished, StudyFinished, StudyStarted, TrialSubmitted
+from events.models import (
+    COORDINATOR_RESTARTED,
+    StageDispatched,
+    StageFinished,
+    StudyFinished,
+    StudyStarted,
+    TrialSubmitted,
+    WorkerJoined,
+    WorkerLost,
+)
 from projections.search_plan import merged_unique_steps
 from projections.summary import build_summary, elapsed, k_wise_merge_rate, sharing_steps, summary_path
 from scheduler.simulation import Simulation
@@ -156,6 +165,15 @@ def test_elapsed_of_a_study_stops_at_its_finish_or_at_the_next_study() -> None:
     killed = [started("a", 100.0), last, started("b", 200.0), finished("b", 203.0),
               started("a", 300.0), finished("a", 302.0)]
     assert elapsed(killed, "a") == 4.0 + 2.0  # killed at its last event, then resumed after "b"
+    # killed, then resumed 30 s later: the resumed run's coordinator declares the dead run's
+    # workers lost, its own join and work starts before its StudyStarted; the wait is no one's
+    joined = WorkerJoined(worker_id="w0", device="cpu", ts=341.0)
+    resumed = [started("a", 300.0), last.model_copy(update={"ts": 304.0}),
+               WorkerLost(producer="coordinator", worker_id="w0", reason=COORDINATOR_RESTARTED, ts=334.0),
+               joined, started("a", 345.0), finished("a", 347.0)]
+    assert elapsed(resumed, "a") == 4.0 + 2.0
+    other = WorkerLost(producer="coordinator", worker_id="w0", reason="process 7 was killed", ts=306.0)
+    assert elapsed([started("a", 300.0), other, finished("a", 309.0)], "a") == 9.0  # a loss within the run
 
 
 def test_k_wise_merge_rate_rejects_a_single_string(two_studies: Simulation) -> None:
