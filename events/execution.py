@@ -76,6 +76,9 @@ class StageFault(Exception):
         self.error = error
         self.ref = ref
 
+    def __reduce__(self) -> tuple[type, tuple[FaultKind, str, str | None]]:  # pickled whole
+        return type(self), (self.kind, self.error, self.ref)
+
 
 class PathBackend(Protocol):
     """What :func:`run_path` needs from an executor: weights it can position, train, evaluate

@@ -47,6 +47,9 @@ class CheckpointMissing(CheckpointError):
         super().__init__(f"checkpoint {ref} is missing")
         self.ref = ref
 
+    def __reduce__(self) -> tuple[type, tuple[str]]:  # pickled as what it was made of, not its message
+        return type(self), (self.ref,)
+
 
 class CheckpointCorrupt(CheckpointError):
     """The object stored under ``ref`` hashes to ``actual`` instead."""
@@ -55,6 +58,9 @@ class CheckpointCorrupt(CheckpointError):
         super().__init__(f"checkpoint {ref} is corrupt: its bytes hash to {actual}")
         self.ref = ref
         self.actual = actual
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # (another process: a pool's worker)
+        return type(self), (self.ref, self.actual)
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,9 @@ class CachedCopyCorrupt(StorageError):
                          "it was deleted and the checkpoint is read from the store")
         self.ref, self.path, self.actual = ref, path, actual
 
+    def __reduce__(self) -> tuple[type, tuple[str, Path, str]]:  # type: ignore[override]
+        return type(self), (self.ref, self.path, self.actual)
+
 
 class _CachedVerification(Verification):
     """The :class:`Verification` of a load from a cached copy: a mismatch deletes the copy and

@@ -135,6 +135,10 @@ class CheckpointStoreError(StorageError):
         self.key = key
         self.endpoint = endpoint
         self.code = code
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str | None, str, str, str]]:  # pickled whole
+        return type(self), (self.operation, self.bucket, self.key, self.endpoint, self.code, self.detail)
 
 
 def _validate_bucket(bucket: str) -> str:

@@ -23,7 +23,7 @@ from events import topics
 from events.codec import InvalidEvent, decode
 from events.hp import HPConfig
 from events.models import CheckpointSaved, MetricsReported, StageDispatched, StageFinished, StudyStarted
-from gpu_worker.checkpoint import CheckpointStore, sha256_hex
+from gpu_worker.checkpoint import CheckpointError, CheckpointStore, sha256_hex
 from gpu_worker.loader import load_trainer
 from gpu_worker.object_store import open_checkpoint_store
 from gpu_worker.session import TrainingSession
@@ -51,13 +51,16 @@ class RecordedStage:
 @dataclass
 class Divergence:
     stage: RecordedStage
-    what: str  # "checkpoint" | "metrics"
+    what: str  # "checkpoint" | "metrics" | "source" (its source checkpoint could not be read)
     recorded: Any
     recomputed: Any
     trials: list[str]
 
     def __str__(self) -> str:
         s = self.stage
+        if self.what == "source":
+            return (f"stage of node {s.node_id} to step {s.to_step} (plan {s.plan_key}, dispatch {s.dispatch_id}, "
+                    f"trials {', '.join(self.trials) or '-'}) not re-executed: {self.recomputed}")
         return (f"{self.what} of node {s.node_id} at step {s.to_step} (plan {s.plan_key}, dispatch {s.dispatch_id}, "
                 f"trials {', '.join(self.trials) or '-'}): recorded {self.recorded}, recomputed {self.recomputed}")
 
@@ -109,17 +112,18 @@ def recorded_stages(source: Source) -> list[RecordedStage]:
     return out
 
 
-def study_file_of(source: Source) -> str | None:
-    """The study file recorded by the source's (last) StudyStarted event."""
-    found = None
+def recorded_study(source: Source) -> tuple[str | None, str | None]:
+    """``(study file, trainer)`` recorded by the source's (last) StudyStarted event: the file's
+    path and the trainer's ``name@version`` (None where no StudyStarted records one)."""
+    study_file = trainer = None
     for r in source.streams.get(topics.PLAN, []):
         try:
             ev = decode(r.value)
         except InvalidEvent:
             continue
-        if isinstance(ev, StudyStarted) and ev.study_file:
-            found = ev.study_file
-    return found
+        if isinstance(ev, StudyStarted):
+            study_file, trainer = ev.study_file or study_file, ev.trainer or trainer
+    return study_file, trainer
 
 
 # --------------------------------------------------------------------------- worker side
@@ -135,17 +139,23 @@ def _init_worker(study_file: str, checkpoints: str) -> None:
     _store = open_checkpoint_store(checkpoints)
 
 
-def _run_stage(stage: RecordedStage) -> tuple[str | None, dict[str, float | None] | None]:
+def _run_stage(stage: RecordedStage) -> tuple[str | None, dict[str, float | None] | None, str | None]:
+    """``(checkpoint sha256, metrics, None)`` of ``stage`` trained again, or ``(None, None,
+    why)`` when its source checkpoint cannot be read (missing, corrupt, the store failing)."""
     assert _trainer is not None and _store is not None  # set by _init_worker
     session = TrainingSession(_trainer, stage.seed, "cpu")
     if stage.source_ref is None:
         session.start_fresh()
     else:
-        session.load(_store.get(stage.source_ref))
+        try:
+            data = _store.get(stage.source_ref)
+        except CheckpointError as exc:
+            return None, None, str(exc)
+        session.load(data)
     session.train(stage.hp, stage.to_step)
-    metrics = session.evaluate() if stage.expected_metrics is not None else None
+    metrics: dict[str, float | None] | None = dict(session.evaluate()) if stage.expected_metrics is not None else None
     ref = sha256_hex(session.save()) if stage.expected_ref is not None else None
-    return ref, metrics
+    return ref, metrics, None
 
 
 def reexecute(source: Source, *, study_file: str | None = None, workers: int = 1, sample: int | None = None,
@@ -154,16 +164,26 @@ def reexecute(source: Source, *, study_file: str | None = None, workers: int = 1
     """Re-run recorded stages (all, or a sample of ``sample`` chosen by ``seed``) on ``workers``
     fresh processes and compare checkpoints and metrics bit for bit.
 
+    A stage whose source checkpoint cannot be read is a divergence of its ``source`` (it cannot
+    be re-executed: the run's checkpoints no longer reproduce it); the other stages run.
+
     Raises:
-        AuditError: no checkpoint directory, no study file, or bad ``workers``/``sample``.
+        AuditError: no checkpoint directory, no study file, a study file whose trainer is not
+            the recorded one (``name@version``), or bad ``workers``/``sample``.
+        StudyFileError: the study file does not exist or does not load (a ValueError).
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise AuditError(f"`workers` is {workers!r}, but must be an int >= 1")
     if source.checkpoints is None:
         raise AuditError("re-execution needs the run's checkpoints: pass a run directory or --checkpoints DIR")
-    study_file = study_file or study_file_of(source)
+    recorded_file, recorded_trainer = recorded_study(source)
+    study_file = study_file or recorded_file
     if not study_file:
         raise AuditError("the log records no study file: pass --study FILE")
+    trainer = load_trainer(study_file)  # here, not first in every worker process
+    if recorded_trainer is not None and f"{trainer.name}@{trainer.version}" != recorded_trainer:
+        raise AuditError(f"study file {study_file!r} has trainer {trainer.name}@{trainer.version}, but the log "
+                         f"records {recorded_trainer}: its stages are not the recorded ones")
     stages = recorded_stages(source)
     if sample is not None:
         if sample < 1:
@@ -173,12 +193,14 @@ def reexecute(source: Source, *, study_file: str | None = None, workers: int = 1
     ctx = mp.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
                              initargs=(study_file, str(source.checkpoints))) as pool:
-        for stage, (ref, metrics) in zip(stages, pool.map(_run_stage, stages)):
+        for stage, (ref, metrics, unreadable) in zip(stages, pool.map(_run_stage, stages)):
             if progress is not None:
                 progress(1)
             trials = trials_at(stage.plan_key, stage.node_id, stage.to_step) if trials_at else []
-            if ref != stage.expected_ref:
+            if unreadable is not None:
+                result.divergences.append(Divergence(stage, "source", stage.source_ref, unreadable, trials))
+            elif ref != stage.expected_ref:
                 result.divergences.append(Divergence(stage, "checkpoint", stage.expected_ref, ref, trials))
-            if metrics != stage.expected_metrics:
+            if unreadable is None and metrics != stage.expected_metrics:
                 result.divergences.append(Divergence(stage, "metrics", stage.expected_metrics, metrics, trials))
     return result

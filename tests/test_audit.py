@@ -227,6 +227,51 @@ def test_reexecute_reports_a_divergence_by_trial_node_and_step(run_dir: Path, tm
     assert "diverged: checkpoint of node n" in out and "at step" in out and "trials " in out
 
 
+def test_reexecute_reports_a_source_checkpoint_it_cannot_read_and_runs_the_other_stages(run_dir: Path,
+                                                                                        tmp_path: Path, capsys) -> None:
+    """A source checkpoint deleted or damaged since the run: its stages are reported as not
+    re-executed, naming the checkpoint and why (exit 1), and every other stage is compared."""
+    from replay.reexecute import recorded_stages
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    stages = recorded_stages(open_source(copy))
+    sources = sorted({s.source_ref for s in stages if s.source_ref is not None})
+    assert len(sources) >= 2
+    missing, damaged = sources[:2]
+    (copy / "checkpoints" / missing[:2] / missing).unlink()
+    path = copy / "checkpoints" / damaged[:2] / damaged
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    assert main(["replay", "reexecute", str(copy), "--workers", "2", "--quiet"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    unreadable = sum(s.source_ref in (missing, damaged) for s in stages)
+    assert f"{unreadable} divergences in {len(stages)} stages" in out, out
+    assert f"not re-executed: checkpoint {missing} is missing" in out
+    assert f"not re-executed: checkpoint {damaged} is corrupt" in out and "Traceback" not in out
+
+
+def test_reexecute_refuses_a_study_file_that_is_missing_or_has_another_trainer(run_dir: Path, tmp_path: Path,
+                                                                              capsys) -> None:
+    """Checked before any stage runs (exit 2, naming the file): a study file that does not load,
+    and one whose trainer is not the recorded one (its stages would diverge for that reason)."""
+    assert main(["replay", "reexecute", str(run_dir), "--study", str(tmp_path / "none.py"), "--quiet"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "none.py" in err and "does not exist" in err and "Traceback" not in err, err
+    other = tmp_path / "other.py"
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    other.write_text(
+        STUDY.read_text()
+        .replace('Path(__file__).resolve().parents[2] / "examples"', repr(str(examples)))
+        .replace("trainer = DigitsTrainer()", "class Other(DigitsTrainer):\n    name = 'Other'\n\n\n"
+                                              "trainer = Other()")
+    )
+    assert main(["replay", "reexecute", str(run_dir), "--study", str(other), "--quiet"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "has trainer Other@1, but the log records DigitsTrainer@1" in err, err
+
+
 def test_a_run_holding_a_record_that_is_not_utf8_exports_verifies_and_imports(run_dir: Path, tmp_path: Path,
                                                                                capsys) -> None:
     """Issue 11 item 6: a dead-lettered non-UTF-8 record must not stop an export; every record is

@@ -1357,3 +1357,25 @@ def test_a_held_state_decodes_again_and_again_to_tensors_of_their_own(memory_fil
     assert torch.equal(first["w"], state["w"] + 1.0) and torch.equal(second["w"], state["w"])
     with pytest.raises(CheckpointError, match="cannot decode"):
         HeldState({"object": Opaque()}).decode()  # encodes (torch.save pickles it), never loads
+
+
+def _store_errors() -> list[Exception]:
+    from events.execution import StageFault
+    from gpu_worker.checkpoint_cache import CachedCopyCorrupt
+
+    ref = "ab" * 32
+    return [CheckpointMissing(ref), CheckpointCorrupt(ref, "cd" * 32),
+            CachedCopyCorrupt(ref, Path("/cache/ab") / ref, "cd" * 32),
+            CheckpointStoreError("get", "bucket", "prefix/key", "127.0.0.1:9000", "AccessDenied", "denied"),
+            StageFault("checkpoint_corrupt", "the source is corrupt", ref)]
+
+
+@pytest.mark.parametrize("error", _store_errors(), ids=lambda e: type(e).__name__)
+def test_store_errors_cross_a_process_boundary_whole(error: Exception) -> None:
+    """A pool's worker process sends its exception back pickled (``replay reexecute``): an
+    exception pickles as its class called with its message unless told otherwise, which broke
+    those made of several parts (a TypeError in place of the error) or repeated the message in
+    itself ('checkpoint checkpoint ... is missing is missing')."""
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error) and str(copy) == str(error)
+    assert vars(copy) == vars(error)
