@@ -498,6 +498,9 @@ def test_views_equal_the_summary_and_verify_passes(live: dict[str, Any]) -> None
     assert {r["worker"] for r in view["gantt"]} == {"w0", "w1"}
     assert all(r["status"] == "finished" for r in view["gantt"])
     assert audit["ok"], audit
+    # every check of `stagetree replay verify`, the tuner's decisions recomputed included
+    assert [c["name"] for c in audit["checks"]] == ["chain", "decision", "projection", "checkpoint", "tuner"], audit
+    assert "recomputed" in audit["checks"][-1]["detail"], audit
     assert "stored projection" in audit["scope"]
 
 

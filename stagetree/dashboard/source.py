@@ -27,7 +27,8 @@ from typing import Any, Protocol
 
 from events import topics
 from events.log import EmbeddedLog, Record
-from replay.audit import AuditError, kafka_location, open_export, open_kafka, open_source, verify
+from replay.audit import AuditError, kafka_location, open_export, open_kafka, open_source
+from replay.tuner import verify_all
 
 
 class SourceError(ValueError):
@@ -48,8 +49,9 @@ class DashboardSource(Protocol):
         ...
 
     def verify(self) -> dict[str, Any]:
-        """``replay verify`` now: :meth:`replay.audit.AuditResult.as_dict`, plus ``scope`` (what
-        was verified, in words)."""
+        """``replay verify`` now, every check of the command (:func:`replay.tuner.verify_all`:
+        the tuner's decisions recomputed from the study file the log names too):
+        :meth:`replay.audit.AuditResult.as_dict`, plus ``scope`` (what was verified, in words)."""
         ...
 
     def close(self) -> None: ...
@@ -97,7 +99,7 @@ class RunDirSource:
 
     def verify(self) -> dict[str, Any]:
         source = open_source(self.path, self._secret, as_of_projection=True)
-        result = verify(source, self._secret).as_dict()
+        result = verify_all(source, self._secret).as_dict()
         upto = max((r.offset for r in source.streams.get(topics.PLAN, [])), default=-1)
         scope = f"the run directory's log up to plan offset {upto}, the offset of its stored projection"
         if source.left_out:
@@ -130,7 +132,7 @@ class ExportSource:
         return records
 
     def verify(self) -> dict[str, Any]:
-        return {**verify(open_export(self.path), self._secret).as_dict(), "scope": "the whole export"}
+        return {**verify_all(open_export(self.path), self._secret).as_dict(), "scope": "the whole export"}
 
     def close(self) -> None:
         self._records = None
@@ -171,7 +173,7 @@ class KafkaSource:
         return records
 
     def verify(self) -> dict[str, Any]:
-        return {**verify(open_kafka(self.url), self._secret).as_dict(),
+        return {**verify_all(open_kafka(self.url), self._secret).as_dict(),
                 "scope": "the deployment's plan stream as it is now (sealed up to its last LogSealed)"}
 
     def close(self) -> None:
