@@ -637,9 +637,11 @@ def console_main() -> None:
         code: int | str | None = main()
     except SystemExit as exc:  # argparse: --help, bad arguments (any other error: the interpreter's path)
         code = exc.code
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # what the interpreter's own exit does first (threading._shutdown): the threading atexit
+    # hooks, which tell the idle threads of thread pools never shut down (a store's helper
+    # pool) to leave, then the join of every non-daemon thread; joining those threads without
+    # the hooks waited for ever (a drained worker that did not exit)
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     if isinstance(code, str):
         print(code, file=sys.stderr)

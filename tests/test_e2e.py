@@ -328,3 +328,22 @@ def test_a_refused_run_kills_the_workers_it_started_and_creates_nothing(tmp_path
     assert main(["run", str(bad), "--workers", "2", "--out", str(tmp_path / "run")]) == 2
     assert {p.pid for p in multiprocessing.active_children()} == before
     assert not (tmp_path / "run").exists()
+
+
+def test_the_executable_leaves_with_an_idle_thread_pool_and_waits_for_other_threads(tmp_path: Path) -> None:
+    """``console_main`` leaves as the interpreter would: a thread pool never shut down (a
+    store's helper pool in a worker that drained) does not hold the process for ever, and a
+    non-daemon thread still running is waited for, with the exit code of ``main``."""
+    script = (
+        "import sys, threading, time\n"
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "from stagetree import cli\n"
+        "pool = ThreadPoolExecutor(2)\n"
+        "pool.submit(int).result()\n"
+        "threading.Thread(target=lambda: (time.sleep(0.5), print('thread done', flush=True))).start()\n"
+        "sys.argv = ['stagetree', 'replay', 'verify', sys.argv[1]]\n"
+        "cli.console_main()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "none")], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "thread done" in proc.stdout, proc.stdout + proc.stderr
