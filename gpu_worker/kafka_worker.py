@@ -32,6 +32,7 @@ workers: :mod:`gpu_worker.simulated_worker`).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
@@ -156,11 +157,15 @@ class KafkaWorker:
             gives up and exits (its stage is then dispatched again).
 
     Raises:
-        ValueError: ``worker_id`` cannot name a Kafka topic.
+        ValueError: ``worker_id`` cannot name a Kafka topic; ``heartbeat_s`` is not a finite
+            number > 0 (0 sent thousands of beats a second).
     """
 
     def __init__(self, log_factory: Callable[[], KafkaLog], worker_id: str, runner: Runner, *,
                  heartbeat_s: float = 1.0, retry_s: float = 300.0) -> None:
+        if isinstance(heartbeat_s, bool) or not isinstance(heartbeat_s, (int, float)) \
+                or not math.isfinite(heartbeat_s) or heartbeat_s <= 0:
+            raise ValueError(f"`heartbeat_s` is {heartbeat_s!r}, but must be seconds > 0")
         self.stream = topics.dispatch_stream(worker_id)
         self.log_factory = log_factory
         self.log = log_factory()

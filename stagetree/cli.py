@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import math
 import os
+import re
 import signal
 import sys
 import time
@@ -275,7 +277,8 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
     port = reserve(args.dashboard) if args.dashboard is not None else None
     log = _kafka_log(args)
     procs: list[subprocess.Popen[bytes]] = []
-    app_id = f"stagetree-{loaded[4]}-{uuid.uuid4().hex[:8]}"  # this run's own serve app
+    # this run's own serve app (its id names topics: the study's name, made fit for one)
+    app_id = f"stagetree-{re.sub(r'[^A-Za-z0-9._-]', '_', loaded[4])[:100]}-{uuid.uuid4().hex[:8]}"
     runtime = KafkaRuntime(log)
     poller = asyncio.create_task(runtime.run())
     dashboard = None
@@ -421,6 +424,36 @@ _non_negative = _int_at_least(0, "non-negative")
 _positive = _int_at_least(1, "positive")
 
 
+SESSION_TIMEOUT_LIMIT_S = 90.0
+"""``serve --session-timeout`` must stay under this (seconds): faust's broker request timeout,
+which it refuses a session timeout beyond."""
+
+
+def _seconds_below(limit: float | None = None):  # type: ignore[no-untyped-def]
+    """An argparse type: seconds, a finite number > 0 (and < ``limit``), else an error naming
+    the value."""
+
+    def parse(value: str) -> float:
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds > 0 and (limit is None or seconds < limit)):
+            bound = f" and < {limit:g}" if limit is not None else ""
+            raise argparse.ArgumentTypeError(f"must be seconds > 0{bound}, got {value!r}")
+        return seconds
+
+    return parse
+
+
+def _app_id(value: str) -> str:
+    """An argparse type: a faust app id (it names the app's Kafka topics and consumer group)."""
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,200}", value):
+        raise argparse.ArgumentTypeError(f"must be 1 to 200 characters of A-Z a-z 0-9 . _ - (it names the serve "
+                                         f"app's topics), got {value!r}")
+    return value
+
+
 class _Sub(argparse._SubParsersAction):  # type: ignore[type-arg]
     """Subcommand parsers that all take ``--otel-exporter`` (at any depth)."""
 
@@ -460,12 +493,15 @@ def parser() -> argparse.ArgumentParser:
     _kafka_flags(srv, required=True)
     srv.add_argument("--state-dir", default=os.environ.get("STAGETREE_STATE_DIR", "serve-state"),
                      help="RocksDB projection store (default: $STAGETREE_STATE_DIR or ./serve-state)")
-    srv.add_argument("--app-id", default=os.environ.get("STAGETREE_APP_ID", "stagetree"), help="faust app id")
-    srv.add_argument("--heartbeat-timeout", type=float, default=10.0,
+    srv.add_argument("--app-id", type=_app_id, default=os.environ.get("STAGETREE_APP_ID", "stagetree"),
+                     help="faust app id (default: $STAGETREE_APP_ID or stagetree)")
+    srv.add_argument("--heartbeat-timeout", type=_seconds_below(), default="10",
                      help="seconds of worker silence before it is declared lost (default 10)")
-    srv.add_argument("--session-timeout", type=float, default=float(os.environ.get("STAGETREE_SESSION_TIMEOUT", 8.0)),
+    srv.add_argument("--session-timeout", type=_seconds_below(SESSION_TIMEOUT_LIMIT_S),
+                     default=os.environ.get("STAGETREE_SESSION_TIMEOUT", "8"),
                      help="seconds after which the group gives a dead instance's partitions and role to "
-                          "another (default 8, or $STAGETREE_SESSION_TIMEOUT)")
+                          f"another (default 8, or $STAGETREE_SESSION_TIMEOUT; under {SESSION_TIMEOUT_LIMIT_S:g}, "
+                          "faust's request timeout, and within the broker's group.min/max.session.timeout.ms)")
     srv.add_argument("--instance-id", default=os.environ.get("STAGETREE_INSTANCE_ID"),
                      help="this instance's name in its decisions (default: host name and process id)")
     srv.add_argument("--log-key", help="HMAC secret of the plan stream's seals (default: $STAGETREE_LOG_KEY)")
@@ -490,7 +526,7 @@ def parser() -> argparse.ArgumentParser:
     wrk.add_argument("--worker-id", default=os.environ.get("STAGETREE_WORKER_ID"),
                      help="worker id (default: $STAGETREE_WORKER_ID, else host name and device)")
     wrk.add_argument("--study", help="study file (default: the one its StudyStarted event records)")
-    wrk.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats (default 1)")
+    wrk.add_argument("--heartbeat", type=_seconds_below(), default="1", help="seconds between heartbeats (default 1)")
     wrk.set_defaults(func=cmd_worker)
     register(sub, _positive)
     register_simulate(sub, _positive)
@@ -505,8 +541,8 @@ def _kafka_flags(p: argparse.ArgumentParser, required: bool = False) -> None:
                    help="Kafka HOST:PORT (default: $STAGETREE_BOOTSTRAP_SERVERS); embedded mode when unset")
     p.add_argument("--topic-prefix", default=os.environ.get("STAGETREE_TOPIC_PREFIX", ""),
                    help="prefix of every topic name (default: $STAGETREE_TOPIC_PREFIX)")
-    p.add_argument("--plan-partitions", type=_positive,
-                   default=int(os.environ.get("STAGETREE_PLAN_PARTITIONS", topics.DEFAULT_PLAN_PARTITIONS)),
+    p.add_argument("--plan-partitions", type=_positive,  # a string default: checked as the flag's value
+                   default=os.environ.get("STAGETREE_PLAN_PARTITIONS", str(topics.DEFAULT_PLAN_PARTITIONS)),
                    help="partitions of stagetree.plan when this command creates it (default "
                         f"{topics.DEFAULT_PLAN_PARTITIONS}, or $STAGETREE_PLAN_PARTITIONS); an existing topic "
                         "keeps its count")

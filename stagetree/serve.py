@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import threading
@@ -114,6 +115,9 @@ class Serve:
                  heartbeat_timeout_s: float = 10.0, secret: bytes | None = None, policy: str = "critical-path",
                  session_timeout_s: float = 8.0, checkpoint_budget: int | None = None,
                  store: CheckpointStore | None = None) -> None:
+        if isinstance(session_timeout_s, bool) or not isinstance(session_timeout_s, (int, float)) \
+                or not math.isfinite(session_timeout_s) or session_timeout_s <= 0:
+            raise ValueError(f"`session_timeout_s` is {session_timeout_s!r}, but must be seconds > 0")
         self.log = log
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)

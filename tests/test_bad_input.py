@@ -529,3 +529,29 @@ def test_cli_worker_checkpoint_cache_flags(tmp_path: Path, capsys: pytest.Captur
     err = squash(capsys.readouterr().err)
     assert "$STAGETREE_CHECKPOINT_CACHE_BYTES" in err and "'-3'" in err
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize(("argv", "env", "needles"), [
+    (["worker", "--heartbeat", "0"], {}, ["--heartbeat", "'0'"]),
+    (["worker", "--heartbeat", "nan"], {}, ["--heartbeat", "'nan'"]),
+    (["serve", "--heartbeat-timeout", "-1"], {}, ["--heartbeat-timeout", "'-1'"]),
+    (["serve", "--session-timeout", "0"], {}, ["--session-timeout", "'0'"]),
+    (["serve", "--session-timeout", "100000"], {}, ["--session-timeout", "<90", "'100000'"]),
+    (["serve", "--app-id", "bad app/"], {}, ["--app-id", "'badapp/'"]),
+    (["serve"], {"STAGETREE_SESSION_TIMEOUT": "abc"}, ["--session-timeout", "'abc'"]),
+    (["worker"], {"STAGETREE_PLAN_PARTITIONS": "zero"}, ["--plan-partitions", "'zero'"]),
+], ids=["heartbeat-0", "heartbeat-nan", "heartbeat-timeout", "session-0", "session-over-faust", "app-id",
+        "session-env", "partitions-env"])
+def test_cli_kafka_flags_and_their_variables_are_checked(argv: list[str], env: dict[str, str], needles: list[str],
+                                                         capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seconds of a heartbeat or timeout (finite, > 0; a session under faust's request timeout),
+    an app id that names topics, and the variables that give their defaults: exit 2 naming
+    the flag and the value, before anything contacts the broker (which does not exist here).
+    A heartbeat of 0 sent thousands of beats a second; a session timeout the broker refuses
+    left serve waiting for ever; an app id or a variable that is not a number, a traceback."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cli([*argv, "--bootstrap-servers", "127.0.0.1:1"]) == 2
+    err = squash(capsys.readouterr().err)
+    assert "Traceback" not in err and all(n in err for n in needles), err
