@@ -401,6 +401,16 @@ class KafkaLog:
         """Whether the cluster metadata shows ``topic`` with every partition led."""
         return self._partitions_led(topic) is not None
 
+    def has_stream(self, stream: str) -> bool:
+        """Whether ``stream``'s topic exists (the cluster's metadata shows it, every partition
+        led).
+
+        Raises:
+            KafkaLogError: the broker did not answer within ``timeout_s``.
+        """
+        self._check_open()
+        return self._exists(self.topic(stream))
+
     def partition_count(self, stream: str) -> int:
         """Partitions of ``stream``'s topic as the cluster has them (1 for a missing topic).
 

@@ -272,12 +272,20 @@ def open_kafka(url: str, checkpoints: str | Path | None = None) -> Source:
     """Read ``kafka://HOST:PORT[/WHERE]`` (:func:`kafka_location`): the plan stream (every
     partition) and the dead letters of a Kafka deployment, as a plain ``read_committed``
     consumer (workers' dispatch streams hold copies of plan decisions: not read). On Kafka each
-    partition's chain is carried by LogSealed events (``chain`` = "sealed")."""
+    partition's chain is carried by LogSealed events (``chain`` = "sealed").
+
+    Raises:
+        AuditError: the URL is not one, or the cluster has no plan topic there (a mistyped
+            prefix or topic: an audit of nothing never passes).
+    """
     from events.kafka_log import KafkaLog, security_from_env
 
     servers, prefix = kafka_location(url)
     security = security_from_env()
     with KafkaLog(servers, topic_prefix=prefix, security=security, read_only=True) as log:
+        if not log.has_stream(topics.PLAN):
+            raise AuditError(f"{url!r}: the cluster at {servers} has no topic {log.topic(topics.PLAN)!r} (no "
+                             "deployment's plan stream there: check the address and the topic prefix)")
         ends = {name: {p: log.end_offset(name, p) for p in range(log.partition_count(name))}
                 for name in (topics.PLAN, topics.DEADLETTER)}
 

@@ -261,3 +261,20 @@ def test_the_compose_services_commands_run_a_study_here(embedded: Path, deployme
     finally:
         stop_all(procs[2:])  # the worker first (it leaves with a WorkerLost), then the serves
         stop_all(procs[:2])
+
+
+def test_an_audit_or_export_of_a_deployment_that_is_not_there_is_refused(deployment: dict[str, str],
+                                                                          tmp_path: Path) -> None:
+    """``replay verify`` and ``log export`` of a kafka:// address whose plan topic does not exist
+    (a mistyped prefix, a bare address, another stream's topic) exit 2 naming the topic: they
+    said 'verified: 0 records' and 'exported 0 records', an audit that passed on nothing."""
+    servers = deployment["STAGETREE_BOOTSTRAP_SERVERS"]
+    prefix = deployment["STAGETREE_TOPIC_PREFIX"]  # a fresh deployment's: nothing created yet
+    for url, topic in ((f"kafka://{servers}/{prefix}stagetree.plan", f"{prefix}stagetree.plan"),
+                       (f"kafka://{servers}/{prefix}stagetree.heartbeat", f"{prefix}stagetree.heartbeatstagetree.plan")):
+        for argv in (["replay", "verify", url, "--quiet"], ["log", "export", url, "--out", str(tmp_path / "x.jsonl")]):
+            proc = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=300, env=deployment)
+            err = " ".join(proc.stderr.split())
+            assert proc.returncode == 2 and f"no topic '{topic}'" in err and "Traceback" not in err, \
+                proc.stdout + proc.stderr
+    assert not (tmp_path / "x.jsonl").exists()
