@@ -270,8 +270,9 @@ def test_an_audit_or_export_of_a_deployment_that_is_not_there_is_refused(deploym
     said 'verified: 0 records' and 'exported 0 records', an audit that passed on nothing."""
     servers = deployment["STAGETREE_BOOTSTRAP_SERVERS"]
     prefix = deployment["STAGETREE_TOPIC_PREFIX"]  # a fresh deployment's: nothing created yet
+    heartbeat = f"{prefix}stagetree.heartbeat"  # read as a prefix
     for url, topic in ((f"kafka://{servers}/{prefix}stagetree.plan", f"{prefix}stagetree.plan"),
-                       (f"kafka://{servers}/{prefix}stagetree.heartbeat", f"{prefix}stagetree.heartbeatstagetree.plan")):
+                       (f"kafka://{servers}/{heartbeat}", f"{heartbeat}stagetree.plan")):
         for argv in (["replay", "verify", url, "--quiet"], ["log", "export", url, "--out", str(tmp_path / "x.jsonl")]):
             proc = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=300, env=deployment)
             err = " ".join(proc.stderr.split())
