@@ -70,6 +70,14 @@ def elapsed(events: Iterable[Event], study_id: str) -> float:
     return total
 
 
+def last_started(events: Iterable[Event]) -> str | None:
+    """The id of the study started last among ``events`` (by its StudyStarted's ``ts``; equal
+    times by their order here), or None. Not the last StudyStarted read: a Kafka plan topic's
+    partitions are read one after another."""
+    started = [(e.ts, i, e.study_id) for i, e in enumerate(events) if isinstance(e, StudyStarted)]
+    return max(started)[2] if started else None
+
+
 def plan_events(log: EventLog) -> Iterator[Event]:
     """The decoded events of the plan stream of ``log``, in offset order (undecodable records,
     the audit's business, skipped). A partitioned stream's partitions are interleaved by the

@@ -32,7 +32,7 @@ from events.models import (
     WorkerLost,
 )
 from projections.search_plan import merged_unique_steps
-from projections.summary import build_summary, elapsed, k_wise_merge_rate, sharing_steps, summary_path
+from projections.summary import build_summary, elapsed, k_wise_merge_rate, last_started, sharing_steps, summary_path
 from scheduler.simulation import Simulation
 from stagetree import cli
 
@@ -174,6 +174,19 @@ def test_elapsed_of_a_study_stops_at_its_finish_or_at_the_next_study() -> None:
     assert elapsed(resumed, "a") == 4.0 + 2.0
     other = WorkerLost(producer="coordinator", worker_id="w0", reason="process 7 was killed", ts=306.0)
     assert elapsed([started("a", 300.0), other, finished("a", 309.0)], "a") == 9.0  # a loss within the run
+
+
+def test_the_study_started_last_is_found_by_time_not_by_reading_order() -> None:
+    """A Kafka plan topic's partitions are read one after another: the last StudyStarted read
+    may be an early study on a later partition (the trackers' export and the dashboard open on
+    the study started last)."""
+    def started(study: str, ts: float) -> StudyStarted:
+        return StudyStarted(study_id=study, name=study, plan_key=f"plan-{study}", mode="merged", workers=1, seed=0,
+                            trainer="sim@1", ts=ts)
+
+    assert last_started([started("late", 200.0), started("early", 100.0)]) == "late"  # partition 0, then 1
+    assert last_started([started("a", 100.0), started("b", 100.0)]) == "b"  # one time: the order read
+    assert last_started([]) is None
 
 
 def test_k_wise_merge_rate_rejects_a_single_string(two_studies: Simulation) -> None:

@@ -24,7 +24,7 @@ from projections.partitions import merge
 from projections.queries import promotion, study_decisions, trial_path
 from projections.state import State, Trial
 from projections.store import fold_records
-from projections.summary import trial_based_estimate
+from projections.summary import last_started, trial_based_estimate
 from replay.audit import by_partition
 from replay.report.html import idle_figures
 from replay.report.load import RunData, run_data, study_trials
@@ -113,10 +113,11 @@ def studies(live: LiveProjection) -> list[dict[str, Any]]:
 
 
 def default_study(live: LiveProjection) -> str | None:
-    """The study the page opens on: the one started last, else any with trials."""
-    started = [e.study_id for _, e in live.events if isinstance(e, StudyStarted)]
-    if started:
-        return started[-1]
+    """The study the page opens on: the one started last (:func:`projections.summary.last_started`),
+    else any with trials."""
+    started = last_started(e for _, e in live.events)
+    if started is not None:
+        return started
     listed = studies(live)
     return listed[-1]["id"] if listed else None
 

@@ -31,6 +31,7 @@ from events.models import MetricsReported, StudyStarted, TrialSubmitted
 from projections import queries
 from projections.queries import Segment
 from projections.state import State, Trial
+from projections.summary import last_started
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,7 @@ def read_run(source: str | Path, study: str | None = None) -> RunView:
     state = fold(records)
     times: dict[tuple[str, str, int], float] = {}
     submitted: dict[str, float] = {}
-    started: list[str] = []
+    started: list[StudyStarted] = []
     for record in records:
         try:
             event = decode(record.value)
@@ -207,7 +208,7 @@ def read_run(source: str | Path, study: str | None = None) -> RunView:
         elif isinstance(event, TrialSubmitted):
             submitted.setdefault(event.trial_id, event.ts)
         elif isinstance(event, StudyStarted):
-            started.append(event.study_id)
+            started.append(event)
     if study is None:
         summary = Path(str(source)) / "summary.json"
         if summary.is_file():
@@ -215,7 +216,7 @@ def read_run(source: str | Path, study: str | None = None) -> RunView:
                 study = orjson.loads(summary.read_bytes()).get("name")
             except (orjson.JSONDecodeError, AttributeError):
                 raise RunReadError(f"{str(summary)!r} is not a JSON object") from None
-        study = study or (started[-1] if started else None)
+        study = study or last_started(started)
     if study is None:
         raise RunReadError(f"{str(source)!r} holds no study")
     return study_view(state, study, source=str(source), times=times, submitted=submitted)
