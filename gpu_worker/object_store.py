@@ -58,6 +58,7 @@ from gpu_worker.checkpoint import (
 _T = TypeVar("_T")
 
 __all__ = [
+    "CREDENTIAL_CODES",
     "CheckpointStoreError",
     "ENV_S3_ACCESS_KEY",
     "ENV_S3_ENDPOINT",
@@ -103,9 +104,10 @@ _CHECKSUM_HEADER = "x-amz-checksum-sha256"  # S3's full-object sha256: base64 of
 # S3 "not there" error codes: the object or its whole bucket is absent.
 _ABSENT_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchObject"})
 _BUCKET_EXISTS_CODES = frozenset({"BucketAlreadyOwnedByYou", "BucketAlreadyExists"})
-_CREDENTIAL_CODES = frozenset(
+CREDENTIAL_CODES = frozenset(
     {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken"}
 )
+"""The S3 error codes of a request refused for its credentials (CheckpointStoreError.code)."""
 _BUCKET_PATTERN = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _IPV4_PATTERN = re.compile(r"\d+\.\d+\.\d+\.\d+")
 _ENDPOINT_PATTERN = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:\d{1,5})?")
@@ -510,7 +512,7 @@ class S3CheckpointStore:
         except S3Error as exc:
             code = exc.code or "S3Error"
             detail = exc.message or "no message"
-            if code in _CREDENTIAL_CODES:
+            if code in CREDENTIAL_CODES:
                 detail += f" (check {ENV_S3_ACCESS_KEY} / {ENV_S3_SECRET_KEY})"
             error = CheckpointStoreError(
                 operation, self.bucket, key, self.endpoint, code, self._scrub(detail)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import functools
 import math
 import os
 import re
@@ -21,7 +22,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
@@ -37,6 +38,7 @@ from stagetree.sizes import parse_size
 
 if TYPE_CHECKING:
     import subprocess
+    from collections.abc import Coroutine
 
     from rich.console import Console
 
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
     from stagetree.dashboard.cli import Beside
     from stagetree.tuners import Tuner, TunerResult
     from stagetree.worker_processes import PrestartedWorkers
+
+T = TypeVar("T")
 
 # Everything else is imported by the command that uses it: importing this module and building
 # the parser must stay cheap (tests/test_public_api.py checks what it imports): every command
@@ -265,6 +269,7 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
     from events import tracing
     from events.keys import secret_from
     from stagetree.kafka_runtime import KafkaRuntime
+    from stagetree.worker_processes import Spawned, watch
 
     loaded = _study_file(args.file)
     out = Path(args.out) if args.out else Path("runs") / loaded[4]
@@ -276,7 +281,7 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
     mode = "trial" if args.no_merge else "merged"
     port = reserve(args.dashboard) if args.dashboard is not None else None
     log = _kafka_log(args)
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Spawned] = []
     # this run's own serve app (its id names topics: the study's name, made fit for one)
     app_id = f"stagetree-{re.sub(r'[^A-Za-z0-9._-]', '_', loaded[4])[:100]}-{uuid.uuid4().hex[:8]}"
     runtime = KafkaRuntime(log)
@@ -290,13 +295,25 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
         common = ["--bootstrap-servers", args.bootstrap_servers, "--topic-prefix", args.topic_prefix,
                   "--plan-partitions", str(args.plan_partitions), "--otel-exporter", tracing.spec()]
         workers = [f"w{i}" for i in range(args.workers)]
+
+        async def study() -> dict[str, Any]:
+            if workers:
+                await runtime.ready(workers)
+            return await _conduct(runtime, log, args, loaded, mode)
+
         if workers:
             out.mkdir(parents=True, exist_ok=True)
-            procs.append(_spawn(["serve", *common, "--state-dir", str(out / "serve-state"), "--app-id", app_id]))
-            procs += [_spawn(["worker", *common, "--checkpoint-store", args.checkpoint_store, "--worker-id", w,
-                              "--study", str(args.file), "--device", args.device]) for w in workers]
-            await runtime.ready(workers)
-        summary = await _conduct(runtime, log, args, loaded, mode)
+            procs.append(Spawned("serve", functools.partial(
+                _spawn, ["serve", *common, "--state-dir", str(out / "serve-state"), "--app-id", app_id])))
+            procs += [Spawned(f"worker {w}", functools.partial(
+                _spawn, ["worker", *common, "--checkpoint-store", args.checkpoint_store, "--worker-id", w,
+                         "--study", str(args.file), "--device", args.device])) for w in workers]
+            # the processes it started are watched while the study runs: one that exits is
+            # started again, or ends the run (a refusal of its input, its restarts spent)
+            warn = functools.partial(_warn, console)
+            summary = await _while_watched(study(), watch(procs, warn))
+        else:
+            summary = await study()
         if procs:  # the serve we started seals the chain: stop it only once the study's end is sealed
             await _sealed(runtime, dict(runtime.last_record), console)
     finally:
@@ -306,7 +323,7 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
         runtime.close()
         # The workers first (each leaves with a WorkerLost of its own), then the serve, whose
         # last seal then covers their goodbyes too.
-        for group in (procs[1:], procs[:1]):
+        for group in ([s.proc for s in procs[1:]], [s.proc for s in procs[:1]]):
             for proc in group:
                 proc.terminate()
             for proc in group:
@@ -319,6 +336,35 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
             _forget_serve_app(log, app_id, console)
         log.close()
     return _write_summary(out, summary)
+
+
+def _warn(console: Console, text: str) -> None:
+    from rich.markup import escape
+
+    console.print(f"[yellow]warning:[/yellow] {escape(text)}")
+
+
+async def _while_watched(work: Coroutine[Any, Any, T], watching: Coroutine[Any, Any, None]) -> T:
+    """``work``'s result, while ``watching`` runs beside it; when ``watching`` raises first,
+    ``work`` is cancelled and its error raised instead."""
+    import asyncio
+    import contextlib
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(watching)
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if watcher.done() and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            watcher.result()  # raises what ended the watch
+        return await task
+    finally:
+        for pending in (task, watcher):
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await pending
 
 
 def _forget_serve_app(log: Any, app_id: str, console: Console) -> None:
@@ -602,11 +648,26 @@ def cmd_worker(args: argparse.Namespace, console: Console) -> int:
 
     tracing.configure(args.otel_exporter, f"stagetree-worker-{worker_id}")
     store = cached(open_checkpoint_store(args.checkpoint_store), args.checkpoint_cache, cache_bytes)
+    _check_credentials(store, args.checkpoint_store)
     runner = TrainingRunner(make_log(), worker_id, store, args.device, study_file=args.study)
     worker = KafkaWorker(make_log, worker_id, runner, heartbeat_s=args.heartbeat)
     signal.signal(signal.SIGTERM, lambda *_: worker.drain())
     worker.run()
     return 0
+
+
+def _check_credentials(store: Any, url: str) -> None:
+    """One authenticated request to ``store`` before a worker joins: credentials it refuses end
+    the worker here (exit 2, naming the store and the variables to check), where they would
+    fail every stage it ran, each path handed back and dispatched again for ever. Any other
+    failure (a store away for now) is left to the stages, which retry it."""
+    from gpu_worker.object_store import CREDENTIAL_CODES, CheckpointStoreError
+
+    try:
+        store.exists("0" * 64)  # an object no checkpoint is: a HEAD
+    except CheckpointStoreError as exc:
+        if exc.code in CREDENTIAL_CODES:
+            raise UsageError(f"--checkpoint-store {url!r} refused this worker's credentials: {exc}") from None
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:

@@ -45,15 +45,19 @@ from gpu_worker.checkpoint import LocalCheckpointStore
 from projections.store import ProjectionStore, Projector
 from scheduler.service import SchedulerService
 from stagetree.runtime import RuntimeBase, RuntimeError_
-from stagetree.worker_processes import PrestartedWorkers, describe_exit, start_process, worker_start_method
+from stagetree.worker_processes import (
+    MAX_RESTARTS,
+    PrestartedWorkers,
+    describe_exit,
+    start_process,
+    worker_start_method,
+)
 
 
 class CoordinatorError(RuntimeError_):
     """The coordinator cannot continue (e.g. its own decision was rejected by the reducer)."""
 
 
-MAX_RESTARTS = 3
-"""How many times a worker slot is started again after its process exited unexpectedly."""
 
 
 @dataclass

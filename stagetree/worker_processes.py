@@ -7,15 +7,18 @@ imports those: their start-up, mostly importing torch, overlaps the coordinator'
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from gpu_worker.boot import prestarted_worker_main
+from stagetree.errors import RuntimeError_
 
 
 def describe_exit(code: int | None) -> str:
@@ -28,6 +31,56 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+MAX_RESTARTS = 3
+"""How many times a worker slot (or a process a Kafka run started) is started again after its
+process exited unexpectedly."""
+
+
+class Spawned:
+    """A process a Kafka run started (``stagetree serve`` or ``worker``): ``name`` in messages,
+    ``start()`` makes it (again), ``proc`` the current one, ``restarts`` so far."""
+
+    def __init__(self, name: str, start: Callable[[], subprocess.Popen[bytes]]) -> None:
+        self.name, self._start, self.restarts = name, start, 0
+        self.proc = start()
+
+    def restart(self) -> None:
+        self.restarts += 1
+        self.proc = self._start()
+
+
+async def watch(spawned: list[Spawned], warn: Callable[[str], None], poll_s: float = 0.5) -> None:
+    """Until cancelled, look at ``spawned`` every ``poll_s`` seconds: one that exited is started
+    again, up to :data:`MAX_RESTARTS` times (``warn`` says so), as an embedded run does its
+    workers; a Kafka deployment absorbs the loss meanwhile (a worker declared lost, its path
+    dispatched again; another serve instance, or this one restarted, takes the role).
+
+    Raises:
+        ProcessesFailed: one exited with code 2 (bad input, which it would meet again: its
+            error is on stderr above), or after its restarts.
+    """
+    while True:
+        await asyncio.sleep(poll_s)
+        for s in spawned:
+            code = s.proc.poll()
+            if code is None:
+                continue
+            how = describe_exit(code)
+            if code == 2:
+                raise ProcessesFailed(f"{s.name} (pid {s.proc.pid}) {how}, a refusal of its input (its error is "
+                                      "above): the run cannot go on")
+            if s.restarts >= MAX_RESTARTS:
+                raise ProcessesFailed(f"{s.name} (pid {s.proc.pid}) {how} after {MAX_RESTARTS} restarts: the run "
+                                      "cannot go on")
+            warn(f"{s.name} (pid {s.proc.pid}) {how}; starting it again (restart {s.restarts + 1} of "
+                 f"{MAX_RESTARTS})")
+            s.restart()
+
+
+class ProcessesFailed(RuntimeError_):
+    """A process a run started cannot be kept running (exit 1)."""
 
 
 WORKER_START_ENV = "STAGETREE_WORKER_START"

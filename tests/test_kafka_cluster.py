@@ -279,3 +279,59 @@ def test_an_audit_or_export_of_a_deployment_that_is_not_there_is_refused(deploym
             assert proc.returncode == 2 and f"no topic '{topic}'" in err and "Traceback" not in err, \
                 proc.stdout + proc.stderr
     assert not (tmp_path / "x.jsonl").exists()
+
+
+@pytest.mark.parametrize(("env", "needle"), [
+    ({"STAGETREE_S3_SECRET_KEY": "not-the-secret"}, "refused this worker's credentials"),
+    ({"STAGETREE_CHECKPOINT_CACHE": "cache", "STAGETREE_CHECKPOINT_CACHE_BYTES": "lots"}, "'lots'"),
+], ids=["wrong-credentials", "bad-cache-size"])
+def test_a_kafka_run_whose_worker_refuses_its_input_ends_saying_why(deployment: dict[str, str], tmp_path: Path,
+                                                                    env: dict[str, str], needle: str) -> None:
+    """``run --workers N`` on Kafka watches the processes it started: a worker that exits with
+    code 2 (credentials the object store refuses, a bad variable) ends the run with exit 1,
+    naming the worker, its error above. The run waited for ever; with wrong credentials every
+    stage failed and was dispatched again, in silence."""
+    env = {**deployment, **env}
+    if "STAGETREE_CHECKPOINT_CACHE" in env:
+        env["STAGETREE_CHECKPOINT_CACHE"] = str(tmp_path / "cache")
+    proc = subprocess.run([*CLI, "run", str(STUDY), "--workers", "1", "--out", str(tmp_path / "run"), "--quiet"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 1 and needle in err, proc.stdout + proc.stderr
+    assert "worker w0" in err and "exited with code 2" in err and "Traceback" not in err, err
+
+
+def test_a_kafka_run_starts_a_worker_that_died_again_and_finishes(deployment: dict[str, str],
+                                                                 tmp_path: Path) -> None:
+    """A worker process of ``run --workers N`` on Kafka killed with SIGKILL (here in its start-up,
+    which the run waits for) is started again, as an embedded run's are, and the study finishes
+    with every trial done."""
+    out = tmp_path / "run"
+    run = subprocess.Popen([*CLI, "run", str(STUDY), "--workers", "2", "--out", str(out), "--quiet"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=deployment)
+
+    def worker_w1() -> int | None:
+        for entry in Path("/proc").iterdir():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == run.pid and b"worker" in argv and b"w1" in argv:
+                return int(entry.name)
+        return None
+
+    try:
+        wait_for(lambda: worker_w1() is not None, "worker w1 to start", timeout=120)
+        pid = worker_w1()  # in its start-up: the run waits for it to join
+        assert pid is not None
+        os.kill(pid, 9)
+        stdout, stderr = run.communicate(timeout=600)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert run.returncode == 0, stdout + stderr
+    said = " ".join(stdout.split())  # the run's warnings, as its others
+    assert "worker w1 (pid" in said and "was killed by SIGKILL; starting it again (restart 1 of 3)" in said, said
+    assert {t["status"] for t in summary_of(out)["trials"]} == {"done"}
