@@ -32,14 +32,20 @@ TRIAL_PLAN_SEPARATOR = "/trial/"  # mode "trial": every trial's plan key is <key
 _FILE_SAFE = re.compile(r"[A-Za-z0-9._-]+")
 
 
+def file_safe(name: str) -> str:
+    """``name`` as one file name: itself when it is one (A-Z a-z 0-9 . _ -, not ``.`` or
+    ``..``), else ``_``-separated plus 8 hex characters of its sha256, so two names never share
+    one and none leaves its directory (``../x`` is ``x-<hash>``)."""
+    if _FILE_SAFE.fullmatch(name) and name not in (".", ".."):
+        return name
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "study"
+    return f"{safe}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
 def summary_path(run_dir: Path, study_id: str) -> Path:
     """Where a study's summary lives in a run directory: ``summary-<study>.json``, one per study
-    (a name that is not file-safe becomes ``_``-separated plus 8 hex characters of its sha256,
-    so two names never share a file)."""
-    if _FILE_SAFE.fullmatch(study_id) and study_id not in (".", ".."):
-        return run_dir / f"summary-{study_id}.json"
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", study_id).strip("._") or "study"
-    return run_dir / f"summary-{safe}-{hashlib.sha256(study_id.encode()).hexdigest()[:8]}.json"
+    (the study's id made one file name by :func:`file_safe`)."""
+    return run_dir / f"summary-{file_safe(study_id)}.json"
 
 
 def elapsed(events: Iterable[Event], study_id: str) -> float:

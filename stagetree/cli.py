@@ -139,6 +139,16 @@ def _write_summary(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
     return summary | {"out": str(out), "summary_file": str(path)}
 
 
+def _out_dir(out: str | None, name: str) -> Path:
+    """The run directory: ``--out``, else ``runs/<name>`` (the study's name made one file name,
+    so that a name such as ``../x`` stays under ``runs/``). An empty ``--out`` is refused."""
+    from projections.summary import file_safe
+
+    if out is not None and not out.strip():
+        raise UsageError(f"--out is {out!r}, but must name a run directory")
+    return Path(out) if out is not None else Path("runs") / file_safe(name)
+
+
 def _check_out(out: Path) -> None:
     """Refuse a ``--out`` that cannot be a directory, before anything is created (exit 2)."""
     for part in (out, *out.parents):
@@ -194,7 +204,7 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
 
     loaded = _study_file(args.file)
     name = loaded[4]
-    out = Path(args.out) if args.out else Path("runs") / name
+    out = _out_dir(args.out, name)
     _check_out(out)
     _check_device(args.device)
     has_log = (out / "log" / "CURRENT").is_file()
@@ -272,7 +282,7 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
     from stagetree.worker_processes import Spawned, watch
 
     loaded = _study_file(args.file)
-    out = Path(args.out) if args.out else Path("runs") / loaded[4]
+    out = _out_dir(args.out, loaded[4])
     _check_out(out)
     if args.workers and not args.checkpoint_store:
         raise UsageError("--checkpoint-store (or $STAGETREE_CHECKPOINT_STORE) is required to start workers")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import subprocess
 import sys
 import textwrap
@@ -555,3 +556,24 @@ def test_cli_kafka_flags_and_their_variables_are_checked(argv: list[str], env: d
     assert cli([*argv, "--bootstrap-servers", "127.0.0.1:1"]) == 2
     err = squash(capsys.readouterr().err)
     assert "Traceback" not in err and all(n in err for n in needles), err
+
+
+def test_cli_a_study_name_that_is_no_file_name_stays_under_runs(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The default run directory is ``runs/<name>``: a ``name`` such as ``../escaped`` made it
+    ``./escaped``, outside ``runs/``. It becomes one file name (as the study's summary file's).
+    An empty ``--out`` is refused rather than read as none."""
+    from projections.summary import file_safe
+
+    path = write(tmp_path / "study.py", VALID.replace('name = "tiny"', 'name = "../escaped"'))
+    assert cli(["run", str(path), "--out", ""]) == 2
+    assert "--out is ''" in capsys.readouterr().err
+    proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "run", str(path), "--workers", "1", "--quiet"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(EXAMPLES.parent)})  # this checkout's code
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    safe = file_safe("../escaped")
+    assert safe.startswith("escaped-") and len(safe) == len("escaped-") + 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", "study.py"]
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [safe]
+    assert orjson.loads(summary_path(tmp_path / "runs" / safe, "../escaped").read_bytes())["name"] == "../escaped"
