@@ -573,6 +573,39 @@ def two_studies(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def test_a_finished_studys_figures_are_its_summarys_whatever_a_later_study_added(tmp_path: Path) -> None:
+    """Two studies run one after the other into one directory, on one plan: the later one trains
+    that plan further, after the earlier one ended. The earlier study's figures are those of its
+    summary file, written at its end, not the plan's as it is now (which mixed the later
+    study's steps and seconds in)."""
+    from projections.summary import summary_path
+
+    examples = ROOT / "examples"
+    out = tmp_path / "run"
+    for name, steps in (("early", 2), ("late", 4)):
+        study = tmp_path / f"{name}.py"
+        study.write_text(f"import sys\nsys.path.insert(0, {str(examples)!r})\nfrom digits import DigitsTrainer\n"
+                         "from stagetree import GridSearch, GridSearchSpace\ntrainer = DigitsTrainer()\n"
+                         'tuner = GridSearch(GridSearchSpace({"lr": [0.1], "batch_size": [32], "momentum": [0.0]}), '
+                         f'steps={steps}, metric="val_acc")\nname = {name!r}\n')
+        proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "run", str(study), "--workers", "1", "--out",
+                               str(out), "--quiet"], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    source = open_dashboard_source(str(out))
+    try:
+        projection = LiveProjection()
+        projection.fold(source.poll())
+        views = {s: study_view(projection, s, source.label)["figures"] for s in ("early", "late")}
+    finally:
+        source.close()
+    for study, figures in views.items():
+        summary = orjson.loads(summary_path(out, study).read_bytes())
+        for key in ("executed_steps", "worker_seconds", "idle_worker_seconds", "k_wise_merge_rate"):
+            assert figures[key] == pytest.approx(summary[key]), (study, key)
+    assert views["early"]["executed_steps"] == 2 and views["late"]["executed_steps"] == 4
+    assert views["early"]["saved_worker_seconds"] >= 0
+
+
 def test_studies_are_selectable_and_trials_sortable_clickable_and_verifiable(two_studies: Path,
                                                                             browser: webdriver.Chrome) -> None:
     with dashboard(two_studies) as (_, url):

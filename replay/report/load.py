@@ -24,7 +24,7 @@ from events.models import (
     WorkerLost,
 )
 from projections.state import State, Trial
-from projections.summary import elapsed, summary_path
+from projections.summary import elapsed, last_started, summary_path
 from replay.audit import AuditError, fold, open_source
 
 
@@ -116,10 +116,9 @@ def load_run(source: str | Path) -> RunData:
     state = fold(records)
     events, bad = _decode_all(records)
 
-    starts = [e for _, e in events if isinstance(e, StudyStarted)]
     study_id = summary.get("name") if summary and isinstance(summary.get("name"), str) else None
-    if study_id is None and starts:
-        study_id = starts[-1].study_id
+    if study_id is None:
+        study_id = last_started(e for _, e in events)
     if study_id is None and len(state.studies) == 1:
         study_id = next(iter(state.studies))
     source_note = "from summary.json"
@@ -128,6 +127,24 @@ def load_run(source: str | Path) -> RunData:
         if per_study.is_file():
             summary, source_note = _read_summary(per_study), f"from {per_study.name}"
     return run_data(path, events, state, study_id, summary=summary, summary_source=source_note, invalid_events=bad)
+
+
+def finished_summary(source: Path, events: list[tuple[int, Event]], study_id: str) -> tuple[dict[str, Any] | None, str]:
+    """``(summary, where from)`` of ``study_id`` when it has finished and ``source`` is a run
+    directory holding its ``summary-<study>.json`` (written at its end: a later study on the
+    same plan adds its steps and seconds to the log's figures, never to that file), else
+    ``(None, "")`` (compute it from the log; also when the file is not a JSON object of the
+    study)."""
+    if not any(isinstance(e, StudyFinished) and e.study_id == study_id for _, e in events):
+        return None, ""
+    path = summary_path(source, study_id)
+    try:
+        summary = _read_summary(path) if source.is_dir() else None
+    except ReportError:
+        return None, ""
+    if summary is None or summary.get("name") != study_id:
+        return None, ""
+    return summary, f"from {path.name}"
 
 
 def run_data(source: Path, events: list[tuple[int, Event]], state: State, study_id: str | None, *,

@@ -27,7 +27,7 @@ from projections.store import fold_records
 from projections.summary import last_started, trial_based_estimate
 from replay.audit import by_partition
 from replay.report.html import idle_figures
-from replay.report.load import RunData, run_data, study_trials
+from replay.report.load import RunData, finished_summary, run_data, study_trials
 from replay.report.pictures import best_trial_id, curve_metric
 from replay.report.tree import stage_label, stage_tree
 
@@ -173,8 +173,9 @@ def study_view(live: LiveProjection, study_id: str, source: Path | str = "", now
     state = live.state
     if study_id not in state.studies and not any(t.study_id == study_id for t in state.trials.values()):
         raise KeyError(study_id)
+    summary, note = finished_summary(Path(str(source)), live.events, study_id)
     data: RunData = run_data(Path(str(source)), live.events, state, study_id, invalid_events=live.invalid_events,
-                             plan_events=True)
+                             plan_events=True, summary=summary, summary_source=note)
     trials = study_trials(data)
     metric, mode = curve_metric(data, trials)
     best = best_trial_id(data, trials, metric, mode)
