@@ -718,3 +718,20 @@ def test_a_source_that_is_not_a_study_is_refused_by_name(source: str, why: str, 
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert why in proc.stderr and "hunter2" not in proc.stderr
     assert proc.stdout == ""  # it never listened
+
+
+@pytest.mark.parametrize("host", ["nosuchhost.invalid", "10.255.255.1"])
+def test_a_host_that_cannot_be_listened_on_is_named_not_the_port(host: str) -> None:
+    """A name that does not resolve, or an address not this machine's: the error names --host."""
+    from stagetree.dashboard.cli import DashboardError, listen
+
+    with pytest.raises(DashboardError, match=f"^--host {re.escape(host)}: cannot listen"):
+        listen(host, 0)
+
+
+def test_a_run_directory_that_does_not_exist_is_waited_for_with_a_warning(tmp_path: Path) -> None:
+    """A run about to start, or a mistyped path: the dashboard serves the directory when a run
+    writes its log there, and says at once that it does not exist yet."""
+    with dashboard(tmp_path / "not-yet") as (proc, url):
+        proc.wait_for(r"warning: .*not-yet does not exist \(yet\)", timeout=30)
+        assert fetch(url, "/api/view")[0] == 200

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import select
 import signal
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from events.keys import KEY_ENV, secret_from
@@ -56,7 +58,12 @@ def listen(host: str, port: int, flag: str = "--port") -> socket.socket:
     try:
         return socket.create_server((host, port), family=family)
     except OSError as exc:
-        raise DashboardError(f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+        why = exc.strerror or exc
+        # the host's fault, not the port's: a name that does not resolve (getaddrinfo's errors are
+        # negative; create_server re-raises them as plain OSErrors) or an address not this machine's
+        if isinstance(exc, socket.gaierror) or (exc.errno or 0) < 0 or exc.errno == errno.EADDRNOTAVAIL:
+            raise DashboardError(f"--host {host}: cannot listen on {host}:{port} ({why})") from None
+        raise DashboardError(f"{flag} {port}: cannot listen on {host}:{port} ({why})") from None
 
 
 def address(sock: socket.socket) -> str:
@@ -87,6 +94,8 @@ async def serve(where: str, sock: socket.socket, *, secret: bytes | None = None,
     try:
         await web.SockSite(runner, sock, shutdown_timeout=1.0).start()
         announce(f"{READY}{address(sock)} ({source.label})")
+        if source.kind == "run" and not Path(where).exists():  # a run about to start, or a mistyped path
+            announce(f"warning: {where} does not exist (yet): waiting for a run to write its log there")
         if not is_loopback(host):
             announce(f"warning: listening on {host}, not a loopback address: anyone who can reach this machine "
                      "can read the study")
