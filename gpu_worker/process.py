@@ -78,11 +78,11 @@ def serve(conn: Connection, worker_id: str, index: int, study_file: str, checkpo
         if backlog:
             msg = backlog.popleft()
         else:
-            while ends and not conn.poll(END_POLL_S):  # idle: send each end batch once verified
-                ends.release(False)
             try:
+                while ends and not conn.poll(END_POLL_S):  # idle: send each end batch once verified
+                    ends.release(False)
                 msg = conn.recv_bytes()
-            except EOFError:
+            except (EOFError, ConnectionError):  # the coordinator is gone (a kill -9 resets the pipe)
                 return
         if msg == STOP:
             ends.release(True)
@@ -133,7 +133,7 @@ class PipeControl:
         while self.conn.poll(0):
             try:
                 msg = self.conn.recv_bytes()
-            except EOFError:
+            except (EOFError, ConnectionError):
                 raise SystemExit(f"stagetree worker {self.worker_id}: the coordinator closed the pipe; "
                                  "leaving the path") from None
             event = None if msg == STOP else _decode(msg, self.worker_id, self.emit)

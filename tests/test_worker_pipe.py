@@ -112,13 +112,18 @@ def test_the_warm_up_leaves_a_build_or_an_evaluation_that_raises_to_the_stages(t
     assert set(session.evaluate()) == {"loss"}
 
 
-def test_a_worker_leaves_its_path_when_the_coordinator_closes_the_pipe() -> None:
+@pytest.mark.parametrize("unread", [False, True], ids=["closed", "reset"])
+def test_a_worker_leaves_its_path_when_the_coordinator_closes_the_pipe(unread: bool) -> None:
     """A coordinator killed with kill -9 closes the pipe: the worker must not train the rest of
-    its path for nobody (an orphan keeps a GPU busy); it leaves at the next step boundary."""
+    its path for nobody (an orphan keeps a GPU busy); it leaves at the next step boundary. When
+    the coordinator had not read what the worker sent last, the pipe is reset (ECONNRESET), not
+    closed: the same, not a traceback."""
     coordinator, worker = multiprocessing.Pipe()
     emitted: list[list[Event]] = []
     control = PipeControl(worker, deque(), "w0", emitted.append)
     assert control.poll() == []  # nothing yet: the path trains on
+    if unread:
+        worker.send_bytes(b"an end batch the coordinator never read")
     coordinator.close()
     assert control.waiting()  # the end of the pipe is news: the step boundary looks at it
     with pytest.raises(SystemExit, match="coordinator closed the pipe"):
