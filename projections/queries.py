@@ -174,9 +174,11 @@ def find_trial(state: State, prefix: str) -> Trial:
     Raises:
         KeyError: no trial matches, or several do (the message lists up to 8 of them).
     """
+    if not prefix:
+        raise KeyError(f"a trial id or a prefix of one must not be empty ({len(state.trials)} trials in the log)")
     if prefix in state.trials:
         return state.trials[prefix]
-    matches = sorted(t for t in state.trials if t.startswith(prefix)) if prefix else []
+    matches = sorted(t for t in state.trials if t.startswith(prefix))
     if len(matches) == 1:
         return state.trials[matches[0]]
     if not matches:

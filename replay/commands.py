@@ -68,7 +68,7 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         Path(args.json).write_bytes(orjson.dumps(result.as_dict(), option=orjson.OPT_INDENT_2))
     if result.ok:
-        console.print(f"[green]verified[/green]: {result.events} records of {escape(str(source.path))}")
+        console.print(f"[green]verified[/green]: {result.events} records of {escape(str(args.source))}")
         return 0
     console.print(f"[red]verification failed[/red]: {escape(str(result.first_failure))}")
     return 1

@@ -502,6 +502,14 @@ def _seconds_below(limit: float | None = None):  # type: ignore[no-untyped-def]
     return parse
 
 
+def _topic_prefix(value: str) -> str:
+    """An argparse type: a topic prefix (empty, or up to 200 characters of a Kafka topic name)."""
+    if value and not re.fullmatch(r"[A-Za-z0-9._-]{1,200}", value):
+        raise argparse.ArgumentTypeError(f"must be empty or characters of A-Z a-z 0-9 . _ - (it begins every topic "
+                                         f"name), got {value!r}")
+    return value
+
+
 def _app_id(value: str) -> str:
     """An argparse type: a faust app id (it names the app's Kafka topics and consumer group)."""
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,200}", value):
@@ -579,7 +587,7 @@ def parser() -> argparse.ArgumentParser:
                      help="bytes of copies the cache holds at most, least recently used evicted first (default: "
                           "$STAGETREE_CHECKPOINT_CACHE_BYTES, else 10GiB)")
     wrk.add_argument("--device", default=os.environ.get("STAGETREE_DEVICE", "auto"), help="auto, cpu or cuda:N")
-    wrk.add_argument("--worker-id", default=os.environ.get("STAGETREE_WORKER_ID"),
+    wrk.add_argument("--worker-id", default=os.environ.get("STAGETREE_WORKER_ID") or None,
                      help="worker id (default: $STAGETREE_WORKER_ID, else host name and device)")
     wrk.add_argument("--study", help="study file (default: the one its StudyStarted event records)")
     wrk.add_argument("--heartbeat", type=_seconds_below(), default="1", help="seconds between heartbeats (default 1)")
@@ -595,7 +603,7 @@ def _kafka_flags(p: argparse.ArgumentParser, required: bool = False) -> None:
     servers = os.environ.get("STAGETREE_BOOTSTRAP_SERVERS")
     p.add_argument("--bootstrap-servers", default=servers, required=required and not servers,
                    help="Kafka HOST:PORT (default: $STAGETREE_BOOTSTRAP_SERVERS); embedded mode when unset")
-    p.add_argument("--topic-prefix", default=os.environ.get("STAGETREE_TOPIC_PREFIX", ""),
+    p.add_argument("--topic-prefix", type=_topic_prefix, default=os.environ.get("STAGETREE_TOPIC_PREFIX", ""),
                    help="prefix of every topic name (default: $STAGETREE_TOPIC_PREFIX)")
     p.add_argument("--plan-partitions", type=_positive,  # a string default: checked as the flag's value
                    default=os.environ.get("STAGETREE_PLAN_PARTITIONS", str(topics.DEFAULT_PLAN_PARTITIONS)),
@@ -650,6 +658,10 @@ def cmd_worker(args: argparse.Namespace, console: Console) -> int:
     if cache_bytes is not None and not args.checkpoint_cache:
         raise UsageError("--checkpoint-cache-bytes (or $STAGETREE_CHECKPOINT_CACHE_BYTES) needs --checkpoint-cache "
                          "(or $STAGETREE_CHECKPOINT_CACHE)")
+    _check_device(args.device)  # "--device is 'x', but ..." (the flag, not the parameter)
+    if args.worker_id is not None and not args.worker_id:
+        raise UsageError("--worker-id is '', but must be 1 to 200 characters of A-Z a-z 0-9 . _ - (leave it out "
+                         "for the host name and device)")
     worker_id = args.worker_id or f"{socket.gethostname()}-{args.device.replace(':', '')}"
     topics.dispatch_stream(worker_id)  # a ValueError naming the id when it cannot name a topic
 

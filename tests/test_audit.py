@@ -395,8 +395,10 @@ def test_explain_refuses_an_unknown_or_ambiguous_trial_id(run_dir: Path, capsys)
     shared = next(a[:1] for a, b in zip(ids, ids[1:]) if a[:1] == b[:1])
     assert main(["replay", "explain", str(run_dir), "zz"]) == 2
     assert main(["replay", "explain", str(run_dir), shared]) == 2
-    err = capsys.readouterr().err
+    assert main(["replay", "explain", str(run_dir), ""]) == 2  # every id starts with ''
+    err = " ".join(capsys.readouterr().err.split())
     assert "no trial id starts with 'zz'" in err and f"trial id prefix '{shared}' is not unique" in err
+    assert "a trial id or a prefix of one must not be empty" in err
 
 
 def test_a_projection_behind_its_log_fails_verify_unless_read_as_of_the_projection(run_dir: Path,
