@@ -507,8 +507,11 @@ class AuditResult:
     def ok(self) -> bool:
         return self.first_failure is None
 
-    def add(self, name: str, failure: Failure | None, detail: str) -> None:
-        self.checks.append({"name": name, "ok": failure is None, "detail": str(failure) if failure else detail})
+    def add(self, name: str, failure: Failure | None, detail: str, *, skipped: bool = False) -> None:
+        """Record check ``name``: passed (``failure`` None), failed, or ``skipped`` (not made:
+        nothing to check it against; ``ok`` then, as it fails nothing, and said so)."""
+        self.checks.append({"name": name, "ok": failure is None, "skipped": skipped,
+                            "detail": str(failure) if failure else detail})
         if failure is not None and self.first_failure is None:
             self.first_failure = failure
 
@@ -708,9 +711,12 @@ def _verify(source: Source, secret: bytes | None, progress: Callable[[int], None
             "projection", None, None,
             f"the fold's digest {digest} differs from the export's {source.projection_sha256}")
         result.add("projection", failure, "the fold's digest equals the export's")
+    else:
+        result.add("projection", None, "not checked: the source holds no projection and no digest of one (an export "
+                                       "written without it, a deployment's topics)", skipped=True)
 
     if source.checkpoints is None:
-        result.add("checkpoint", None, "not checked: no checkpoint directory given")
+        result.add("checkpoint", None, "not checked: no checkpoint directory given", skipped=True)
     else:
         from gpu_worker.checkpoint import CheckpointCorrupt, CheckpointMissing  # torch: only for this check
         from gpu_worker.object_store import open_checkpoint_store

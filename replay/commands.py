@@ -63,7 +63,8 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
         task = progress.add_task("verify", total=total)
         result = verify_all(source, secret, progress=lambda n: progress.advance(task, n), study_file=args.study)
     for check in result.checks:
-        mark = "[green]ok[/green]" if check["ok"] else "[red]FAILED[/red]"
+        mark = "[yellow]skipped[/yellow]" if check.get("skipped") else "[green]ok[/green]" if check["ok"] \
+            else "[red]FAILED[/red]"
         console.print(f"{mark} {check['name']}: {escape(check['detail'])}")
     if args.json:
         Path(args.json).write_bytes(orjson.dumps(result.as_dict(), option=orjson.OPT_INDENT_2))

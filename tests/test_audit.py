@@ -77,6 +77,24 @@ def test_verify_passes_on_a_clean_run_and_its_export(run_dir: Path, export: Path
     assert result.ok and {c["name"] for c in result.checks} == {"chain", "decision", "projection", "checkpoint"}
 
 
+def test_checks_that_cannot_be_made_are_said_to_be_skipped_not_ok(export: Path, tmp_path: Path, capsys) -> None:
+    """An export whose header holds no projection digest, verified without its checkpoints: the
+    projection and checkpoint checks are listed as skipped (the text, --json), not as passed,
+    and not left out (the projection check was silently absent)."""
+    rows = lines(export)
+    assert "projection_sha256" in rows[0]
+    del rows[0]["projection_sha256"]
+    bare = tmp_path / "bare.jsonl"
+    write(bare, rows)
+    report = tmp_path / "audit.json"
+    assert main(["replay", "verify", str(bare), "--quiet", "--json", str(report)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "skipped projection: not checked" in out and "skipped checkpoint: not checked" in out, out
+    assert "ok chain" in out and "verified" in out
+    checks = {c["name"]: c for c in orjson.loads(report.read_bytes())["checks"]}
+    assert checks["projection"]["skipped"] and checks["checkpoint"]["skipped"] and not checks["chain"]["skipped"]
+
+
 def test_an_edited_metric_value_fails_at_its_offset(run_dir: Path, export: Path, capsys) -> None:
     rows = lines(export)
     i, row = next((i, r) for i, r in plan_rows(rows) if '"MetricsReported"' in r["value"])

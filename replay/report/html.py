@@ -56,7 +56,8 @@ def _num(v: Any, fmt: str = "{:,}") -> str:
 def audit_html(audit: dict[str, Any] | None) -> str:
     """The audit banner: green when ``audit["ok"]``, red with the first failure otherwise, amber
     "not audited" when ``audit`` is None. ``audit`` is ``stagetree replay verify --json``'s
-    document: {"ok", "checks": [{"name", "ok", "detail"}], "first_failure"}."""
+    document: {"ok", "checks": [{"name", "ok", "skipped", "detail"}], "first_failure"} (a
+    skipped check, not made, is marked as such)."""
     if audit is None:
         return ('<section class="audit none" id="audit"><h2>Not audited</h2>'
                 "<p>not audited — run <code>stagetree replay verify</code> on this run (or "
@@ -66,8 +67,10 @@ def audit_html(audit: dict[str, Any] | None) -> str:
     checks = audit.get("checks") or []
     parts = [f'<section class="audit {"ok" if ok else "fail"}" id="audit">']
     if ok:
+        skipped = [c.get("name", "?") for c in checks if isinstance(c, dict) and c.get("skipped")]
+        made = f" made; not made: {_e(', '.join(map(str, skipped)))} (below)" if skipped else ""
         parts.append("<h2>&#10004; Audit passed</h2>"
-                     "<p>Every check of <code>stagetree replay verify</code> matched.</p>")
+                     f"<p>Every check of <code>stagetree replay verify</code>{made} matched.</p>")
     else:
         first = audit.get("first_failure") or next(
             (f"{c.get('name')}: {c.get('detail')}" for c in checks if isinstance(c, dict) and not c.get("ok")),
@@ -78,7 +81,7 @@ def audit_html(audit: dict[str, Any] | None) -> str:
         for c in checks:
             if not isinstance(c, dict):
                 continue
-            mark = "&#10004;" if c.get("ok") else "&#10008;"
+            mark = "&#8212; skipped" if c.get("skipped") else "&#10004;" if c.get("ok") else "&#10008;"
             parts.append(f"<li>{mark} <b>{_e(c.get('name', '?'))}</b>: {_e(c.get('detail', ''))}</li>")
         parts.append("</ul>")
     if audit.get("events") is not None:

@@ -174,7 +174,8 @@
       : audit.ok ? 'passed (' + fmt(audit.events) + ' records, ' + seconds(audit.seconds) + ')'
         : 'FAILED: ' + audit.first_failure;
     checks.replaceChildren(
-      ...(audit.checks || []).map((c) => el('li', {text: (c.ok ? 'ok ' : 'FAILED ') + c.name + ': ' + c.detail})),
+      ...(audit.checks || []).map((c) => el('li', {
+        text: (c.skipped ? 'skipped ' : c.ok ? 'ok ' : 'FAILED ') + c.name + ': ' + c.detail})),
       ...(audit.scope ? [el('li', {text: 'scope: ' + audit.scope})] : []));
   }
 
