@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import shutil
 import struct
 import tempfile
@@ -157,6 +158,45 @@ def _record_key(stream: str, offset: int) -> bytes:
     return b"r" + stream.encode() + b"\x00" + _OFFSET.pack(offset)
 
 
+ROCKSDICT_CONFIG = "rocksdict-config.json"
+
+
+class ReadOnlyRocks:
+    """A RocksDB database at ``path`` opened read-only without writing anything there.
+
+    rocksdict rewrites its ``rocksdict-config.json`` beside the database on every open, read-only
+    ones too: on a read-only file system (an auditor's copy of a run) the open failed with EROFS,
+    and elsewhere every audit or dashboard touched the run directory. The database is opened
+    through a temporary directory instead (``scratch``): a symbolic link to each of its files,
+    but a copy of that config, and none of RocksDB's own info logs or lock (a read-only open
+    writes its info log there). What it reads is the database as it was when opened, as a
+    read-only open's. :meth:`close` closes it and removes the directory.
+
+    Raises:
+        OSError: the database directory cannot be listed; rocksdict's errors on opening.
+    """
+
+    def __init__(self, path: Path, opts: Options) -> None:
+        self.scratch = tempfile.mkdtemp(prefix="stagetree-read-")
+        try:
+            for entry in os.scandir(path):
+                target = os.path.join(self.scratch, entry.name)
+                if entry.name == ROCKSDICT_CONFIG:
+                    shutil.copyfile(entry.path, target)
+                elif not (entry.name == "LOCK" or entry.name.startswith("LOG")):
+                    os.symlink(os.path.abspath(entry.path), target)
+            self.db = Rdict(self.scratch, opts, access_type=AccessType.read_only())
+        except BaseException:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            raise
+
+    def close(self) -> None:
+        try:
+            self.db.close()
+        finally:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
 class EmbeddedLog:
     """A durable single-writer log in RocksDB (rocksdict), with Kafka's stream/offset interface.
 
@@ -199,6 +239,7 @@ class EmbeddedLog:
         self.path = Path(path)
         self.read_only = read_only or follow
         self._secondary: str | None = None
+        self._read_only: ReadOnlyRocks | None = None
         opts = Options(raw_mode=True)
         if self.read_only:
             if not (self.path / "CURRENT").is_file():
@@ -209,13 +250,14 @@ class EmbeddedLog:
                 opts.set_max_open_files(-1)
                 self._secondary = tempfile.mkdtemp(prefix="stagetree-follow-")
                 access = AccessType.secondary(self._secondary)
-            else:
-                access = AccessType.read_only()
-            try:
-                self._db = Rdict(str(self.path), opts, access_type=access)
-            except Exception:
-                self._remove_secondary()
-                raise
+                try:
+                    self._db = Rdict(str(self.path), opts, access_type=access)
+                except Exception:
+                    self._remove_secondary()
+                    raise
+            else:  # nothing written where the log is (a read-only file system, an audit)
+                self._read_only = ReadOnlyRocks(self.path, opts)
+                self._db = self._read_only.db
         else:
             self.path.mkdir(parents=True, exist_ok=True)
             opts.create_if_missing(True)
@@ -439,7 +481,10 @@ class EmbeddedLog:
             self._syncer.join()
             self._syncer = None
             self._db.flush_wal(True)
-        self._db.close()
+        if self._read_only is not None:
+            self._read_only.close()
+        else:
+            self._db.close()
         self._remove_secondary()
 
     def _remove_secondary(self) -> None:

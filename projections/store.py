@@ -15,12 +15,12 @@ from typing import Any
 
 import orjson
 from opentelemetry.trace import SpanKind
-from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
+from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 
 from events import topics, tracing
 from events.codec import InvalidEvent, decode, encode
 from events.deadletter import dead_letter
-from events.log import EventLog, Record, chain_next
+from events.log import EventLog, ReadOnlyRocks, Record, chain_next
 from events.models import DeadLettered, Event
 from projections.queries import node_number
 from projections.reducer import Key, Rejected, apply
@@ -150,10 +150,12 @@ class ProjectionStore:
         if read_only:
             if not (self.path / "CURRENT").is_file():
                 raise FileNotFoundError(f"no projection store at {self.path}")
-            self._db = Rdict(str(self.path), opts, access_type=AccessType.read_only())
+            self._read_only: ReadOnlyRocks | None = ReadOnlyRocks(self.path, opts)  # writes nothing there
+            self._db = self._read_only.db
         else:
             self.path.mkdir(parents=True, exist_ok=True)
             opts.create_if_missing(True)
+            self._read_only = None
             self._db = Rdict(str(self.path), opts)
         self._wopts = WriteOptions()
         self._wopts.sync = False  # the log is the source of truth; a lost tail is refolded
@@ -214,7 +216,10 @@ class ProjectionStore:
         return state
 
     def close(self) -> None:
-        self._db.close()
+        if self._read_only is not None:
+            self._read_only.close()
+        else:
+            self._db.close()
 
 
 Listener = Callable[[int, Event], None]

@@ -77,6 +77,22 @@ def test_verify_passes_on_a_clean_run_and_its_export(run_dir: Path, export: Path
     assert result.ok and {c["name"] for c in result.checks} == {"chain", "decision", "projection", "checkpoint"}
 
 
+def test_an_audit_writes_nothing_in_the_run_directory(run_dir: Path, capsys) -> None:
+    """``replay verify`` and ``report`` open the log and the projection read-only and write
+    nothing where they are: rocksdict rewrites its config file beside a database on every open,
+    so an audit touched every run it read, and on a read-only file system (an auditor's copy)
+    it failed with EROFS. Every file's bytes and modification time stay; no file is added."""
+    def files() -> dict[str, tuple[int, int]]:
+        return {str(p.relative_to(run_dir)): (p.stat().st_mtime_ns, p.stat().st_size)
+                for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+    before = files()
+    assert main(["replay", "verify", str(run_dir), "--quiet"]) == 0
+    assert main(["report", str(run_dir), "--out", str(run_dir.parent / "report.html")]) == 0
+    capsys.readouterr()
+    assert files() == before
+
+
 def test_checks_that_cannot_be_made_are_said_to_be_skipped_not_ok(export: Path, tmp_path: Path, capsys) -> None:
     """An export whose header holds no projection digest, verified without its checkpoints: the
     projection and checkpoint checks are listed as skipped (the text, --json), not as passed,
