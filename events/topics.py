@@ -25,7 +25,9 @@ serve app's group holds the scheduler role and turns a missed beat into a Worker
 ALL = (PLAN, DEADLETTER, HEARTBEAT)
 """The streams a Kafka deployment creates up front (workers create their dispatch streams)."""
 
-_WORKER_ID = re.compile(r"[A-Za-z0-9._-]{1,200}")
+TOPIC_PART = re.compile(r"[A-Za-z0-9._-]{1,200}")
+"""What may be part of a Kafka topic name (1 to 200 characters of A-Z a-z 0-9 . _ -): a topic
+prefix, a worker id (its dispatch topic), a serve app id (faust's topics)."""
 
 
 def dispatch_stream(worker_id: str) -> str:
@@ -36,7 +38,7 @@ def dispatch_stream(worker_id: str) -> str:
         ValueError: ``worker_id`` cannot be part of a Kafka topic name (1 to 200 characters of
             A-Z a-z 0-9 . _ -).
     """
-    if not isinstance(worker_id, str) or not _WORKER_ID.fullmatch(worker_id):
+    if not isinstance(worker_id, str) or not TOPIC_PART.fullmatch(worker_id):
         raise ValueError(f"worker id {worker_id!r} must be 1 to 200 characters of A-Z a-z 0-9 . _ - "
                          "(it names the worker's dispatch topic on Kafka)")
     return f"{DISPATCH}.{worker_id}"

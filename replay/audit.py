@@ -263,7 +263,7 @@ def kafka_location(url: str) -> tuple[str, str]:
     if not servers or not all(re.fullmatch(r"[A-Za-z0-9.\-\[\]:]+:[0-9]+", s) for s in servers.split(",")):
         raise AuditError(f"source {url!r} must be kafka://HOST:PORT[,HOST:PORT...][/PREFIX]")
     prefix = where[: -len(topics.PLAN)] if where.endswith(topics.PLAN) else where
-    if prefix and not re.fullmatch(r"[A-Za-z0-9._-]{1,200}", prefix):
+    if prefix and not topics.TOPIC_PART.fullmatch(prefix):
         raise AuditError(f"source {url!r}: the topic prefix {prefix!r} is not a valid Kafka topic name part")
     return servers, prefix
 

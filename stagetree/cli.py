@@ -504,7 +504,7 @@ def _seconds_below(limit: float | None = None):  # type: ignore[no-untyped-def]
 
 def _topic_prefix(value: str) -> str:
     """An argparse type: a topic prefix (empty, or up to 200 characters of a Kafka topic name)."""
-    if value and not re.fullmatch(r"[A-Za-z0-9._-]{1,200}", value):
+    if value and not topics.TOPIC_PART.fullmatch(value):
         raise argparse.ArgumentTypeError(f"must be empty or characters of A-Z a-z 0-9 . _ - (it begins every topic "
                                          f"name), got {value!r}")
     return value
@@ -512,7 +512,7 @@ def _topic_prefix(value: str) -> str:
 
 def _app_id(value: str) -> str:
     """An argparse type: a faust app id (it names the app's Kafka topics and consumer group)."""
-    if not re.fullmatch(r"[A-Za-z0-9._-]{1,200}", value):
+    if not topics.TOPIC_PART.fullmatch(value):
         raise argparse.ArgumentTypeError(f"must be 1 to 200 characters of A-Z a-z 0-9 . _ - (it names the serve "
                                          f"app's topics), got {value!r}")
     return value
