@@ -102,7 +102,8 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
                                  workers=args.workers, seed=seed, trainer=f"{trainer.name}@{trainer.version}",
                                  metric=tuner.metric, metric_mode=tuner.mode,
                                  study_file=str(Path(args.file).resolve()))])
-    progress = Progress(lambda: runtime.state, f"{name} ({mode}, {args.workers} workers)", enabled=not args.quiet)
+    progress = Progress(lambda: runtime.state, f"{name} ({mode}, {args.workers} workers)", enabled=not args.quiet,
+                        study_id=name)
     runtime.on_fold.append(progress.on_fold)
     with progress:
         result: TunerResult = await tuner.run(study)

@@ -13,20 +13,30 @@ from rich.text import Text
 from projections.state import State
 
 
-def render(state: State, title: str) -> Group:
-    """A snapshot of ``state`` as a renderable: totals line plus one row per worker."""
-    stages_total = sum(len(d.stages) for d in state.dispatches.values())
-    trials = list(state.trials.values())
+def render(state: State, title: str, study_id: str | None = None) -> Group:
+    """A snapshot of ``state`` as a renderable: totals line plus one row per worker.
+
+    The totals are ``study_id``'s when given (its trials; the stages, steps and worker-seconds
+    of its plans, as its summary counts them), else the whole log's (a deployment runs other
+    studies beside it). Stages: finished / finished plus those the running dispatches still
+    hold (a lost or preempted dispatch's rest is dispatched again: counted once, there)."""
+    trials = [t for t in state.trials.values() if study_id is None or t.study_id == study_id]
+    keys = {t.plan_key for t in trials}
+    dispatches = [d for d in state.dispatches.values() if study_id is None or d.plan_key in keys]
+    plans = [p for k, p in state.plans.items() if k in keys]
+    finished = state.stats.stages_finished if study_id is None else sum(d.finished for d in dispatches)
+    outstanding = sum(len(d.stages) - d.finished for d in dispatches if d.status == "running")
     done = sum(1 for t in trials if t.status == "done")
     asked = sum(t.steps for t in trials)
-    executed = state.stats.executed_steps
+    executed = state.stats.executed_steps if study_id is None else sum(p.executed_steps for p in plans)
+    seconds = state.stats.worker_seconds if study_id is None else sum(p.worker_seconds for p in plans)
     head = Text.assemble(
         (title, "bold"),
-        f"  stages {state.stats.stages_finished}/{stages_total}",
+        f"  stages {finished}/{finished + outstanding}",
         f"  trials {done}/{len(trials)}",
         f"  steps trained {executed}",
         (f"  steps saved {max(0, asked - executed)}", "green"),
-        f"  worker-seconds {state.stats.worker_seconds:.1f}",
+        f"  worker-seconds {seconds:.1f}",
     )
     table = Table(box=None, show_header=True, header_style="dim")
     table.add_column("worker")
@@ -48,10 +58,13 @@ def render(state: State, title: str) -> Group:
 class Progress:
     """Refreshes a rich Live display whenever the coordinator folds events."""
 
-    def __init__(self, state_of: Callable[[], State], title: str, enabled: bool = True) -> None:
+    def __init__(self, state_of: Callable[[], State], title: str, enabled: bool = True,
+                 study_id: str | None = None) -> None:
         self._state_of = state_of
         self.title = title
-        self.live = Live(render(state_of(), title), refresh_per_second=4, transient=False) if enabled else None
+        self.study_id = study_id  # the totals of this study only (see render)
+        self.live = Live(render(state_of(), title, study_id), refresh_per_second=4, transient=False) \
+            if enabled else None
         self._due = 0.0  # time.monotonic() of the next snapshot
 
     def __enter__(self) -> Progress:
@@ -61,7 +74,7 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         if self.live is not None:
-            self.live.update(render(self._state_of(), self.title))
+            self.live.update(render(self._state_of(), self.title, self.study_id))
             self.live.__exit__(*exc)
 
     def on_fold(self) -> None:
@@ -71,4 +84,4 @@ class Progress:
             now = time.monotonic()
             if now >= self._due:
                 self._due = now + 0.25
-                self.live.update(render(self._state_of(), self.title))
+                self.live.update(render(self._state_of(), self.title, self.study_id))

@@ -10,6 +10,8 @@ seed, an overlapping space) in one ``--out`` directory through the ``stagetree``
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -286,3 +288,28 @@ def test_a_later_study_in_the_same_run_directory_trains_only_what_the_first_did_
     assert "'tiny-b'" in again.stderr and "--resume" in again.stderr
     assert len(_plan_events(out)) == len(events)  # the refused run appended nothing
 
+
+
+def test_the_live_progress_counts_the_study_it_runs(two_studies: Simulation) -> None:
+    """``stagetree run``'s progress line counts its own study's trials (a Kafka deployment runs
+    other studies beside it: the line counted theirs), and its stages end equal: a lost or
+    preempted dispatch's rest is counted once, in the dispatch that runs it again."""
+    from rich.console import Console
+
+    from stagetree.progress import render
+
+    def line(study: str | None) -> str:
+        console = Console(width=300, record=True)
+        console.print(render(two_studies.state, "t", study))
+        return console.export_text().splitlines()[0]
+
+    assert "trials 2/2" in line("a") and "trials 3/3" in line("b") and "trials 5/5" in line(None)
+    for study in ("a", "b", None):
+        finished, total = re.search(r"stages (\d+)/(\d+)", line(study)).groups()
+        assert finished == total and int(total) > 0
+    # a dispatch lost before it finished anything, whose stages another dispatch then ran
+    ran = next(d for d in two_studies.state.dispatches.values() if d.plan_key)
+    two_studies.state.dispatches["lost-1"] = dataclasses.replace(ran, dispatch_id="lost-1", status="lost", finished=0)
+    for study in ("a", None):
+        finished, total = re.search(r"stages (\d+)/(\d+)", line(study)).groups()
+        assert finished == total, line(study)
