@@ -76,6 +76,8 @@ class Progress:
         if self.live is not None:
             self.live.update(render(self._state_of(), self.title, self.study_id))
             self.live.__exit__(*exc)
+            if not self.live.console.is_terminal:  # rich leaves its last line open there: the
+                self.live.console.line()  # next output (the result) went onto the table's last row
 
     def on_fold(self) -> None:
         """Render the state again when the display is due to refresh (4 times a second): a fold

@@ -313,3 +313,17 @@ def test_the_live_progress_counts_the_study_it_runs(two_studies: Simulation) -> 
     for study in ("a", None):
         finished, total = re.search(r"stages (\d+)/(\d+)", line(study)).groups()
         assert finished == total, line(study)
+
+
+def test_the_progress_display_ends_its_last_line_where_output_is_no_terminal(two_studies: Simulation,
+                                                                            capsys: pytest.CaptureFixture[str]
+                                                                            ) -> None:
+    """Piped or logged, what is printed after the progress display (the result) starts on a line
+    of its own: it was glued onto the workers table's last row."""
+    from stagetree.progress import Progress
+
+    with Progress(lambda: two_studies.state, "t", study_id="a"):
+        pass
+    print("result")
+    out = capsys.readouterr().out
+    assert out.endswith("\nresult\n") and "trials 2/2" in out, out
