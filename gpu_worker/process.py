@@ -39,16 +39,14 @@ def warm_up(trainer: Trainer, device: torch.device) -> None:
 
     The step trains the build's own hyper-parameter values at the trainer's default batch size
     (no ``setup``); its weights are thrown away, since every stage builds or loads its own. A
-    trainer that cannot build with seed 0, evaluate or train without its hyper-parameters set
-    raises here: that error is left to the stage that meets it, which reports it as the
-    trainer's (a failed trial, README "Writing a trainer"), and the worker joins all the same.
-    Costs one training step and one evaluation of start-up.
+    trainer that cannot evaluate or train without its hyper-parameters set raises here: that
+    error is left to the stage that meets it, which reports it as the trainer's (a failed
+    trial), and the worker joins all the same. A build that raises is the worker's failure to
+    start (it is started again, then the run ends saying why). Costs one training step and one
+    evaluation of start-up.
     """
     session = TrainingSession(trainer, 0, device)
-    try:
-        session.start_fresh()
-    except Exception:  # a warm-up only: a stage that builds with this seed fails with it
-        return
+    session.start_fresh()
     for warm in (session.evaluate, functools.partial(session.train, {}, 1)):
         try:
             warm()
