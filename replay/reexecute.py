@@ -24,7 +24,7 @@ from events.codec import InvalidEvent, decode
 from events.hp import HPConfig
 from events.models import CheckpointSaved, MetricsReported, StageDispatched, StageFinished, StudyStarted
 from gpu_worker.checkpoint import CheckpointError, CheckpointStore, sha256_hex
-from gpu_worker.loader import load_trainer
+from gpu_worker.loader import StudyFileError, load_trainer
 from gpu_worker.object_store import open_checkpoint_store
 from gpu_worker.session import TrainingSession
 from gpu_worker.trainer import Trainer
@@ -129,14 +129,27 @@ def recorded_study(source: Source) -> tuple[str | None, str | None]:
 # --------------------------------------------------------------------------- worker side
 
 _trainer: Trainer | None = None
+_load_error: str | None = None  # why the study file did not load in this worker
 _store: CheckpointStore | None = None
 
 
 def _init_worker(study_file: str, checkpoints: str) -> None:
-    global _trainer, _store
+    global _trainer, _load_error, _store
     torch.set_num_threads(1)
-    _trainer = load_trainer(study_file)
+    try:
+        _trainer = load_trainer(study_file)
+    except ValueError as exc:  # StudyFileError: said by _trainer_name, not a broken pool
+        _load_error = str(exc)
     _store = open_checkpoint_store(checkpoints)
+
+
+def _trainer_name() -> tuple[str | None, str | None]:
+    """``(name@version, None)`` of this worker's trainer, or ``(None, why the study file did
+    not load)``. The study file is loaded in the workers only: a study file runs code (one
+    sets module attributes of the trainer's code), which must not change the auditing process."""
+    if _trainer is None:
+        return None, _load_error
+    return f"{_trainer.name}@{_trainer.version}", None
 
 
 def _run_stage(stage: RecordedStage) -> tuple[str | None, dict[str, float | None] | None, str | None]:
@@ -180,10 +193,6 @@ def reexecute(source: Source, *, study_file: str | None = None, workers: int = 1
     study_file = study_file or recorded_file
     if not study_file:
         raise AuditError("the log records no study file: pass --study FILE")
-    trainer = load_trainer(study_file)  # here, not first in every worker process
-    if recorded_trainer is not None and f"{trainer.name}@{trainer.version}" != recorded_trainer:
-        raise AuditError(f"study file {study_file!r} has trainer {trainer.name}@{trainer.version}, but the log "
-                         f"records {recorded_trainer}: its stages are not the recorded ones")
     stages = recorded_stages(source)
     if sample is not None:
         if sample < 1:
@@ -193,6 +202,12 @@ def reexecute(source: Source, *, study_file: str | None = None, workers: int = 1
     ctx = mp.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
                              initargs=(study_file, str(source.checkpoints))) as pool:
+        name, error = pool.submit(_trainer_name).result()  # before any stage runs
+        if name is None:
+            raise StudyFileError(error or f"study file {study_file!r} did not load")
+        if recorded_trainer is not None and name != recorded_trainer:
+            raise AuditError(f"study file {study_file!r} has trainer {name}, but the log records "
+                             f"{recorded_trainer}: its stages are not the recorded ones")
         for stage, (ref, metrics, unreadable) in zip(stages, pool.map(_run_stage, stages)):
             if progress is not None:
                 progress(1)
