@@ -168,9 +168,10 @@ class ReadOnlyRocks:
     ones too: on a read-only file system (an auditor's copy of a run) the open failed with EROFS,
     and elsewhere every audit or dashboard touched the run directory. The database is opened
     through a temporary directory instead (``scratch``): a symbolic link to each of its files,
-    but a copy of that config, and none of RocksDB's own info logs or lock (a read-only open
-    writes its info log there). What it reads is the database as it was when opened, as a
-    read-only open's. :meth:`close` closes it and removes the directory.
+    but a copy of that config and of ``CURRENT`` (which names the manifest), and none of
+    RocksDB's own info logs or lock (a read-only open writes its info log there). What it reads
+    is the database as it was when opened, as a read-only open's. :meth:`close` closes it and
+    removes the directory.
 
     Raises:
         OSError: the database directory cannot be listed; rocksdict's errors on opening.
@@ -181,8 +182,8 @@ class ReadOnlyRocks:
         try:
             for entry in os.scandir(path):
                 target = os.path.join(self.scratch, entry.name)
-                if entry.name == ROCKSDICT_CONFIG:
-                    shutil.copyfile(entry.path, target)
+                if entry.name in (ROCKSDICT_CONFIG, "CURRENT"):  # CURRENT: the manifest listed here, even
+                    shutil.copyfile(entry.path, target)  # when a running writer moves on meanwhile
                 elif not (entry.name == "LOCK" or entry.name.startswith("LOG")):
                     os.symlink(os.path.abspath(entry.path), target)
             self.db = Rdict(self.scratch, opts, access_type=AccessType.read_only())
