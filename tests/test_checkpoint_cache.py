@@ -29,7 +29,7 @@ from gpu_worker.checkpoint import (
     encode_state,
     sha256_hex,
 )
-from gpu_worker.checkpoint_cache import CachedCheckpointStore, CachedCopyCorrupt, cached
+from gpu_worker.checkpoint_cache import TALLY, CachedCheckpointStore, CachedCopyCorrupt, cached
 from gpu_worker.executor import PathExecutor
 from gpu_worker.object_store import S3CheckpointStore
 
@@ -64,8 +64,9 @@ def remote(minio_store_factory: Callable[[], S3CheckpointStore]) -> CountedGets:
 
 
 def copies(root: Path) -> dict[str, int]:
-    """The copies under ``root`` by ref, with their sizes (temporary files would show too)."""
-    return {p.name: p.stat().st_size for p in root.rglob("*") if p.is_file()}
+    """The copies under ``root`` by ref, with their sizes (temporary files would show too; the
+    tally of their bytes does not)."""
+    return {p.name: p.stat().st_size for p in root.rglob("*") if p.is_file() and p.name != TALLY}
 
 
 @pytest.mark.parametrize("size", [10, 3 << 20], ids=["small", "beside"])
@@ -249,6 +250,33 @@ def test_the_copies_stay_within_the_budget_least_recently_used_evicted_first(rem
     assert all(store.exists(r) for r in [*refs, fourth, fifth])
     assert store.get(refs[1]) and remote.gets == [refs[1]]  # evicted: downloaded
     store.copies_written()  # nothing of this store's is written once the test has ended
+
+
+SHARING_WRITER = """
+import os, sys
+from gpu_worker.checkpoint import LocalCheckpointStore
+from gpu_worker.checkpoint_cache import CachedCheckpointStore
+cache = CachedCheckpointStore(LocalCheckpointStore(sys.argv[1]), sys.argv[2], int(sys.argv[3]))
+for _ in range(15):
+    cache.put(os.urandom(90_000))
+    cache.copies_written()
+"""
+
+
+def test_processes_sharing_a_cache_keep_it_within_the_budget_together(tmp_path: Path) -> None:
+    """Two worker processes of one node, one cache directory: each writes 15 copies of 90 kB
+    (1.35 MB, under the 2 MB budget alone; 2.7 MB together). Their copies stay within the
+    budget: the bytes are tallied in one file under a lock, not by each process on its own
+    (which let the directory grow to the budget once per process: 1.64x with 2 workers)."""
+    cache, budget = tmp_path / "cache", 2_000_000
+    procs = [subprocess.Popen([sys.executable, "-c", SHARING_WRITER, str(tmp_path / f"store-{i}"), str(cache),
+                               str(budget)], cwd=Path(__file__).resolve().parents[1]) for i in range(2)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    held = copies(cache)
+    assert 0 < sum(held.values()) <= budget and not any(name.startswith(".tmp-") for name in held)
+    # never under what is held (a copy the other process's count already saw is added again when
+    # its writer counts it: above, which only brings the next count sooner)
+    assert sum(held.values()) <= int((cache / TALLY).read_text()) <= budget
 
 
 def test_a_checkpoint_larger_than_the_budget_allows_gets_no_copy(remote: CountedGets, tmp_path: Path) -> None:
