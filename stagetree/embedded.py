@@ -58,8 +58,6 @@ class CoordinatorError(RuntimeError_):
     """The coordinator cannot continue (e.g. its own decision was rejected by the reducer)."""
 
 
-
-
 @dataclass
 class _Slot:
     """One worker slot: its current process (``generation`` counts the processes started)."""

@@ -60,8 +60,9 @@ def listen(host: str, port: int, flag: str = "--port") -> socket.socket:
     except OSError as exc:
         why = exc.strerror or exc
         # the host's fault, not the port's: a name that does not resolve (getaddrinfo's errors are
-        # negative; create_server re-raises them as plain OSErrors) or an address not this machine's
-        if isinstance(exc, socket.gaierror) or (exc.errno or 0) < 0 or exc.errno == errno.EADDRNOTAVAIL:
+        # negative, whether raised as gaierrors or, by create_server, as plain OSErrors) or an
+        # address not this machine's
+        if (exc.errno or 0) < 0 or exc.errno == errno.EADDRNOTAVAIL:
             raise DashboardError(f"--host {host}: cannot listen on {host}:{port} ({why})") from None
         raise DashboardError(f"{flag} {port}: cannot listen on {host}:{port} ({why})") from None
 
