@@ -176,3 +176,41 @@ def test_the_optuna_study_can_live_in_stagetrees_own_log(tmp_path: Path) -> None
     again = optuna.load_study(study_name="o", storage=journal_storage(tmp_path / "optuna"))
     assert {t.user_attrs["stagetree_trial"]: t.value for t in again.trials} == \
         {t["trial_id"]: t["metrics"]["val_acc"] for t in result.summaries[0]["trials"]}
+
+
+def test_hyperband_tells_a_trial_dealt_to_several_brackets_by_its_last_bracket(tmp_path: Path) -> None:
+    """With fewer configurations than its brackets need, Hyperband deals one trial to several
+    brackets: a stop in one bracket must not end the Optuna trial while another still trains it
+    (the bug: every trial ended pruned at its first stop, and its later rungs went unreported)."""
+    storage = optuna.storages.InMemoryStorage()
+
+    def tuner() -> Hyperband:
+        space = OptunaSpace(PREFIXES, 4, sampler=optuna.samplers.RandomSampler(seed=4), seed=4, storage=storage)
+        return Hyperband(space, "val_acc", min_steps=10, max_steps=40, reduction=2)
+
+    result = run(tuner(), 2, tmp_path)
+    decisions = result.results[0].decisions
+    brackets: dict[str, set[int | None]] = {}
+    for d in decisions:
+        if d.kind == "draw":
+            brackets.setdefault(d.trial_id, set()).add(d.bracket)
+    assert max(len(b) for b in brackets.values()) > 1  # some trial is in several brackets
+    stopped_somewhere = {d.trial_id for d in decisions if d.kind == "stop"}
+    trained = {t["trial_id"]: (t["steps"], t["metrics"]["val_acc"]) for t in result.summaries[0]["trials"]}
+    study = optuna.load_study(study_name="o", storage=storage)
+    proposals = {t.user_attrs["stagetree_trial"]: t for t in study.trials if "duplicate_of" not in t.user_attrs}
+    assert set(proposals) == set(trained)
+    completed = set()
+    for trial_id, trial in proposals.items():
+        steps, value = trained[trial_id]
+        assert max(trial.intermediate_values) == steps  # every rung it reached was reported
+        assert trial.intermediate_values[steps] == value
+        if steps == 40:  # in some bracket's last rung
+            assert trial.state == optuna.trial.TrialState.COMPLETE and trial.value == value
+            completed.add(trial_id)
+        else:
+            assert trial.state == optuna.trial.TrialState.PRUNED
+    assert completed & stopped_somewhere  # a trial stopped in one bracket and finished in another
+    assert study.best_trial.user_attrs["stagetree_trial"] == result.summaries[0]["best_trial"]
+    check = check_study(tmp_path, "o", tuner, TRAINER)
+    assert check.ok, check.failure

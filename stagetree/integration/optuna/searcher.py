@@ -107,6 +107,9 @@ class OptunaSpace:
         self._trials: dict[str, list[OptunaTrial]] = {}  # stagetree trial id -> its Optuna trials
         self._reported: set[tuple[int, int]] = set()  # (Optuna trial number, step)
         self._told: set[int] = set()
+        # stagetree trial id -> how many of the tuner's brackets still hold it (Hyperband deals
+        # a configuration to several brackets when the space is smaller than they need)
+        self._held: dict[str, int] = {}
 
     def __iter__(self) -> Any:
         """No configuration exists before a study asks: a tuner calls :meth:`configurations`."""
@@ -127,6 +130,7 @@ class OptunaSpace:
                 direction="maximize" if tuner.mode == "max" else "minimize", load_if_exists=True)
             self._for, self._tuner, self._configs = study, tuner, []
             self._trials.clear()
+            self._held.clear()
         return self._optuna
 
     def ask(self, study: Study, tuner: Tuner, count: int) -> list[HPConfig]:
@@ -191,16 +195,24 @@ class OptunaSpace:
     def decided(self, study: Study, decision: Decision) -> None:
         """A tuner decision about one of the trials: its value at the decision's step is reported
         (the rung, the evaluation), and a stop ends the Optuna trial, pruned (failed when its
-        training failed); a PBT exploit ends the member, pruned."""
-        if decision.trial_id not in self._trials or self._for is not study:
+        training failed) once no other bracket holds the trial (each ``draw`` holds it in one);
+        a PBT exploit ends the member, pruned."""
+        trial_id = decision.trial_id
+        if trial_id not in self._trials or self._for is not study:
             return
         evidence = getattr(decision, "evidence", None)
+        if decision.kind == "draw":
+            self._held[trial_id] = self._held.get(trial_id, 0) + 1
         if decision.kind in ("promote", "continue", "stop", "exploit", "answer"):
-            self.report(decision.trial_id, getattr(evidence, "value", None), decision.step)
+            self.report(trial_id, getattr(evidence, "value", None), decision.step)
         if isinstance(decision, Stop):
-            self.tell(decision.trial_id, None, TrialState.FAIL if decision.reason == "failed" else TrialState.PRUNED)
+            self._held[trial_id] = self._held.get(trial_id, 1) - 1
+            if decision.reason == "failed":
+                self.tell(trial_id, None, TrialState.FAIL)  # its training failed: in every bracket
+            elif self._held[trial_id] <= 0:
+                self.tell(trial_id, None, TrialState.PRUNED)
         elif decision.kind == "exploit":
-            self.tell(decision.trial_id, None, TrialState.PRUNED)
+            self.tell(trial_id, None, TrialState.PRUNED)
 
     def finished(self, study: Study, final: Sequence[TrialResult]) -> None:
         """The tuner's end: its final results complete their Optuna trials (in trial-id order),
