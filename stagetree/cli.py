@@ -97,7 +97,7 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
     if prior is not None and prior["mode"] != mode:
         raise UsageError(f"the log holds a {prior['mode']!r} run of {name!r}; it cannot continue as {mode!r}")
     before = elapsed_before(log, name) if prior is not None else 0.0
-    study = Study(runtime, name, trainer, seed, merge=mode == "merged")
+    study = Study(runtime, name, trainer, seed, merge=mode == "merged", metric=tuner.metric)
     runtime.append([StudyStarted(producer="cli", study_id=name, name=name, plan_key=study.plan_key, mode=mode,
                                  workers=args.workers, seed=seed, trainer=f"{trainer.name}@{trainer.version}",
                                  metric=tuner.metric, metric_mode=tuner.mode,
@@ -106,7 +106,12 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
                         study_id=name)
     runtime.on_fold.append(progress.on_fold)
     with progress:
-        result: TunerResult = await tuner.run(study)
+        try:
+            result: TunerResult = await tuner.run(study)
+        except Exception:
+            if study.failure is not None:  # a tuner's `metric` the trainer does not report: exit 2
+                raise type(study.failure)(f"study file {args.file!r}: {study.failure}") from None
+            raise
         study.flush()  # its last decision (the answer) before StudyFinished
         await runtime.drain()
     e2e = before + (time.monotonic() - started)

@@ -8,6 +8,11 @@ class UsageError(ValueError):
     """Bad command-line input; reported with exit code 2."""
 
 
+class MetricNotReported(ValueError):
+    """An answer lacks the metric the study's tuner reads (a typo in the tuner's ``metric``, or a
+    trainer that does not report it); exit code 2, at the first such answer."""
+
+
 class TrialFailed(RuntimeError):
     """The trial's training raised; ``error`` is the worker's report."""
 

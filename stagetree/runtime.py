@@ -111,6 +111,12 @@ class RuntimeBase:
         if self._idle is not None and not self.busy():
             self._idle.set()
 
+    def fail(self, exc: BaseException) -> None:
+        """Stop answering: every waiting future (and every later one) gets ``exc``; :meth:`drain`
+        returns. For an error found by the SDK (:class:`~stagetree.errors.MetricNotReported`)."""
+        if self.failure is None:
+            self._fail(exc)
+
     def _fail(self, exc: BaseException) -> None:
         self.failure = exc
         if self._idle is not None:

@@ -311,7 +311,7 @@ async def _simulate(trainer: Trainer, studies: list[SimStudy], workers: int, mer
     cluster = SimulatedCluster(run_dir, workers, trainer, policy=policy, checkpoint_budget=checkpoint_budget,
                                splits=splits)
     try:
-        sdk = [Study(cluster, s.name, trainer, s.seed, merge=merge) for s in studies]
+        sdk = [Study(cluster, s.name, trainer, s.seed, merge=merge, metric=s.tuner.metric) for s in studies]
         cluster.append([
             StudyStarted(producer="simulator", study_id=s.name, name=s.name, plan_key=study.plan_key, mode=mode,
                          workers=workers, seed=s.seed, trainer=f"{trainer.name}@{trainer.version}",
@@ -319,9 +319,15 @@ async def _simulate(trainer: Trainer, studies: list[SimStudy], workers: int, mer
             for s, study in zip(studies, sdk)
         ])
         done_at: dict[int, float] = {}
-        results: list[TunerResult] = await cluster.run(
-            [s.tuner.run(study) for s, study in zip(studies, sdk)],
-            on_done=lambda i, now: done_at.__setitem__(i, now))
+        try:
+            results: list[TunerResult] = await cluster.run(
+                [s.tuner.run(study) for s, study in zip(studies, sdk)],
+                on_done=lambda i, now: done_at.__setitem__(i, now))
+        except Exception:
+            failure = next((study.failure for study in sdk if study.failure is not None), None)
+            if failure is not None:  # a tuner's `metric` the trainer does not report
+                raise failure from None
+            raise
         for study in sdk:
             study.flush()  # the last decisions (the answers) before StudyFinished
         makespan = cluster.now

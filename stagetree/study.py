@@ -24,7 +24,7 @@ from events.models import Event, TrialCancelled, TrialSubmitted, TunerDecided
 from gpu_worker.trainer import Trainer
 from projections import search_plan
 from projections.state import State
-from stagetree.errors import TrialFailed  # noqa: F401 (its old home)
+from stagetree.errors import MetricNotReported, TrialFailed  # noqa: F401 (TrialFailed: its old home)
 
 
 class Runtime(Protocol):
@@ -38,6 +38,8 @@ class Runtime(Protocol):
     def watch(self, trial_id: str, steps: int) -> asyncio.Future[dict[str, float]]: ...
 
     def prefix(self, plan_key: str) -> dict[str, Any]: ...
+
+    def fail(self, exc: BaseException) -> None: ...
 
 
 def plan_key_of(trainer: Trainer, seed: int) -> str:
@@ -87,9 +89,14 @@ class Study:
         seed: model-initialisation and data-order seed (part of the plan key).
         merge: False gives every trial a search plan of its own (the papers' trial-based
             baseline, ``--no-merge``); results are the same, shared prefixes are retrained.
+        metric: the metric the study's tuner reads, or None. The first answer that does not
+            report it fails the runtime (every waiting future) with
+            :class:`~stagetree.errors.MetricNotReported`, kept in :attr:`failure`, rather than
+            after every trial has trained.
     """
 
-    def __init__(self, runtime: Runtime, name: str, trainer: Trainer, seed: int = 0, *, merge: bool = True) -> None:
+    def __init__(self, runtime: Runtime, name: str, trainer: Trainer, seed: int = 0, *, merge: bool = True,
+                 metric: str | None = None) -> None:
         if not name:
             raise ValueError(f"`name` is {name!r}, but must be a non-empty string")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
@@ -99,6 +106,9 @@ class Study:
         self.trainer = trainer
         self.seed = seed
         self.merge = merge
+        self.metric = metric
+        self.failure: MetricNotReported | None = None
+        """Set when an answer lacked :attr:`metric`."""
         self.plan_key = plan_key_of(trainer, seed)
         self._pending: list[Event] = []
         self._flush_scheduled = False
@@ -161,7 +171,20 @@ class Study:
                 self._trial_traces.setdefault(trial_id, header)
                 event = event.model_copy(update={"trace": header})
             self._enqueue(event)
+        if self.metric is not None:
+            future.add_done_callback(lambda done: self._check_metric(done, trial_id, steps))
         return future
+
+    def _check_metric(self, future: asyncio.Future[dict[str, float]], trial_id: str, steps: int) -> None:
+        """Fail the runtime when an answer lacks :attr:`metric` (a failed trial has no answer)."""
+        if future.cancelled() or future.exception() is not None or self.failure is not None:
+            return
+        metrics = future.result()
+        if self.metric not in metrics:
+            self.failure = MetricNotReported(
+                f"the tuner's `metric` is {self.metric!r}, but trainer {self.trainer.name!r} does not report it "
+                f"(trial {trial_id} at {steps} steps reported {sorted(metrics)})")
+            self.runtime.fail(self.failure)
 
     def cancel(self, hp: Mapping[str, Any]) -> None:
         """Withdraw the trial of ``hp``: requests that no other trial waits on are dropped."""

@@ -491,6 +491,31 @@ def test_cli_resume_in_the_other_mode_is_refused_before_anything_is_written(tmp_
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
 
 
+def test_cli_a_tuner_metric_the_trainer_does_not_report_fails_at_the_first_answer(tmp_path: Path) -> None:
+    """A typo in the tuner's ``metric``: exit 2 naming the metric and what the trainer reports, at
+    the first answer rather than after every trial has trained (it was a KeyError's traceback
+    once GridSearch ranked its results), and ``--resume`` with the metric fixed finishes."""
+    from events.codec import decode
+    from events.models import MetricsReported, TrialSubmitted
+
+    grid = 'GridSearchSpace({"lr": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], "batch_size": [32], "momentum": [0.0]})'
+    body = VALID.replace('GridSearchSpace({"lr": [0.1], "batch_size": [32], "momentum": [0.0]})', grid)
+    path = write(tmp_path / "study.py", body.replace('metric="val_acc"', 'metric="val_accuracy"'))
+    out = tmp_path / "out"
+    proc = run_cli(path, out)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = squash(proc.stderr)
+    assert "Traceback" not in proc.stderr and "`metric`is'val_accuracy'" in err and "['val_acc','val_loss']" in err, err
+    with EmbeddedLog(out / "log", read_only=True) as log:
+        events = [decode(r.value) for r in log.read(topics.PLAN)]
+    assert sum(isinstance(e, TrialSubmitted) for e in events) == 6
+    assert sum(isinstance(e, MetricsReported) for e in events) < 6  # it stopped at the first answer
+    write(path, body)
+    resumed = run_cli(path, out, "--resume")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert len(orjson.loads((out / "summary.json").read_bytes())["trials"]) == 6
+
+
 def test_cli_flags_are_checked_before_anything_is_created(tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 11 item 10: a file as --out, a directory under a file, an unknown device: exit 2

@@ -103,6 +103,14 @@ def test_simulate_bad_input_exits_2(tmp_path: Path) -> None:
         main(["simulate", str(bad), "--policy", "random"])
 
 
+def test_a_tuner_metric_the_trainer_does_not_report_is_a_clear_error_at_the_first_answer() -> None:
+    from stagetree.errors import MetricNotReported
+
+    with pytest.raises(MetricNotReported) as info:
+        simulate(TRAINER, [SimStudy("typo", GridSearch(SPACE, 40, "val_accuracy"))], workers=2)
+    assert "`metric` is 'val_accuracy'" in str(info.value) and "'val_acc'" in str(info.value)
+
+
 def test_a_simulated_worker_process_does_not_import_torch() -> None:
     """benchmarks/cluster_load.py starts forty of them: the import chain stays torch-free."""
     code = ("import sys, gpu_worker.simulated_worker; "
