@@ -68,6 +68,10 @@ def _study_file(path: str) -> tuple[Any, Any, Tuner, int, str]:
     seed = getattr(module, "seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise StudyFileError(f"study file {path!r}: `seed` is {seed!r}, but must be an int in [0, 2**63)")
+    try:
+        tuner.check(trainer)
+    except ValueError as exc:
+        raise StudyFileError(f"study file {path!r}: the tuner: {exc}") from None
     for i, config in enumerate(tuner.space):
         try:
             validate_config(trainer, config)

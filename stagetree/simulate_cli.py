@@ -50,6 +50,11 @@ def load_simulation(path: str) -> tuple[Any, list[SimStudy], int | None]:
         studies = [SimStudy(name, tuner, seed)]
     if not isinstance(studies, list) or not studies or not all(isinstance(s, SimStudy) for s in studies):
         raise StudyFileError(f"study file {path!r}: `studies` is {studies!r}, but must be a non-empty list of SimStudy")
+    for s in studies:
+        try:
+            s.tuner.check(trainer)
+        except ValueError as exc:
+            raise StudyFileError(f"study file {path!r}: the tuner of study {s.name!r}: {exc}") from None
     workers = getattr(module, "workers", None)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise StudyFileError(f"study file {path!r}: `workers` is {workers!r}, but must be a positive int")

@@ -516,6 +516,18 @@ def test_cli_a_tuner_metric_the_trainer_does_not_report_fails_at_the_first_answe
     assert len(orjson.loads((out / "summary.json").read_bytes())["trials"]) == 6
 
 
+def test_cli_a_pbt_mutation_the_trainer_lacks_is_refused_before_anything_is_created(tmp_path: Path) -> None:
+    body = VALID.replace("tuner = GridSearch(", "from stagetree.tuners import PBT\ntuner = PBT(").replace(
+        'steps=1, metric="val_acc")', 'metric="val_acc", population=1, interval=1, max_steps=2, '
+        'mutations={"nope": [0.1]})')
+    out = tmp_path / "out"
+    proc = run_cli(write(tmp_path / "study.py", body), out)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = squash(proc.stderr)
+    assert "Traceback" not in proc.stderr and "`mutations`names'nope',whichtrainer'DigitsTrainer'lacks" in err, err
+    assert not out.exists()
+
+
 def test_cli_flags_are_checked_before_anything_is_created(tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 11 item 10: a file as --out, a directory under a file, an unknown device: exit 2

@@ -259,3 +259,29 @@ def test_bad_tuner_arguments_name_the_field(make: Any, needle: str) -> None:
     with pytest.raises(ValueError, match=None) as info:
         make()
     assert needle in str(info.value)
+
+
+def test_a_pbt_mutation_the_trainer_lacks_is_refused_before_anything_is_recorded(tmp_path: Path) -> None:
+    """It was found only at the first exploit, after a generation had trained (and never when no
+    member exploited): now the study file's load and the start of ``run`` check it."""
+    from stagetree.simulate_cli import load_simulation
+
+    tuner = PBT(space(1, 2, 3, 4), "val_acc", population=4, interval=1, max_steps=3, mutations={"nope": [1, 2]})
+    with pytest.raises(ValueError) as info:
+        run(tuner, 2, run_dir=tmp_path / "run")
+    assert "`mutations` names 'nope', which trainer 'xy' lacks" in str(info.value)
+    assert "['x']" in str(info.value)
+    store = ProjectionStore(tmp_path / "run" / "state")
+    try:
+        assert not store.load().trials  # no trial was submitted
+    finally:
+        store.close()
+    study = tmp_path / "pbt.py"
+    study.write_text("from gpu_worker.simulated import SimulatedTrainer\n"
+                     "from stagetree.tuners import PBT, GridSearchSpace\n"
+                     "trainer = SimulatedTrainer('xy', ('x',))\n"
+                     "tuner = PBT(GridSearchSpace({'x': [1, 2]}), 'val_acc', population=2, interval=1, max_steps=3,"
+                     " mutations={'nope': [1, 2]})\n")
+    with pytest.raises(ValueError, match="the tuner of study 'pbt': `mutations` names 'nope'"):
+        load_simulation(str(study))
+

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from events.decisions import Answer, Decision, Draw, Promote, Ranking, Stop
 from events.hp import HPConfig
+from gpu_worker.trainer import Trainer
 from stagetree.study import Study, TrialFailed
 
 Mode = Literal["max", "min"]
@@ -80,6 +81,15 @@ class Tuner(ABC):
     @abstractmethod
     async def run(self, study: Study) -> TunerResult:
         """Tune ``study`` and return the result."""
+
+    def check(self, trainer: Trainer) -> None:
+        """Check the arguments that need the study's trainer, before anything is recorded (the
+        study file's load, and the start of :meth:`run`); the base has none.
+
+        Raises:
+            ValueError: an argument the trainer cannot take (naming the field and the value).
+        """
+        del trainer  # the base's arguments do not depend on it
 
     # ------------------------------------------------------------------ decisions
 

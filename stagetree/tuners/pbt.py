@@ -9,6 +9,7 @@ import numpy as np
 
 from events.decisions import Continue, Exploit, Quantiles, Stop
 from events.hp import HPConfig, continue_with
+from gpu_worker.trainer import Trainer
 from stagetree.spaces import candidates_of
 from stagetree.study import Study
 from stagetree.tuners._base import Mode, TrialResult, Tuner, TunerResult, check_causal, positive_int, stable_seed
@@ -40,7 +41,8 @@ class PBT(Tuner):
 
     Raises:
         ValueError: bad counts, a quantile outside (0, 0.5], a probability outside [0, 1], or a
-            mutation that names no candidates.
+            mutation that names no candidates; from :meth:`check`, a mutation of a hyper-parameter
+            the trainer lacks.
     """
 
     def __init__(self, space: Iterable[HPConfig], metric: str, mode: Mode = "max", *, population: int,
@@ -82,7 +84,19 @@ class PBT(Tuner):
             out[name] = continue_with(config[name], choice, at)
         return out
 
+    def check(self, trainer: Trainer) -> None:
+        """Every name in ``mutations`` is one of the trainer's hyper-parameters.
+
+        Raises:
+            ValueError: ``mutations`` names another.
+        """
+        for name in sorted(self.mutations):
+            if name not in trainer.hyperparameters:
+                raise ValueError(f"`mutations` names {name!r}, which trainer {trainer.name!r} lacks (its "
+                                 f"hyper-parameters: {sorted(trainer.hyperparameters)})")
+
     async def run(self, study: Study) -> TunerResult:
+        self.check(study.trainer)
         gens = self.generations()
         inbox: ResultInbox[int] = ResultInbox(study, self.causal)  # payload: the generation
         for config in self.draw(study, self.configurations(study, self.population), gens[0]):
