@@ -2,8 +2,8 @@
 Nectar; HIPPO_SPEC §3.6), as a pure function of the projected state.
 
 A run may keep at most ``budget`` bytes of checkpoint objects. Before a path is dispatched, the
-bytes it will write (one checkpoint per stage that trains, each the size of the plan's largest
-checkpoint so far) are reserved next to the bytes kept and the bytes the running paths have
+bytes it will write (one checkpoint per stage that trains, each the size of the largest
+checkpoint the run has saved so far: :func:`checkpoint_size`) are reserved next to the bytes kept and the bytes the running paths have
 reserved; when they do not fit, kept checkpoints are evicted (CheckpointEvicted decisions,
 appended before the dispatch and deleted from the store only once durable), cheapest first by
 
@@ -43,21 +43,24 @@ from scheduler.stage_tree import mean_sec_per_step, sec_per_step
 PERIPHERAL_REUSE = 0.05
 """Reuse probability of a checkpoint in the middle of a path that no request or branch uses."""
 
-_SIZE = "eviction.size"  # plan.cache key: (revision, largest checkpoint size kept on the plan)
-
+_SIZE = "eviction.size"  # State.cache key: (object count, largest object's bytes)
 
 def checkpoint_size(state: State, plan_key: str) -> int:
-    """The bytes one checkpoint of ``plan_key`` is expected to take: the largest kept on the plan,
-    else the largest object saved anywhere, else 0 (nothing is known before a first save)."""
-    plan = state.plans.get(plan_key)
-    if plan is not None:
-        memo = plan.cache.get(_SIZE)
-        if memo is None or memo[0] != plan.revision:
-            size = max((c.size for n in plan.nodes.values() for c in n.ckpt.values()), default=0)
-            memo = plan.cache[_SIZE] = (plan.revision, size)
-        if memo[1]:
-            return int(memo[1])
-    return max((o.size for o in state.objects.values()), default=0)
+    """The bytes one checkpoint of ``plan_key`` is expected to take: the largest checkpoint object
+    the run has saved so far, on any plan, evicted or kept (0 before a first save).
+
+    It never shrinks: an estimate from the checkpoints kept now fell when the large ones were
+    evicted (a model whose optimizer state appears with a hyper-parameter, e.g. momentum), and the
+    paths then dispatched wrote more than they reserved. Over several plans it is the largest
+    model's size: it reserves too much for the smaller ones rather than too little. Until a
+    checkpoint of the largest size is first saved, a path can still write more than it reserved;
+    the next dispatch's evictions then make room for the excess too.
+    """
+    del plan_key  # the objects of the state do not name their plan
+    memo = state.cache.get(_SIZE)  # objects are only ever added: their count dates the maximum
+    if memo is None or memo[0] != len(state.objects):
+        memo = state.cache[_SIZE] = (len(state.objects), max((o.size for o in state.objects.values()), default=0))
+    return int(memo[1])
 
 
 def path_bytes(state: State, path: Path) -> int:
@@ -151,8 +154,9 @@ def _live(state: State, plan_key: str) -> bool:
 
 
 def candidates(state: State, pinned: set[str], gone: set[tuple[str, int]] = frozenset()) -> list[Candidate]:
-    """Every kept, unpinned checkpoint place with its cost-benefit figures, cheapest first
-    (ties: plan key, node number, step). ``gone``: places already chosen for eviction."""
+    """Every kept, unpinned checkpoint place with its cost-benefit figures: the sources of pending
+    requests last, each group cheapest first (ties: plan key, node number, step). ``gone``: places
+    already chosen for eviction."""
     fallback = fallback_sec_per_step(state)
     out = []
     for plan_key in sorted(state.plans):
@@ -183,7 +187,9 @@ def candidates(state: State, pinned: set[str], gone: set[tuple[str, int]] = froz
                     reuse = 0.0
                 seconds = back * sec_per_step(plan, node, mean)
                 out.append(Candidate(plan_key, node.node_id, step, ckpt.ref, ckpt.size, back, seconds, reuse))
-    out.sort(key=lambda c: (c.score, c.plan_key, node_number(c.node_id), c.step))
+    # a pending request's source (reuse 1) goes last, whatever its score: evicting it retrains
+    # that request for certain, where any other candidate is lost only if it is asked for again
+    out.sort(key=lambda c: (c.reuse >= 1.0, c.score, c.plan_key, node_number(c.node_id), c.step))
     return out
 
 
