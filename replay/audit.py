@@ -697,7 +697,10 @@ def _verify(source: Source, secret: bytes | None, progress: Callable[[int], None
                                                                  mismatch.detail),
                f"{counts} decisions recomputed from their log prefixes")
 
-    if source.stored_projection is not None:
+    if source.stored_projection is not None and not source.stored_projection and state.offset < 0:
+        # a run that ended before its first record (a worker that failed to start)
+        result.add("projection", None, "the log holds no plan record and nothing was projected")
+    elif source.stored_projection is not None:
         failure = None
         if rebuilt != source.stored_projection:
             keys = sorted(set(rebuilt) | set(source.stored_projection))

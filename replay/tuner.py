@@ -394,6 +394,8 @@ def verify_decisions(source: Source, study_file: str | None = None, *,
     """
     events = _plan_events(source)
     runs = runs_of(events)
+    if not runs:  # an empty log, or one that holds only an Optuna study's journal
+        return None, "not recomputed: the log holds no study"
     if not any(isinstance(e, TunerDecided) for _, _, e in events):
         return None, NO_DECISIONS
     records = source.streams.get(topics.PLAN, [])

@@ -477,3 +477,17 @@ def test_kafka_location_refuses_bad_addresses_by_name(url: str, why: str) -> Non
     with pytest.raises(AuditError, match=why) as info:
         kafka_location(url)
     assert "u:p" not in str(info.value)
+
+
+def test_a_run_that_ended_before_its_first_record_verifies(tmp_path: Path, capsys) -> None:
+    """A run whose worker failed to start (its trainer's build raised at warm-up) leaves an empty
+    log and an empty projection: nothing to fail. Verify failed its projection check ("differs
+    from the log's fold at record 'meta'") and named old logs as the reason for no tuner check."""
+    from events.log import EmbeddedLog
+
+    EmbeddedLog(tmp_path / "run" / "log").close()
+    ProjectionStore(tmp_path / "run" / "state").close()
+    assert main(["replay", "verify", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "ok projection: the log holds no plan record and nothing was projected" in out
+    assert "the log holds no study" in out and "written before" not in out
