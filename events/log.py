@@ -33,6 +33,30 @@ class LogLocked(LogError):
     """Another process holds the embedded log open for writing."""
 
 
+def held_elsewhere(path: str | Path) -> bool:
+    """Whether a process holds the embedded log (or projection) at ``path`` open for writing:
+    RocksDB's ``LOCK`` file carries an fcntl lock, tried here without opening the database.
+
+    Only for a process that does not hold it open itself: closing the descriptor of the try
+    would release its own fcntl locks on the file (POSIX drops them all at any close).
+    """
+    import fcntl
+
+    try:
+        fd = os.open(Path(path) / "LOCK", os.O_RDWR)
+    except OSError:  # no LOCK file: never opened for writing
+        return False
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    else:
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
 @dataclass(frozen=True, slots=True)
 class Record:
     """One record of a stream: ``offset`` (0-based), ``key``, ``value`` (encoded event bytes),

@@ -210,6 +210,7 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
     import asyncio
 
     from events.keys import secret_from
+    from events.log import held_elsewhere
     from stagetree.embedded import EmbeddedCoordinator
 
     loaded = _study_file(args.file)
@@ -218,6 +219,9 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
     _check_out(out)
     _check_device(args.device)
     has_log = (out / "log" / "CURRENT").is_file()
+    if has_log and held_elsewhere(out / "log"):  # a run still starting holds no study yet
+        raise UsageError(f"--out {str(out)!r}: the log is open in another process (a run of this directory is "
+                         "still going); wait for it to end, or choose another --out")
     studies = _studies_in(out / "log") if has_log else {}
     if args.resume and studies and name not in studies:
         raise UsageError(f"--resume: {str(out)!r} holds no run of study {name!r} (it holds "

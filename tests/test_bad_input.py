@@ -429,6 +429,18 @@ def test_cli_run_into_existing_out_without_resume(tmp_path: Path, capsys: pytest
     assert sorted(p.name for p in out.iterdir()) == ["log"]
 
 
+def test_cli_run_into_a_directory_whose_run_is_still_starting(tmp_path: Path) -> None:
+    """A run that has opened its log but not started its study yet (this test holds the log
+    open): a second run there is told the log is in use, not to pass --resume."""
+    path = write(tmp_path / "study.py", VALID)
+    out = tmp_path / "out"
+    with EmbeddedLog(out / "log"):
+        proc = run_cli(path, out)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = squash(proc.stderr)
+    assert "openinanotherprocess" in err and "--resume" not in err, err
+
+
 def test_cli_resume_of_nothing_starts_the_run(tmp_path: Path) -> None:
     """Issue 11 item 11: ``--resume`` where no run exists yet (a run killed before its log had a
     study, or no directory at all) starts the run; without --resume an empty log is refused."""
