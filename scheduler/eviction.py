@@ -3,9 +3,10 @@ Nectar; HIPPO_SPEC §3.6), as a pure function of the projected state.
 
 A run may keep at most ``budget`` bytes of checkpoint objects. Before a path is dispatched, the
 bytes it will write (one checkpoint per stage that trains, each the size of the largest
-checkpoint the run has saved so far: :func:`checkpoint_size`) are reserved next to the bytes kept and the bytes the running paths have
-reserved; when they do not fit, kept checkpoints are evicted (CheckpointEvicted decisions,
-appended before the dispatch and deleted from the store only once durable), cheapest first by
+checkpoint the run has saved so far: :func:`checkpoint_size`) are reserved next to the bytes
+kept and the bytes the running paths have reserved; when they do not fit, kept checkpoints
+are evicted (CheckpointEvicted decisions, appended before the dispatch and deleted from the
+store only once durable), cheapest first by
 
     score = recompute seconds x reuse probability / bytes
 
