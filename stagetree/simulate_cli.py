@@ -112,22 +112,61 @@ def run_simulation(path: str, *, workers: int | None, policy: str, modes: list[s
 
 def print_report(report: dict[str, Any], console: Console) -> None:
     table = Table(title=f"{report['file']} on {report['workers']} simulated GPUs ({report['policy']})")
-    for col in ("mode", "GPU-h", "e2e h", "idle GPU-h", "total", "unique", "executed", "p/q", "best"):
-        table.add_column(col, justify="right" if col != "mode" else "left")
+    rows = []
     for mode, r in report["runs"].items():
         best = ", ".join(f"{s['best_metric']:.3f}" if s["best_metric"] is not None else "-" for s in r["studies"][:2])
-        table.add_row(mode, f"{r['gpu_hours']:.1f}", f"{r['end_to_end_hours']:.2f}", f"{r['idle_worker_hours']:.1f}",
-                      str(r["total_steps"]), str(r["unique_steps"]), str(r["executed_steps"]),
-                      f"{r['merge_rate']:.3f}" if r["merge_rate"] else "-", best)
+        rows.append([mode, f"{r['gpu_hours']:.1f}", f"{r['end_to_end_hours']:.2f}", f"{r['idle_worker_hours']:.1f}",
+                     str(r["total_steps"]), str(r["unique_steps"]), str(r["executed_steps"]),
+                     f"{r['merge_rate']:.3f}" if r["merge_rate"] else "-", best])
+    for i, col in enumerate(("mode", "GPU-h", "e2e h", "idle GPU-h", "total", "unique", "executed", "p/q", "best")):
+        # a figure is never cut or wrapped on a narrow console (a pipe: 80 columns); headers fold
+        table.add_column(col, justify="right" if col != "mode" else "left", overflow="fold",
+                         min_width=max((len(row[i]) for row in rows), default=0))
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
     if "gpu_hours_ratio" in report:
-        console.print(f"trial-based / merged: GPU-hours {report['gpu_hours_ratio']:.2f}x, "
-                      f"end-to-end {report['end_to_end_ratio']:.2f}x")
+        ratios = {k: "-" if report[k] is None else f"{report[k]:.2f}x" for k in ("gpu_hours_ratio", "end_to_end_ratio")}
+        console.print(f"trial-based / merged: GPU-hours {ratios['gpu_hours_ratio']}, "
+                      f"end-to-end {ratios['end_to_end_ratio']}")
+
+
+def _modes(args: argparse.Namespace) -> list[str]:
+    """The modes to simulate; UsageError when ``--no-merge`` contradicts ``--mode``."""
+    from stagetree.errors import UsageError
+
+    if args.no_merge and args.mode not in (None, "trial"):
+        raise UsageError(f"--no-merge (trial mode) contradicts --mode {args.mode}; pass one of them")
+    mode = "trial" if args.no_merge else args.mode or "both"
+    return ["merged", "trial"] if mode == "both" else [mode]
+
+
+def _check_outputs(out: str | None, json_path: str | None, modes: list[str]) -> None:
+    """Refuse, before anything runs (exit 2), an ``--out`` that is no directory or already holds a
+    simulation of one of ``modes`` (a second one appended its decisions to the first's log and
+    overwrote its summaries), and a ``--json`` that cannot be written."""
+    from stagetree.cli import _check_out
+    from stagetree.errors import UsageError
+
+    if out is not None:
+        if not out.strip():
+            raise UsageError(f"--out is {out!r}, but must name a directory")
+        _check_out(Path(out))
+        held = [m for m in modes if (Path(out) / m / "log" / "CURRENT").is_file()]
+        if held:
+            raise UsageError(f"--out {out!r} already holds a simulation ({', '.join(str(Path(out) / m) for m in held)})"
+                             "; choose another --out")
+    if json_path is not None:
+        path = Path(json_path)
+        if not json_path.strip() or path.is_dir():
+            raise UsageError(f"--json is {json_path!r}, but must name a file")
+        if not path.parent.is_dir():
+            raise UsageError(f"--json {json_path!r}: its directory {str(path.parent)!r} does not exist")
 
 
 def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
-    modes = ["trial"] if args.no_merge else (["merged"] if args.mode == "merged" else
-                                             ["trial"] if args.mode == "trial" else ["merged", "trial"])
+    modes = _modes(args)
+    _check_outputs(args.out, args.json, modes)
     report = run_simulation(args.file, workers=args.workers, policy=args.policy, modes=modes, out=args.out,
                             checkpoint_budget=args.checkpoint_budget)
     print_report(report, console)
@@ -142,7 +181,7 @@ def register(sub: argparse._SubParsersAction, positive: Any) -> None:  # type: i
     sim.add_argument("file", help="study file (trainer, tuner or studies; optional workers)")
     sim.add_argument("--workers", type=positive, help="simulated GPUs (default: the file's `workers`, else 4)")
     sim.add_argument("--policy", choices=POLICIES, default="critical-path", help="scheduling policy")
-    sim.add_argument("--mode", choices=("both", "merged", "trial"), default="both",
+    sim.add_argument("--mode", choices=("both", "merged", "trial"), default=None,
                      help="merged (stage tree), trial (no merging), or both and their ratios (default)")
     sim.add_argument("--no-merge", action="store_true", help="same as --mode trial")
     sim.add_argument("--out", help="keep each mode's log, projection and summaries under OUT/<mode>")

@@ -111,6 +111,33 @@ def test_a_tuner_metric_the_trainer_does_not_report_is_a_clear_error_at_the_firs
     assert "`metric` is 'val_accuracy'" in str(info.value) and "'val_acc'" in str(info.value)
 
 
+def test_simulate_outputs_are_checked_before_it_runs_and_a_kept_simulation_is_never_overwritten(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    study = tmp_path / "grid.py"
+    study.write_text("from gpu_worker.simulated import SimulatedTrainer\n"
+                     "from stagetree.tuners import GridSearch, GridSearchSpace\n"
+                     "trainer = SimulatedTrainer('t', ('x',))\n"
+                     "tuner = GridSearch(GridSearchSpace({'x': [1, 2]}), 3, 'val_acc')\n")
+    (tmp_path / "afile").write_text("")
+    for flags, needle in [
+        (["--out", str(tmp_path / "afile")], "is a file"),
+        (["--json", str(tmp_path / "missing" / "x.json")], "does not exist"),
+        (["--json", str(tmp_path)], "must name a file"),
+        (["--no-merge", "--mode", "merged"], "contradicts --mode merged"),
+    ]:
+        assert main(["simulate", str(study), *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert needle in "".join(err.split("\n")) and "Traceback" not in err, (flags, err)
+    out = tmp_path / "kept"
+    assert main(["simulate", str(study), "--out", str(out), "--mode", "merged"]) == 0
+    kept = (out / "merged" / "summary-grid.json").read_bytes()
+    capsys.readouterr()
+    assert main(["simulate", str(study), "--out", str(out)]) == 2  # its merged run is there: nothing runs
+    assert "already holds a simulation" in capsys.readouterr().err
+    assert (out / "merged" / "summary-grid.json").read_bytes() == kept and not (out / "trial").exists()
+    assert main(["simulate", str(study), "--out", str(out), "--mode", "trial"]) == 0  # the other mode is free
+
+
 def test_a_simulated_worker_process_does_not_import_torch() -> None:
     """benchmarks/cluster_load.py starts forty of them: the import chain stays torch-free."""
     code = ("import sys, gpu_worker.simulated_worker; "
