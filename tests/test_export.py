@@ -203,3 +203,15 @@ def test_a_missing_tracker_names_the_extra(tracker: str, wsd_runs: dict[str, Pat
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"pip install 'stagetree[{tracker}]'" in proc.stderr
     assert not (tmp_path / "tb").exists() and not (tmp_path / "m.db").exists()
+
+
+def test_a_tracking_store_mlflow_refuses_is_a_one_line_error(wsd_runs: dict[str, Path], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """MLflow 3 refuses a file store without MLFLOW_ALLOW_FILE_STORE: exit 2 naming the URI and
+    MLflow's reason (was an MlflowException's traceback, exit 1)."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    uri = f"file://{tmp_path}/mlruns"
+    assert main(["export", "mlflow", str(wsd_runs["merged"]), "--tracking-uri", uri]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"--tracking-uri {uri}: MLflow refused the export:" in err and "MLFLOW_ALLOW_FILE_STORE" in err, err

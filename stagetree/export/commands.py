@@ -35,10 +35,17 @@ def cmd_mlflow(args: argparse.Namespace, console: Console) -> int:
         from stagetree.export.mlflow import export_mlflow
     except MissingExtra as exc:
         return _missing(exc)
+    from mlflow.exceptions import MlflowException
+
+    from stagetree.errors import UsageError
     from stagetree.export.run import read_run
 
     view = read_run(args.source, args.study)
-    result = export_mlflow(view, args.tracking_uri, args.experiment)
+    try:
+        result = export_mlflow(view, args.tracking_uri, args.experiment)
+    except MlflowException as exc:  # the tracking server or store refused (exit 2, without a traceback)
+        where = args.tracking_uri if args.tracking_uri is not None else "$MLFLOW_TRACKING_URI or sqlite:///mlflow.db"
+        raise UsageError(f"--tracking-uri {where}: MLflow refused the export: {exc.message}") from None
     replaced = f", replacing {result['replaced']} earlier runs" if result["replaced"] else ""
     console.print(f"logged {len(result['runs'])} MLflow runs ({result['metrics']} metric values) of study "
                   f"{escape(view.study_id)} to experiment {result['experiment_id']} at "
