@@ -32,6 +32,11 @@ class PBT(Tuner):
     and the member starts from the donor's checkpoint there: exploiting copies no weights, and
     a PBT schedule is an ordinary hyper-parameter sequence that report and replay show.
 
+    Two members that exploit into the same configuration (the same donor, the same explored
+    values) become one trial, trained once, that stays two members: each gets its own decisions
+    at every later generation and it counts twice in the quantiles and the answer's ranking, as
+    two identical members of the paper's population would (they would train alike).
+
     Random choices come from :func:`stable_seed` of ``(study, trial id, step)``. Units: steps.
     With ``causal=True`` each generation is a causal group. Assumes results at equal steps
     compare across members. Decisions: a ``draw`` per member, then per result below
