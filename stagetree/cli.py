@@ -57,6 +57,7 @@ T = TypeVar("T")
 
 def _study_file(path: str) -> tuple[Any, Any, Tuner, int, str]:
     from gpu_worker.loader import StudyFileError, load_module, trainer_of
+    from stagetree.spaces import unshared_by_type
     from stagetree.study import validate_config
     from stagetree.tuners import Tuner
 
@@ -72,15 +73,31 @@ def _study_file(path: str) -> tuple[Any, Any, Tuner, int, str]:
         tuner.check(trainer)
     except ValueError as exc:
         raise StudyFileError(f"study file {path!r}: the tuner: {exc}") from None
+    configs = []
     for i, config in enumerate(tuner.space):
         try:
-            validate_config(trainer, config)
+            configs.append(validate_config(trainer, config))
         except ValueError as exc:
             raise StudyFileError(f"study file {path!r}: configuration {i} of the tuner's space: {exc}") from None
     name = getattr(module, "name", Path(path).stem)
     if not isinstance(name, str) or not name:
         raise StudyFileError(f"study file {path!r}: `name` is {name!r}, but must be a non-empty string")
+    _warn_unshared(path, unshared_by_type(configs))  # an adaptive space (Optuna's) lists none here
     return module, trainer, tuner, seed, name
+
+
+def _warn_unshared(path: str, unshared: dict[str, tuple[Any, Any]]) -> None:
+    """A warning on stderr per hyper-parameter that starts at one number written as two types."""
+    if not unshared:
+        return
+    from rich.console import Console
+    from rich.markup import escape
+
+    err = Console(stderr=True, soft_wrap=True)
+    for hp, (a, b) in unshared.items():
+        err.print(f"[yellow]warning:[/yellow] study file {escape(repr(path))}: `{escape(hp)}` starts at {a!r} "
+                  f"({type(a).__name__}) in some configurations and {b!r} ({type(b).__name__}) in others: those "
+                  "trials share no step (values must be the same type to be shared); write them all as one type")
 
 
 async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tuple[Any, Any, Any, int, str],

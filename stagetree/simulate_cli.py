@@ -13,6 +13,7 @@ optional ``workers`` (the default of ``--workers``) and ``studies`` (a list of
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sized
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,11 +51,20 @@ def load_simulation(path: str) -> tuple[Any, list[SimStudy], int | None]:
         studies = [SimStudy(name, tuner, seed)]
     if not isinstance(studies, list) or not studies or not all(isinstance(s, SimStudy) for s in studies):
         raise StudyFileError(f"study file {path!r}: `studies` is {studies!r}, but must be a non-empty list of SimStudy")
+    from stagetree.cli import _warn_unshared
+    from stagetree.spaces import unshared_by_type
+    from stagetree.study import validate_config
+
     for s in studies:
         try:
             s.tuner.check(trainer)
         except ValueError as exc:
             raise StudyFileError(f"study file {path!r}: the tuner of study {s.name!r}: {exc}") from None
+        if isinstance(s.tuner.space, Sized):  # a list, a grid or a random space (never a one-shot iterator)
+            try:
+                _warn_unshared(path, unshared_by_type([validate_config(trainer, c) for c in s.tuner.space]))
+            except ValueError:
+                pass  # an invalid configuration is the simulation's error, where it is submitted
     workers = getattr(module, "workers", None)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise StudyFileError(f"study file {path!r}: `workers` is {workers!r}, but must be a positive int")

@@ -555,3 +555,28 @@ class GridSearchSpace:
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+def unshared_by_type(configs: Sequence[Mapping[str, HPFunction]]) -> dict[str, tuple[Any, Any]]:
+    """Hyper-parameters whose configurations start (step 0) at the same number written as
+    different types, e.g. ``Constant(384)`` (the int 384) and ``MultiStep(384, ..., 1.5)`` (the
+    float 384.0): name -> the first two such values. Trials share a step only where every value
+    is the same in type too (:func:`events.hp.same_value`: an int batch size and a float one are
+    different trainings), so such configurations share nothing, which is rarely what was meant.
+    """
+    out: dict[str, tuple[Any, Any]] = {}
+    first: dict[tuple[str, float], Any] = {}
+    for config in configs:
+        for name in sorted(config):
+            if name in out:
+                continue
+            try:
+                value = config[name].value(0)
+            except ArithmeticError:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            seen = first.setdefault((name, float(value)), value)
+            if type(seen) is not type(value):
+                out[name] = (seen, value)
+    return out

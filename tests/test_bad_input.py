@@ -540,6 +540,20 @@ def test_cli_a_pbt_mutation_the_trainer_lacks_is_refused_before_anything_is_crea
     assert not out.exists()
 
 
+def test_cli_warns_of_configurations_that_start_at_one_number_in_two_types(tmp_path: Path) -> None:
+    """``Constant(32)`` and ``MultiStep(32, ..., 2.0)`` (32.0 until its milestone) share no step:
+    the run says so on stderr, naming the hyper-parameter and both values, and goes on."""
+    body = VALID.replace('"batch_size": [32]', '"batch_size": [32, MultiStep(32, (5,), 2.0)]').replace(
+        "steps=1", "steps=6")
+    proc = run_cli(write(tmp_path / "study.py", "from events.hp import MultiStep\n" + body), tmp_path / "out")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    err = squash(proc.stderr)
+    assert "warning:" in err and "`batch_size`startsat32(int)" in err and "32.0(float)" in err, err
+    assert orjson.loads((tmp_path / "out" / "summary.json").read_bytes())["unique_steps"] == 12  # shared nothing
+    clean = run_cli(write(tmp_path / "ints.py", VALID), tmp_path / "ints")
+    assert clean.returncode == 0 and "warning" not in clean.stderr, clean.stderr
+
+
 def test_cli_flags_are_checked_before_anything_is_created(tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 11 item 10: a file as --out, a directory under a file, an unknown device: exit 2
