@@ -103,7 +103,6 @@ _CHECKSUM_HEADER = "x-amz-checksum-sha256"  # S3's full-object sha256: base64 of
 
 # S3 "not there" error codes: the object or its whole bucket is absent.
 _ABSENT_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchObject"})
-_BUCKET_EXISTS_CODES = frozenset({"BucketAlreadyOwnedByYou", "BucketAlreadyExists"})
 CREDENTIAL_CODES = frozenset(
     {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken"}
 )
@@ -119,7 +118,7 @@ class CheckpointStoreError(StorageError):
     """An object-store request failed for a reason other than a missing or corrupt object.
 
     Attributes: ``operation`` (``"put"``, ``"get"``, ``"stat"``, ``"delete"``,
-    ``"create bucket"``, ...), ``bucket``, ``key`` (object name, or None for a
+    ``"check bucket"``, ...), ``bucket``, ``key`` (object name, or None for a
     bucket-level request), ``endpoint`` and ``code`` (the S3 error code such as
     ``"AccessDenied"``, or the name of the transport error such as
     ``"MaxRetryError"``). The message names the bucket and key, never the
@@ -186,7 +185,10 @@ class S3CheckpointStore:
     ``endpoint`` is ``HOST:PORT`` (no scheme); ``secure`` selects HTTPS;
     ``region`` is the bucket's region (None: asked from the server).
     ``access_key`` / ``secret_key`` go to the minio client only. The bucket
-    is created on the first ``put`` when it does not exist. ``http_client``
+    must exist: a store never creates one (a mistyped bucket would have been
+    created, and the deployment's checkpoints split between two buckets);
+    ``put`` raises CheckpointStoreError with code ``NoSuchBucket``, and
+    :meth:`check_bucket` tells a worker before it joins. ``http_client``
     (optional) replaces the store's default urllib3 pool (the minio client's:
     5 retries with backoff, 5 minute timeouts, the CA certificates of
     ``$SSL_CERT_FILE`` or certifi, but :data:`POOL_CONNECTIONS` connections
@@ -277,10 +279,11 @@ class S3CheckpointStore:
         is overwritten. The upload carries the sha256 (up to
         :data:`SINGLE_PUT_BYTES`): when the store's reply confirms it, the
         store verified the bytes it keeps; otherwise the object is downloaded
-        and hashed. Creates the bucket if missing. Raises CheckpointCorrupt
+        and hashed. Raises CheckpointCorrupt
         when the stored object does not read back with the right hash,
         CheckpointMissing when it vanished before it could be read back (a
-        concurrent ``delete``), CheckpointStoreError on any other failure,
+        concurrent ``delete``), CheckpointStoreError on any other failure (code
+        ``NoSuchBucket``: the bucket does not exist, see :meth:`check_bucket`),
         among them a store that refused the upload because the bytes it
         received do not hash to ``ref`` (code ``XAmzContentChecksumMismatch``
         on MinIO, ``BadDigest`` on AWS): nothing is stored then, and a retry
@@ -475,6 +478,19 @@ class S3CheckpointStore:
                 response.close()
                 response.release_conn()
 
+    def check_bucket(self) -> None:
+        """One request (a HEAD of the bucket) that the bucket exists.
+
+        Raises:
+            CheckpointStoreError: code ``NoSuchBucket`` when it does not (a store never
+                creates one), a credential code (:data:`CREDENTIAL_CODES`) when the request is
+                refused, another code when the store cannot be reached. Credentials limited to
+                objects under a prefix, refused a look at the bucket itself, pass: the object
+                requests that follow tell whether it is usable.
+        """
+        self._bucket_ready = False
+        self._ensure_bucket()
+
     def _ensure_bucket(self) -> None:
         if self._bucket_ready:
             return
@@ -484,19 +500,11 @@ class S3CheckpointStore:
         except CheckpointStoreError as exc:
             if exc.code != "AccessDenied":
                 raise
-            # Credentials limited to objects under a prefix may not look at the bucket
-            # itself; the object requests that follow tell whether it is usable.
-            present = True
+            present = True  # credentials limited to a prefix: the object requests will tell
         if not present:
-            try:
-                with self._translate("create bucket", None):
-                    if self.region is None:
-                        self._client.make_bucket(self.bucket)
-                    else:
-                        self._client.make_bucket(self.bucket, location=self.region)
-            except CheckpointStoreError as exc:
-                if exc.code not in _BUCKET_EXISTS_CODES:  # lost a race with another creator
-                    raise
+            raise CheckpointStoreError("check bucket", self.bucket, None, self.endpoint, "NoSuchBucket",
+                                       "the bucket does not exist (a checkpoint store never creates one: create it "
+                                       "with the object store's tools; infra/up.sh creates the local deployment's)")
         self._bucket_ready = True
 
     def _scrub(self, text: str) -> str:

@@ -710,17 +710,24 @@ def cmd_worker(args: argparse.Namespace, console: Console) -> int:
 
 
 def _check_credentials(store: Any, url: str) -> None:
-    """One authenticated request to ``store`` before a worker joins: credentials it refuses end
-    the worker here (exit 2, naming the store and the variables to check), where they would
-    fail every stage it ran, each path handed back and dispatched again for ever. Any other
-    failure (a store away for now) is left to the stages, which retry it."""
-    from gpu_worker.object_store import CREDENTIAL_CODES, CheckpointStoreError
+    """Authenticated requests to ``store`` before a worker joins: credentials it refuses, or an
+    S3 bucket that does not exist (a mistyped one: a store never creates it), end the worker here
+    (exit 2, naming the store), where they would fail every stage it ran, each path handed back
+    and dispatched again for ever. Any other failure (a store away for now) is left to the
+    stages, which retry it."""
+    from gpu_worker.object_store import CREDENTIAL_CODES, CheckpointStoreError, S3CheckpointStore
 
+    remote = getattr(store, "store", store)  # the store of record behind a node cache
     try:
+        if isinstance(remote, S3CheckpointStore):
+            remote.check_bucket()  # a HEAD of the bucket
         store.exists("0" * 64)  # an object no checkpoint is: a HEAD
     except CheckpointStoreError as exc:
         if exc.code in CREDENTIAL_CODES:
             raise UsageError(f"--checkpoint-store {url!r} refused this worker's credentials: {exc}") from None
+        if exc.code == "NoSuchBucket":
+            raise UsageError(f"--checkpoint-store {url!r}: bucket {exc.bucket!r} does not exist at {exc.endpoint} "
+                             "(a worker never creates one; check the URL, or create the bucket first)") from None
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:

@@ -533,15 +533,23 @@ def test_s3_put_reads_back_when_the_store_does_not_confirm_the_checksum(
     assert backend.store.put(other).ref == caught.value.ref  # the next put repairs it
 
 
-def test_s3_put_creates_a_missing_bucket(minio_env: dict[str, str], minio_client: Any) -> None:
+def test_s3_put_never_creates_a_missing_bucket(minio_env: dict[str, str], minio_client: Any) -> None:
+    """A mistyped bucket in one worker's --checkpoint-store was created by its first put, and the
+    deployment's checkpoints were split between two buckets (stages retrained, verify failed):
+    a store refuses to write to a bucket that does not exist, and writes once it is created."""
     bucket = f"stagetree-test-{uuid.uuid4().hex[:12]}"
     try:
         store = open_checkpoint_store(f"s3://{bucket}/ckpt", minio_env)
+        assert isinstance(store, S3CheckpointStore)
+        for attempt in (lambda: store.put(b"first object"), store.check_bucket):
+            with pytest.raises(CheckpointStoreError) as caught:
+                attempt()
+            assert caught.value.code == "NoSuchBucket" and caught.value.bucket == bucket
+            assert "never creates one" in str(caught.value)
         assert not minio_client.bucket_exists(bucket)
+        minio_client.make_bucket(bucket)
+        store.check_bucket()
         ref = store.put(b"first object").ref
-        assert minio_client.bucket_exists(bucket)
-        assert store.get(ref) == b"first object"
-        # A second store on the same (now existing) bucket works too.
         assert open_checkpoint_store(f"s3://{bucket}/ckpt", minio_env).get(ref) == b"first object"
     finally:
         remove_bucket(minio_client, bucket)

@@ -284,7 +284,9 @@ def test_an_audit_or_export_of_a_deployment_that_is_not_there_is_refused(deploym
 @pytest.mark.parametrize(("env", "needle"), [
     ({"STAGETREE_S3_SECRET_KEY": "not-the-secret"}, "refused this worker's credentials"),
     ({"STAGETREE_CHECKPOINT_CACHE": "cache", "STAGETREE_CHECKPOINT_CACHE_BYTES": "lots"}, "'lots'"),
-], ids=["wrong-credentials", "bad-cache-size"])
+    ({"STAGETREE_CHECKPOINT_STORE": "s3://stagetree-no-such-bucket/x"},  # a typo: never created
+     "bucket 'stagetree-no-such-bucket' does not exist"),
+], ids=["wrong-credentials", "bad-cache-size", "missing-bucket"])
 def test_a_kafka_run_whose_worker_refuses_its_input_ends_saying_why(deployment: dict[str, str], tmp_path: Path,
                                                                     env: dict[str, str], needle: str) -> None:
     """``run --workers N`` on Kafka watches the processes it started: a worker that exits with
