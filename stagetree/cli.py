@@ -93,7 +93,7 @@ def _warn_unshared(path: str, unshared: dict[str, tuple[Any, Any]]) -> None:
     from rich.console import Console
     from rich.markup import escape
 
-    err = Console(stderr=True, soft_wrap=True)
+    err = Console(stderr=True, soft_wrap=True, emoji=False)
     for hp, (a, b) in unshared.items():
         err.print(f"[yellow]warning:[/yellow] study file {escape(repr(path))}: `{escape(hp)}` starts at {a!r} "
                   f"({type(a).__name__}) in some configurations and {b!r} ({type(b).__name__}) in others: those "
@@ -765,8 +765,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from events import tracing
 
-    console = Console(soft_wrap=True)
-    err = Console(stderr=True, soft_wrap=True)
+    console = Console(soft_wrap=True, emoji=False)
+    err = Console(stderr=True, soft_wrap=True, emoji=False)
     try:
         tracing.configure(args.otel_exporter, "stagetree")
         return int(args.func(args, console))

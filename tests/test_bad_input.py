@@ -331,9 +331,10 @@ def test_cli_missing_study_file(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("filename", ["exp[v2].py", "exp[bold]1.py"])
+@pytest.mark.parametrize("filename", ["exp[v2].py", "exp[bold]1.py", "nofile:smile:x.py"])
 def test_cli_error_shows_the_value_verbatim(tmp_path: Path, capsys: pytest.CaptureFixture[str], filename: str) -> None:
-    """The error names the value as given: square brackets in a path are not console markup."""
+    """The error names the value as given: square brackets in a path are not console markup, and
+    ``:smile:`` is no emoji code (it was shown as an emoji)."""
     missing = tmp_path / filename
     assert cli(["run", str(missing), "--out", str(tmp_path / "out")]) == 2
     assert squash(str(missing)) in squash(capsys.readouterr().err)

@@ -54,7 +54,7 @@ def cmd_mlflow(args: argparse.Namespace, console: Console) -> int:
 
 
 def _missing(exc: MissingExtra) -> int:
-    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {escape(str(exc))}")
+    Console(stderr=True, soft_wrap=True, emoji=False).print(f"[red]error:[/red] {escape(str(exc))}")
     return 2
 
 
