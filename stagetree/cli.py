@@ -541,6 +541,24 @@ def _topic_prefix(value: str) -> str:
     return value
 
 
+_BROKER = re.compile(r"(?:[A-Za-z_]+://)?(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::(\d{1,5}))?")
+"""One address of Kafka's ``bootstrap.servers``: ``[PROTOCOL://]HOST[:PORT]`` (librdkafka's
+default port when none is given)."""
+
+
+def _bootstrap_servers(value: str) -> str:
+    """An argparse type: Kafka's ``HOST:PORT[,HOST:PORT...]`` (empty: embedded mode), checked
+    here rather than after librdkafka has tried a mistyped address for a minute."""
+    if not value:
+        return value
+    for address in value.split(","):
+        match = _BROKER.fullmatch(address.strip())
+        if match is None or (match[1] is not None and not 1 <= int(match[1]) <= 65535):
+            raise argparse.ArgumentTypeError(f"must be HOST:PORT[,HOST:PORT...] with ports 1 to 65535, got {value!r} "
+                                             f"({address.strip()!r})")
+    return value
+
+
 def _app_id(value: str) -> str:
     """An argparse type: a faust app id (it names the app's Kafka topics and consumer group)."""
     if not topics.TOPIC_PART.fullmatch(value):
@@ -632,7 +650,8 @@ def parser() -> argparse.ArgumentParser:
 
 def _kafka_flags(p: argparse.ArgumentParser, required: bool = False) -> None:
     servers = os.environ.get("STAGETREE_BOOTSTRAP_SERVERS")
-    p.add_argument("--bootstrap-servers", default=servers, required=required and not servers,
+    p.add_argument("--bootstrap-servers", type=_bootstrap_servers, default=servers,  # a string: checked too
+                   required=required and not servers,
                    help="Kafka HOST:PORT (default: $STAGETREE_BOOTSTRAP_SERVERS); embedded mode when unset")
     p.add_argument("--topic-prefix", type=_topic_prefix, default=os.environ.get("STAGETREE_TOPIC_PREFIX", ""),
                    help="prefix of every topic name (default: $STAGETREE_TOPIC_PREFIX)")

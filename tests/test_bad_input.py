@@ -625,6 +625,17 @@ def test_cli_kafka_flags_and_their_variables_are_checked(argv: list[str], env: d
     assert "Traceback" not in err and all(n in err for n in needles), err
 
 
+@pytest.mark.parametrize("servers", ["127.0.0.1:abc", "host:notaport", "127.0.0.1:99999", "a:1,,b:2"])
+def test_cli_a_mistyped_kafka_address_is_refused_at_once(servers: str, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """It went to librdkafka, which tried it for a minute before the exit."""
+    for argv in (["serve", "--bootstrap-servers", servers], ["worker", "--checkpoint-store", "/nonexistent"]):
+        monkeypatch.setenv("STAGETREE_BOOTSTRAP_SERVERS", servers)  # the variable, checked as the flag
+        assert cli(argv) == 2
+        err = squash(capsys.readouterr().err)
+        assert "--bootstrap-servers" in err and squash(repr(servers)) in err and "Traceback" not in err, err
+
+
 def test_cli_a_study_name_that_is_no_file_name_stays_under_runs(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """The default run directory is ``runs/<name>``: a ``name`` such as ``../escaped`` made it
