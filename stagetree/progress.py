@@ -10,6 +10,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from projections.queries import unique_steps
 from projections.state import State
 
 
@@ -19,7 +20,10 @@ def render(state: State, title: str, study_id: str | None = None) -> Group:
     The totals are ``study_id``'s when given (its trials; the stages, steps and worker-seconds
     of its plans, as its summary counts them), else the whole log's (a deployment runs other
     studies beside it). Stages: finished / finished plus those the running dispatches still
-    hold (a lost or preempted dispatch's rest is dispatched again: counted once, there)."""
+    hold (a lost or preempted dispatch's rest is dispatched again: counted once, there). Steps
+    saved: the steps the trials asked minus the unique steps of their requests' paths (what
+    merging spares, known from the plan before they train) or, once more were trained
+    (checkpoints evicted and recomputed), minus the steps trained."""
     trials = [t for t in state.trials.values() if study_id is None or t.study_id == study_id]
     keys = {t.plan_key for t in trials}
     dispatches = [d for d in state.dispatches.values() if study_id is None or d.plan_key in keys]
@@ -28,6 +32,11 @@ def render(state: State, title: str, study_id: str | None = None) -> Group:
     outstanding = sum(len(d.stages) - d.finished for d in dispatches if d.status == "running")
     done = sum(1 for t in trials if t.status == "done")
     asked = sum(t.steps for t in trials)
+    targets: dict[str, list[tuple[str, int]]] = {}
+    for t in trials:
+        if t.steps in t.requests:
+            targets.setdefault(t.plan_key, []).append((t.requests[t.steps], t.steps))
+    unique = sum(unique_steps(state.plans[key], requests) for key, requests in targets.items())
     executed = state.stats.executed_steps if study_id is None else sum(p.executed_steps for p in plans)
     seconds = state.stats.worker_seconds if study_id is None else sum(p.worker_seconds for p in plans)
     head = Text.assemble(
@@ -35,7 +44,7 @@ def render(state: State, title: str, study_id: str | None = None) -> Group:
         f"  stages {finished}/{finished + outstanding}",
         f"  trials {done}/{len(trials)}",
         f"  steps trained {executed}",
-        (f"  steps saved {max(0, asked - executed)}", "green"),
+        (f"  steps saved {max(0, asked - max(unique, executed))}", "green"),
         f"  worker-seconds {seconds:.1f}",
     )
     table = Table(box=None, show_header=True, header_style="dim")

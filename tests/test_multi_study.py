@@ -315,6 +315,41 @@ def test_the_live_progress_counts_the_study_it_runs(two_studies: Simulation) -> 
         assert finished == total, line(study)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["nothing-shared", "prefixes-shared"])
+def test_the_progress_line_saves_only_what_merging_spares(shared: bool, tmp_path: Path) -> None:
+    """"steps saved" was the steps asked minus those trained so far: the work still to do (400
+    at the start of a study that shares nothing). It is what merging spares: the steps asked
+    minus the unique steps of the requests' paths, from the first request on, and at the end
+    the steps asked minus those trained."""
+    from rich.console import Console
+
+    from gpu_worker.simulated import SimulatedTrainer
+    from projections.state import State
+    from projections.store import fold_records
+    from stagetree.progress import render
+    from stagetree.simulate import SimStudy, simulate
+    from stagetree.tuners import GridSearch, GridSearchSpace
+
+    lrs = [Constant(0.1), Piecewise([Constant(0.1), Constant(0.01)], [60])] if shared else [Constant(0.1),
+                                                                                          Constant(0.2)]
+    result = simulate(SimulatedTrainer("p", ("lr",)), [SimStudy("s", GridSearch(GridSearchSpace({"lr": lrs}), 100,
+                                                                                 "val_acc"))],
+                      workers=1, run_dir=tmp_path)
+    seen: list[int] = []
+
+    def after(offset: int, state: State) -> None:
+        if len(state.trials) == 2:  # both asked (from the second record on)
+            console = Console(width=300, record=True)
+            console.print(render(state, "t", "s"))
+            seen.append(int(re.search(r"steps saved (\d+)", console.export_text()).group(1)))
+
+    with EmbeddedLog(tmp_path / "log", read_only=True) as log:
+        fold_records(State(), log.read(topics.PLAN), after=after)
+    expected = 200 - result.unique_steps
+    assert result.executed_steps == result.unique_steps == (140 if shared else 200)
+    assert seen and set(seen) == {expected}, seen
+
+
 def test_the_progress_display_ends_its_last_line_where_output_is_no_terminal(two_studies: Simulation,
                                                                             capsys: pytest.CaptureFixture[str]
                                                                             ) -> None:
