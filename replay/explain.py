@@ -143,5 +143,6 @@ def explain(source: str | Path | Source, trial: str, *, secret: bytes | None = N
     if not decided:
         has_any = any(state.decided.values())
         story.notes.append("no tuner decision names this trial" if has_any else
-                           "the log holds no tuner decisions (written before decisions were events)")
+                           "the log holds no tuner decisions (its tuner recorded none, or the log was written "
+                           "before decisions were events)")
     return story

@@ -48,8 +48,8 @@ from stagetree.runtime import RuntimeBase, settle
 from stagetree.study import Study
 from stagetree.tuners import Tuner
 
-NO_DECISIONS = ("not recomputed: the log holds no tuner decisions (written before decisions were events), so its "
-                "tuner decisions cannot be recomputed")
+NO_DECISIONS = ("not recomputed: the log holds no tuner decisions (its tuner recorded none, e.g. one that calls "
+                "submit without decide, or the log was written before decisions were events)")
 
 
 class _Records:
