@@ -720,7 +720,7 @@ def cmd_worker(args: argparse.Namespace, console: Console) -> int:
 
     tracing.configure(args.otel_exporter, f"stagetree-worker-{worker_id}")
     store = cached(open_checkpoint_store(args.checkpoint_store), args.checkpoint_cache, cache_bytes)
-    _check_credentials(store, args.checkpoint_store)
+    _check_store(store, args.checkpoint_store)
     runner = TrainingRunner(make_log(), worker_id, store, args.device, study_file=args.study)
     worker = KafkaWorker(make_log, worker_id, runner, heartbeat_s=args.heartbeat)
     signal.signal(signal.SIGTERM, lambda *_: worker.drain())
@@ -728,7 +728,7 @@ def cmd_worker(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _check_credentials(store: Any, url: str) -> None:
+def _check_store(store: Any, url: str) -> None:
     """Authenticated requests to ``store`` before a worker joins: credentials it refuses, or an
     S3 bucket that does not exist (a mistyped one: a store never creates it), end the worker here
     (exit 2, naming the store), where they would fail every stage it ran, each path handed back
