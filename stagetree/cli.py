@@ -353,8 +353,12 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
             # started again, or ends the run (a refusal of its input, its restarts spent)
             warn = functools.partial(_warn, console)
             summary = await _while_watched(study(), watch(procs, warn))
-        else:
-            summary = await study()
+        else:  # a deployment started apart: say so when nothing there can run the study
+            hint = asyncio.create_task(_hint_idle_deployment(runtime, args, console))
+            try:
+                summary = await study()
+            finally:
+                hint.cancel()
         if procs:  # the serve we started seals the chain: stop it only once the study's end is sealed
             await _sealed(runtime, dict(runtime.last_record), console)
     finally:
@@ -377,6 +381,35 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
             _forget_serve_app(log, app_id, console)
         log.close()
     return _write_summary(out, summary)
+
+
+HINT_AFTER_S = 15.0
+"""Seconds ``run --workers 0`` waits before it says that nothing on the deployment can run it."""
+
+
+async def _hint_idle_deployment(runtime: Any, args: argparse.Namespace, console: Console) -> None:
+    """``run --workers 0``: once :data:`HINT_AFTER_S` went by with nothing dispatched, warn that no
+    worker has joined the deployment, or that its workers are idle (no serve decides for this
+    topic prefix); the run goes on waiting. Each warning is given once."""
+    import asyncio
+
+    where = f"on {args.bootstrap_servers} with --topic-prefix {args.topic_prefix!r}"
+    said: set[str] = set()
+    while len(said) < 2:
+        dispatched = len(runtime.state.dispatches)
+        await asyncio.sleep(HINT_AFTER_S)
+        state = runtime.state
+        if len(state.dispatches) != dispatched:
+            continue
+        if not any(w.alive for w in state.workers.values()):
+            if "workers" not in said:
+                said.add("workers")
+                _warn(console, f"waiting: no worker has joined the deployment {where}; start `stagetree worker` "
+                               "there (and `stagetree serve`), or run with --workers N")
+        elif state.idle_workers() and "serve" not in said:
+            said.add("serve")
+            _warn(console, f"waiting: {len(state.idle_workers())} worker(s) {where} are idle and nothing was "
+                           f"dispatched in {HINT_AFTER_S:.0f} s; is `stagetree serve` running there?")
 
 
 def _warn(console: Console, text: str) -> None:

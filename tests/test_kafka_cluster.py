@@ -337,3 +337,29 @@ def test_a_kafka_run_starts_a_worker_that_died_again_and_finishes(deployment: di
     said = " ".join(stdout.split())  # the run's warnings, as its others
     assert "worker w1 (pid" in said and "was killed by SIGKILL; starting it again (restart 1 of 3)" in said, said
     assert {t["status"] for t in summary_of(out)["trials"]} == {"done"}
+
+
+def test_a_run_with_no_deployment_to_run_it_says_what_it_waits_for(deployment: dict[str, str],
+                                                                   tmp_path: Path) -> None:
+    """``run --workers 0`` on a prefix where no serve and no worker run waited in silence, for
+    ever: after 15 s with nothing dispatched it warns that no worker has joined, and waits on."""
+    import selectors
+    import time
+
+    run = subprocess.Popen([*CLI, "run", str(STUDY), "--workers", "0", "--out", str(tmp_path / "run"), "--quiet"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=deployment)
+    try:
+        seen, deadline = "", time.monotonic() + 60
+        assert run.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(run.stdout, selectors.EVENT_READ)
+            while "no worker has joined" not in seen and time.monotonic() < deadline and run.poll() is None:
+                if sel.select(timeout=1):
+                    seen += run.stdout.readline()
+        said = " ".join(seen.split())
+        assert "waiting: no worker has joined the deployment" in said, seen
+        assert deployment["STAGETREE_TOPIC_PREFIX"] in said and "stagetree worker" in said, seen
+        assert run.poll() is None  # it waits on
+    finally:
+        run.kill()
+        run.wait()
