@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from rich.console import Group
+from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -72,8 +72,8 @@ class Progress:
         self._state_of = state_of
         self.title = title
         self.study_id = study_id  # the totals of this study only (see render)
-        self.live = Live(render(state_of(), title, study_id), refresh_per_second=4, transient=False) \
-            if enabled else None
+        self.live = Live(render(state_of(), title, study_id), refresh_per_second=4, transient=False,
+                         console=Console(emoji=False)) if enabled else None  # a study named "x:smile:" as given
         self._due = 0.0  # time.monotonic() of the next snapshot
 
     def __enter__(self) -> Progress:
