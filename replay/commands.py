@@ -17,6 +17,7 @@ from rich.markup import escape
 
 from events import topics
 from events.keys import secret_from
+from stagetree.outputs import check_output_dir, check_output_file
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -37,8 +38,9 @@ def _progress(console: Console, quiet: bool) -> Progress:
 def cmd_export(args: argparse.Namespace, console: Console) -> int:
     from replay.audit import export_log, open_source
 
+    out = check_output_file("--out", args.out)  # before a Kafka source's whole read
     source = open_source(args.source, secret_from(args.log_key))
-    n = export_log(source, Path(args.out), secret_from(args.log_key))
+    n = export_log(source, out, secret_from(args.log_key))
     console.print(f"exported {n} records ({source.chain} chain) to {escape(args.out)}")
     return 0
 
@@ -46,8 +48,9 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
 def cmd_import(args: argparse.Namespace, console: Console) -> int:
     from replay.audit import import_log, open_source
 
+    out = check_output_dir("--out", args.out)
     source = open_source(args.file)
-    import_log(source, Path(args.out), secret_from(args.log_key))
+    import_log(source, out, secret_from(args.log_key))
     console.print(f"imported {sum(len(v) for v in source.streams.values())} records into {escape(args.out)}")
     return 0
 
@@ -56,6 +59,8 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     from replay.audit import open_source
     from replay.tuner import verify_all
 
+    if args.json:
+        check_output_file("--json", args.json)  # before the audit, not once it is done
     secret = secret_from(args.log_key)
     source = open_source(args.source, secret, args.checkpoints)
     total = len(source.streams.get(topics.PLAN, []))

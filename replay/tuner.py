@@ -383,27 +383,34 @@ def _study_specs(path: str) -> dict[str, tuple[Tuner, Trainer]]:
 
 
 def verify_decisions(source: Source, study_file: str | None = None, *,
-                     secret: bytes | None = None) -> tuple[Failure | None, str]:
+                     secret: bytes | None = None) -> tuple[Failure | None, str, bool]:
     """The ``tuner`` check of ``replay verify``: recompute every study's decisions with the
     tuner of ``study_file`` (default: the file each study's StudyStarted records). Returns the
-    first mismatch (None when every recomputed decision matched) and what was checked, with a
-    note for what was not (no decisions in the log, no study file).
+    first mismatch (None when every recomputed decision matched), what was checked, with a
+    note for what was not (no decisions in the log, no study file), and whether the check was
+    skipped: the log holds tuner decisions and none could be recomputed.
 
     Raises:
-        AuditError: ``study_file`` was given but cannot be loaded.
+        AuditError: ``study_file`` was given but cannot be loaded, or defines none of the
+            studies whose decisions the log holds.
     """
     events = _plan_events(source)
     runs = runs_of(events)
     if not runs:  # an empty log, or one that holds only an Optuna study's journal
-        return None, "not recomputed: the log holds no study"
+        return None, "not recomputed: the log holds no study", False
     if not any(isinstance(e, TunerDecided) for _, _, e in events):
-        return None, NO_DECISIONS
+        return None, NO_DECISIONS, False
     records = source.streams.get(topics.PLAN, [])
     if study_file is not None:
         try:
-            _study_specs(study_file)
+            defined = _study_specs(study_file)
         except StudyFileError as exc:
             raise AuditError(f"--study: {exc}") from None
+        decided = sorted(study_id for study_id in runs if any(run.decisions for run in runs[study_id]))
+        if not set(defined) & set(decided):
+            raise AuditError(f"--study {study_file!r} defines no study whose decisions the log holds (it defines "
+                             f"{', '.join(map(repr, sorted(defined))) or 'none'}; the log's: "
+                             f"{', '.join(map(repr, decided))})")
     checked, studies, notes = 0, 0, []
     for study_id in sorted(runs):
         if not any(run.decisions for run in runs[study_id]):
@@ -432,10 +439,10 @@ def verify_decisions(source: Source, study_file: str | None = None, *,
         checked += check.checked
         notes += check.notes
         if check.failure is not None:
-            return check.failure, ""
+            return check.failure, "", False
     detail = f"{checked} tuner decisions of {studies} {'study' if studies == 1 else 'studies'} recomputed from their " \
              "log prefixes" if studies else "tuner decisions not recomputed"
-    return None, "; ".join([detail, *notes])
+    return None, "; ".join([detail, *notes]), studies == 0
 
 
 def verify_all(source: Source, secret: bytes | None = None, progress: Callable[[int], None] | None = None,
@@ -447,8 +454,8 @@ def verify_all(source: Source, secret: bytes | None = None, progress: Callable[[
         AuditError: ``study_file`` was given but cannot be loaded.
     """
     result = verify(source, secret, progress)
-    failure, detail = verify_decisions(source, study_file, secret=secret)
-    result.add("tuner", failure, detail)
+    failure, detail, skipped = verify_decisions(source, study_file, secret=secret)
+    result.add("tuner", failure, detail, skipped=skipped)
     return result
 
 

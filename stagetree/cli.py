@@ -178,10 +178,9 @@ def _out_dir(out: str | None, name: str) -> Path:
 
 def _check_out(out: Path) -> None:
     """Refuse a ``--out`` that cannot be a directory, before anything is created (exit 2)."""
-    for part in (out, *out.parents):
-        if part.exists() and not part.is_dir():
-            where = "is a file" if part == out else f"is under {str(part)!r}, which is a file"
-            raise UsageError(f"--out {str(out)!r} {where}, but must be a run directory")
+    from stagetree.outputs import check_output_dir
+
+    check_output_dir("--out", out)
 
 
 def _check_device(spec: str, flag: str = "--device") -> None:

@@ -155,23 +155,17 @@ def _check_outputs(out: str | None, json_path: str | None, modes: list[str]) -> 
     """Refuse, before anything runs (exit 2), an ``--out`` that is no directory or already holds a
     simulation of one of ``modes`` (a second one appended its decisions to the first's log and
     overwrote its summaries), and a ``--json`` that cannot be written."""
-    from stagetree.cli import _check_out
     from stagetree.errors import UsageError
+    from stagetree.outputs import check_output_dir, check_output_file
 
     if out is not None:
-        if not out.strip():
-            raise UsageError(f"--out is {out!r}, but must name a directory")
-        _check_out(Path(out))
+        check_output_dir("--out", out)
         held = [m for m in modes if (Path(out) / m / "log" / "CURRENT").is_file()]
         if held:
             raise UsageError(f"--out {out!r} already holds a simulation ({', '.join(str(Path(out) / m) for m in held)})"
                              "; choose another --out")
     if json_path is not None:
-        path = Path(json_path)
-        if not json_path.strip() or path.is_dir():
-            raise UsageError(f"--json is {json_path!r}, but must name a file")
-        if not path.parent.is_dir():
-            raise UsageError(f"--json {json_path!r}: its directory {str(path.parent)!r} does not exist")
+        check_output_file("--json", json_path)
 
 
 def cmd_simulate(args: argparse.Namespace, console: Console) -> int:

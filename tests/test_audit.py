@@ -21,8 +21,8 @@ STUDY = Path(__file__).parent / "studies" / "tiny_sha.py"
 KEY = "audit-secret"
 
 
-def _run(out: Path, *flags: str, env: dict | None = None) -> None:
-    proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "run", str(STUDY), "--workers", "2",
+def _run(out: Path, *flags: str, env: dict | None = None, study: Path = STUDY) -> None:
+    proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "run", str(study), "--workers", "2",
                            "--out", str(out),
                            "--quiet", *flags], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -491,3 +491,40 @@ def test_a_run_that_ended_before_its_first_record_verifies(tmp_path: Path, capsy
     out = capsys.readouterr().out
     assert "ok projection: the log holds no plan record and nothing was projected" in out
     assert "the log holds no study" in out and "written before" not in out
+
+
+def test_a_tuner_check_that_could_not_be_made_is_skipped_and_a_wrong_study_file_refused(
+        run_dir: Path, tmp_path: Path, capsys) -> None:
+    """A run whose study file is gone had its tuner check listed as ok (never made); a --study
+    file that defines none of the log's studies passed with exit 0."""
+    other = Path(__file__).parent / "studies" / "tiny_grid.py"  # defines 'tiny-grid', not 'tiny'
+    assert main(["replay", "verify", str(run_dir), "--study", str(other)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "defines no study whose decisions the log holds" in err and "'tiny-grid'" in err, err
+    study = tmp_path / "gone.py"
+    study.write_text(f"import sys\nsys.path.insert(0, {str(STUDY.parent)!r})\n"
+                     "from tiny_sha import name, seed, trainer, tuner  # noqa: F401\n")
+    _run(tmp_path / "run", study=study)
+    study.unlink()
+    out = tmp_path / "verify.json"
+    assert main(["replay", "verify", str(tmp_path / "run"), "--json", str(out)]) == 0
+    tuner = next(c for c in orjson.loads(out.read_bytes())["checks"] if c["name"] == "tuner")
+    assert tuner["skipped"] and "no study file" in tuner["detail"], tuner
+    assert "skipped tuner" in capsys.readouterr().out
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_the_work(run_dir: Path, tmp_path: Path, capsys) -> None:
+    """Each was a traceback (exit 1); verify's --json only once the whole audit had run."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for argv, needle in [
+        (["report", str(run_dir), "--out", str(a_file)], "is a file"),
+        (["replay", "verify", str(run_dir), "--json", str(tmp_path / "missing" / "x.json")], "does not exist"),
+        (["replay", "verify", str(run_dir), "--json", str(a_file / "x.json")], "does not exist"),
+        (["log", "export", str(run_dir), "--out", str(tmp_path)], "must name a file"),
+        (["log", "import", str(a_file), "--out", str(a_file)], "is a file"),
+    ]:
+        assert main(argv) == 2, argv
+        captured = capsys.readouterr()
+        err = " ".join(captured.err.split())
+        assert needle in err and "Traceback" not in err and "verified" not in captured.out, (argv, err)

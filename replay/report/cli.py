@@ -146,7 +146,9 @@ def cmd_report(args: argparse.Namespace, console: Any = None) -> int:
     """Handle parsed ``stagetree report`` arguments. Exit code: 0 written (whatever the audit
     says), 2 bad input (source, --audit file)."""
     from replay.report.load import ReportError
+    from stagetree.outputs import check_output_dir
 
+    check_output_dir("--out", args.out)  # UsageError: exit 2, before the audit
     secret = secret_from(args.log_key)
     try:
         audit = _load_audit(args.audit) if args.audit else _verify(args.source, secret) if args.verify else None
