@@ -124,15 +124,15 @@ def _positive(value: int | float, info: ValidationInfo) -> int | float:
 
 
 def _at_least_one(value: int, info: ValidationInfo) -> int:
-    if value < 1:
-        raise ValueError(f"`{_name(info)}` is {value!r}, but must be >= 1")
+    if not 1 <= value < 2**63:
+        raise ValueError(f"`{_name(info)}` is {value!r}, but must be >= 1 and fit in 64 bits (JSON)")
     return value
 
 
 def _increasing_positive(steps: tuple[int, ...], info: ValidationInfo) -> tuple[int, ...]:
-    if any(s < 1 for s in steps) or any(a >= b for a, b in zip(steps, steps[1:])):
+    if any(not 1 <= s < 2**63 for s in steps) or any(a >= b for a, b in zip(steps, steps[1:])):
         raise ValueError(
-            f"`{_name(info)}` is {list(steps)}, but must be strictly increasing ints >= 1"
+            f"`{_name(info)}` is {list(steps)}, but must be strictly increasing ints >= 1 that fit in 64 bits (JSON)"
         )
     return steps
 

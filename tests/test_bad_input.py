@@ -206,6 +206,10 @@ def test_invalid_function(study: Study, runtime: LogRuntime, lr: object, needles
         (lambda: Cosine(0.1, 0.0, 50, gamma=0.9), ["gamma", "0.9"]),
         (lambda: Warmup(0.0, 0, Constant(0.1)), ["period", "0"]),
         (lambda: Constant(True), ["value", "True"]),
+        # lengths beyond 64 bits were accepted, then failed the trial id's JSON: a bare TypeError
+        (lambda: MultiStep(0.1, (2**64,), 0.1), ["milestones", str(2**64), "64 bits"]),
+        (lambda: Cosine(0.1, 0.0, 2**70), ["period", str(2**70), "64 bits"]),
+        (lambda: Warmup(0.0, 2**64, Constant(0.1)), ["period", str(2**64), "64 bits"]),
     ],
 )
 def test_invalid_function_objects(make: Callable[[], object], needles: list[str]) -> None:
