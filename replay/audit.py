@@ -246,6 +246,23 @@ def open_export(path: Path, checkpoints: str | None = None) -> Source:
                   projection_sha256=header.get("projection_sha256"), header=header)
 
 
+def export_complete(source: Source) -> Failure | None:
+    """Whether an export holds every record its header lists: a chain cannot tell a log cut off
+    after any record (a prefix chains correctly), so the header's record count per stream is
+    compared. Detects a truncated or partly copied file; a header rewritten to match is not
+    detected (the header is not chained: keep an export's sha256 apart, or verify the run
+    directory or the deployment's sealed topics)."""
+    counts = source.header.get("streams")
+    if not isinstance(counts, dict):
+        return None
+    for name in sorted(set(counts) | set(source.streams)):
+        held = len(source.streams.get(name, []))
+        if counts.get(name, 0) != held:
+            return Failure("chain", None, None, f"stream {name}: the export's header lists {counts.get(name, 0)} "
+                                                f"records, the file holds {held} (cut off, or records added)")
+    return None
+
+
 def kafka_location(url: str) -> tuple[str, str]:
     """``(bootstrap servers, topic prefix)`` of ``kafka://HOST:PORT[,HOST:PORT...][/WHERE]``, where
     WHERE is the deployment's topic prefix or its plan topic ``<prefix>stagetree.plan`` (empty:
@@ -491,7 +508,8 @@ class Failure:
     detail: str
 
     def __str__(self) -> str:
-        where = f"offset {self.offset} ({self.event})" if self.offset is not None else "the log"
+        event = f" ({self.event})" if self.event else ""  # a record that is not an event names none
+        where = "the log" if self.offset is None else f"offset {self.offset}{event}"
         return f"{self.check} check failed at {where}: {self.detail}"
 
 
@@ -660,6 +678,8 @@ def _verify(source: Source, secret: bytes | None, progress: Callable[[int], None
         if first is None and plan_chain is not None:
             first = plan_chain.failure or check_chain(source, secret, [n for n in names if n > topics.PLAN])
         result.events = sum(len(v) for v in source.streams.values())  # counted by the passes that read them
+        if first is None and source.kind == "export":
+            first = export_complete(source)
         result.add("chain", first, f"{result.events} records in {len(source.streams)} streams chain correctly "
                                    f"({source.chain})")
 
@@ -697,7 +717,11 @@ def _verify(source: Source, secret: bytes | None, progress: Callable[[int], None
                                                                  mismatch.detail),
                f"{counts} decisions recomputed from their log prefixes")
 
-    if source.stored_projection is not None and not source.stored_projection and state.offset < 0:
+    if source.kind == "run" and source.stored_projection is None and state.offset >= 0:
+        # every run that writes the plan stream keeps its projection (an Optuna journal alone: none)
+        result.add("projection", Failure("projection", None, None, "the run directory has no projection (state/), "
+                                                                   "which every run writes"), "")
+    elif source.stored_projection is not None and not source.stored_projection and state.offset < 0:
         # a run that ended before its first record (a worker that failed to start)
         result.add("projection", None, "the log holds no plan record and nothing was projected")
     elif source.stored_projection is not None:

@@ -180,6 +180,7 @@ def test_an_inserted_forged_dispatch_fails(run_dir: Path, export: Path, capsys) 
         head = chain_next(head, r["stream"], offset, r["key"], r["value"].encode())
         r["chain"] = head.hex()
     others = [r for r in rows if r.get("stream") not in (None, "stagetree.plan")]
+    rows[0]["streams"]["stagetree.plan"] += 1  # and fixes the header's count, which is not chained
     write(export, [rows[0], *resealed, *others])
     msg = first_failure(export, run_dir, capsys)
     # the chain is intact, but the scheduler would not have decided this
@@ -528,3 +529,25 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_work(run_dir: Pat
         captured = capsys.readouterr()
         err = " ".join(captured.err.split())
         assert needle in err and "Traceback" not in err and "verified" not in captured.out, (argv, err)
+
+
+def test_a_cut_off_export_and_a_run_directory_without_its_projection_fail(run_dir: Path, export: Path,
+                                                                         tmp_path: Path, capsys) -> None:
+    """Records cut off the end of a stream chain correctly (a prefix of a chain is a chain): an
+    export's header lists each stream's records, and verify passed a file cut short; a run
+    directory whose state/ was removed had its projection check skipped."""
+    lines = export.read_bytes().splitlines(keepends=True)
+    dispatch = [i for i, line in enumerate(lines[1:], 1) if b'"stream":"stagetree.dispatch"' in line]
+    assert dispatch
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(b"".join(line for i, line in enumerate(lines) if i not in dispatch[-2:]))
+    assert main(["replay", "verify", str(cut)]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"stream stagetree.dispatch: the export's header lists {len(dispatch)} records, the file holds " \
+           f"{len(dispatch) - 2}" in out, out
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    shutil.rmtree(copy / "state")
+    assert main(["replay", "verify", str(copy)]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "FAILED projection:" in out and "the run directory has no projection (state/)" in out, out

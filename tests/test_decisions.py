@@ -255,8 +255,8 @@ def test_without_a_study_file_verify_checks_the_rest_and_says_so(runs: Any, tmp_
     moved = reseal(header, rows, tmp_path / "moved.jsonl")
     code, out = verify_cli(moved, capsys)
     assert code == 0, out
-    assert "ok tuner: tuner decisions not recomputed; study 'asha': tuner decisions not recomputed: no study file " \
-           "(the log names '/elsewhere/decisions.py'; pass --study FILE)" in out
+    assert "skipped tuner: tuner decisions not recomputed; study 'asha': tuner decisions not recomputed: no " \
+           "study file (the log names '/elsewhere/decisions.py'; pass --study FILE)" in out
     code, out = verify_cli(moved, capsys, "--study", str(STUDY))
     assert code == 0 and "tuner decisions of 1 study recomputed" in out, out
     code, out = verify_cli(moved, capsys, "--study", str(tmp_path / "missing.py"))
