@@ -86,7 +86,8 @@ def configure(spec: str | None, service_name: str) -> None:
     ``$STAGETREE_OTEL_EXPORTER`` (default ``none``).
 
     Raises:
-        ValueError: an unknown exporter spec (the message names it).
+        ValueError: an unknown exporter spec, or a ``jsonl:PATH`` that cannot be written (the
+            message names it).
     """
     global _provider, _spec
     spec = spec if spec is not None else os.environ.get(EXPORTER_ENV, "none")
@@ -104,7 +105,13 @@ def configure(spec: str | None, service_name: str) -> None:
 
         processor = BatchSpanProcessor(OTLPSpanExporter())
     elif spec.startswith("jsonl:") and len(spec) > len("jsonl:"):
-        processor = SimpleSpanProcessor(JsonlSpanExporter(spec[len("jsonl:"):]))
+        path = spec[len("jsonl:"):]
+        try:  # the file every span is appended to: one that cannot be written lost each span, in a traceback
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
+        except OSError as exc:
+            raise ValueError(f"`--otel-exporter` is {spec!r}, but {path!r} cannot be written: "
+                             f"{exc.strerror or exc}") from None
+        processor = SimpleSpanProcessor(JsonlSpanExporter(path))
     else:
         raise ValueError(f"`--otel-exporter` is {spec!r}, but must be none, console, otlp or jsonl:PATH")
     provider = TracerProvider(resource=Resource.create({"service.name": service_name, "process.pid": os.getpid()}))

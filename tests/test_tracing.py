@@ -82,3 +82,20 @@ def test_tracing_off_installs_nothing_and_events_carry_no_context() -> None:
 def test_an_unknown_exporter_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="zipkin"):
         tracing.configure("zipkin", "test")
+
+
+def test_a_jsonl_file_that_cannot_be_written_is_refused_before_the_run(tmp_path: Path, capsys) -> None:
+    """It was taken, and each span then failed to export in a traceback of its own (1,384 lines
+    for a small study), exit 0, no span kept."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    spec = f"jsonl:{a_file}/spans.jsonl"
+    with pytest.raises(ValueError, match="cannot be written"):
+        tracing.configure(spec, "test")
+    from stagetree.cli import main
+
+    assert main(["run", str(Path(__file__).parent / "studies" / "tiny_sha.py"), "--out", str(tmp_path / "run"),
+                 "--otel-exporter", spec]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--otel-exporter" in err and "cannot be written" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
