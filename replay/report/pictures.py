@@ -170,8 +170,10 @@ def plot_gantt(runs: Sequence[StageRun], shared: set[tuple[str, str, int, int]],
         handles.append(Patch(color=FAILED_COLOR, label="failed"))
     if any(r.status == "unfinished" for r in timed):
         handles.append(Patch(facecolor=UNFINISHED_COLOR, hatch="///", label="unfinished (no end event)"))
-    _title_and_legend(ax, f"Workers over time: {len(timed)} stage runs, busy {busy:.1f} s of {len(workers)} × "
-                          f"{span:.1f} s ({100 * busy / held:.0f}%)", handles)
+    # the bars' share of the chart's span, which starts with the workers' start-up: not the table's idle
+    # ratio (worker-seconds held by stages over the study's end-to-end time), and labelled so
+    _title_and_legend(ax, f"Workers over time: {len(timed)} stage runs, bars {busy:.1f} s of {len(workers)} × "
+                          f"{span:.1f} s from the workers' start ({100 * busy / held:.0f}%)", handles)
     fig.savefig(path, dpi=DPI, bbox_inches="tight", facecolor="white")
     return {"busy_seconds": busy, "span_seconds": span}
 
