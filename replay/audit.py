@@ -51,11 +51,11 @@ from events.log import (  # noqa: F401 (KEY_ENV, secret_from: re-exported from t
     chain_next,
     secret_from,
 )
-from events.models import CheckpointSaved, LogSealed
+from events.models import CheckpointRequested, CheckpointSaved, LogSealed, PathPreempted, StageDispatched
 from projections.partitions import merge
 from projections.state import State
 from projections.store import READ_BATCH, ProjectionStore, all_keys, fold_records, snapshot
-from replay.decisions import DecisionCheck, replay_partitioned
+from replay.decisions import DecisionCheck, Mismatch, replay_partitioned
 
 EXPORT_FORMAT = "stagetree-log"
 EXPORT_VERSION = 2
@@ -244,6 +244,40 @@ def open_export(path: Path, checkpoints: str | None = None) -> Source:
                                                   for name, parts in partitions.items()}
     return Source(path, "export", streams, header.get("chain", "sha256"), checkpoints,
                   projection_sha256=header.get("projection_sha256"), header=header)
+
+
+class DispatchCopies:
+    """The embedded log's dispatch stream (what its workers were sent) holds byte-identical
+    copies of the plan stream's decisions for workers (StageDispatched, PathPreempted,
+    CheckpointRequested), in the plan's order, each appended in one write with its original
+    (``scheduler.service``): a copy edited and re-chained, one missing (the stream cut short) or
+    one the plan does not hold is a mismatch of the decision check."""
+
+    TYPES = (StageDispatched, PathPreempted, CheckpointRequested)
+
+    def __init__(self) -> None:
+        self.plan: list[tuple[int, str, bytes]] = []  # (plan offset, type, sha256 of the record) per decision
+        self.compared = 0
+
+    def on_plan(self, r: Record, event: Any) -> None:
+        if isinstance(event, self.TYPES):
+            self.plan.append((r.offset, event.type, hashlib.sha256(r.value).digest()))
+
+    def check(self, stream: Iterable[Record]) -> Mismatch | None:
+        """The first record of ``stream`` that is not the copy of the plan's next decision for
+        workers, or the first such decision without a copy; None when they all match."""
+        for i, r in enumerate(stream):
+            if i >= len(self.plan) or hashlib.sha256(r.value).digest() != self.plan[i][2]:
+                return Mismatch(None, None, f"stream {topics.DISPATCH} offset {r.offset}: not the copy of the "
+                                            "plan's next decision for workers (a record of the dispatch stream "
+                                            "edited, added or reordered)")
+            self.compared += 1
+        if self.compared < len(self.plan):
+            offset, kind, _ = self.plan[self.compared]
+            return Mismatch(offset, kind, f"stream {topics.DISPATCH} holds {self.compared} of the plan's "
+                                          f"{len(self.plan)} decisions for workers: this one and those after it "
+                                          "have no copy (the stream cut short)")
+        return None
 
 
 def export_complete(source: Source) -> Failure | None:
@@ -697,13 +731,18 @@ def _verify(source: Source, secret: bytes | None, progress: Callable[[int], None
         # folding, with the parameters the decision records (policy, checkpoint budget):
         # replay/decisions.py.
         decisions = DecisionCheck(plan)
+        copies, copied = DispatchCopies(), ""
 
         def on_event(r: Record, event: Any, state: State) -> None:
             on_saved(r, event, state)
             decisions.on_event(r, event)
+            copies.on_plan(r, event)
 
         state = fold(plan, on_event, decisions.after, secret=secret, on_chain=plan_chain)
         mismatch, checked = decisions.finish(), decisions.checked
+        if mismatch is None and topics.DISPATCH in source.streams:
+            mismatch = copies.check(source.streams[topics.DISPATCH])
+            copied = f"; the dispatch stream's {copies.compared} records are copies of them, byte for byte"
         rebuilt = snapshot(state)
     else:
         # A partitioned stream (Kafka): a decision's prefix is every partition's last offset.
@@ -711,11 +750,12 @@ def _verify(source: Source, secret: bytes | None, progress: Callable[[int], None
             parts, lambda st, recs: fold_records(st, recs, secret=secret, on_event=on_saved))
         state = merge(states)
         rebuilt = {f"p{p}/".encode() + k: v for p in sorted(parts) for k, v in snapshot(states[p]).items()}
+        copied = ""  # a deployment's workers read topics of their own, which verify does not read
     add_chain()
     counts = ", ".join(f"{n} {name}" for name, n in sorted(checked.items())) or "no"
     result.add("decision", None if mismatch is None else Failure("decision", mismatch.offset, mismatch.event,
                                                                  mismatch.detail),
-               f"{counts} decisions recomputed from their log prefixes")
+               f"{counts} decisions recomputed from their log prefixes{copied}")
 
     if source.kind == "run" and source.stored_projection is None and state.offset >= 0:
         # every run that writes the plan stream keeps its projection (an Optuna journal alone: none)

@@ -551,3 +551,36 @@ def test_a_cut_off_export_and_a_run_directory_without_its_projection_fail(run_di
     assert main(["replay", "verify", str(copy)]) == 1
     out = " ".join(capsys.readouterr().out.split())
     assert "FAILED projection:" in out and "the run directory has no projection (state/)" in out, out
+
+
+def _rechain(rows: list[dict], stream: str) -> None:
+    """Re-seal ``stream``'s plain sha256 chain after an edit, as anyone can."""
+    head = bytes(32)
+    for offset, r in enumerate(r for r in rows if r.get("stream") == stream):
+        r["offset"] = offset
+        head = chain_next(head, stream, offset, r["key"], r["value"].encode())
+        r["chain"] = head.hex()
+
+
+@pytest.mark.parametrize("tamper", ["edit", "cut"])
+def test_the_dispatch_stream_must_hold_the_plans_decisions_byte_for_byte(run_dir: Path, export: Path, tamper: str,
+                                                                           capsys) -> None:
+    """What the workers were sent (the dispatch stream) was only chain-checked: a dispatch edited
+    there and re-chained, or the stream cut short (its header count fixed), verified."""
+    rows = lines(export)
+    dispatch = [r for r in rows if r.get("stream") == "stagetree.dispatch"]
+    assert len(dispatch) >= 2
+    if tamper == "edit":
+        event = orjson.loads(dispatch[1]["value"])
+        event["payload"]["stages"][0]["to_step"] += 5
+        dispatch[1]["value"] = orjson.dumps(event, option=orjson.OPT_SORT_KEYS).decode()
+    else:
+        rows.remove(dispatch[-1])
+        rows[0]["streams"]["stagetree.dispatch"] -= 1
+    _rechain(rows, "stagetree.dispatch")
+    write(export, rows)
+    msg = " ".join(first_failure(export, run_dir, capsys).split())
+    if tamper == "edit":
+        assert "stream stagetree.dispatch offset 1: not the copy of the plan's next decision for workers" in msg, msg
+    else:
+        assert f"holds {len(dispatch) - 1} of the plan's {len(dispatch)} decisions for workers" in msg, msg
