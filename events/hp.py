@@ -236,13 +236,14 @@ def _bad_value(key: PieceKey, step: int) -> bool:
         init, gamma, origin = key[1:]
         n = step - origin
         if isinstance(gamma, int):
-            magnitude = math.log2(abs(init)) + n * math.log2(gamma)
+            bits = n * math.log2(gamma)  # of the int gamma ** n, computed exactly before the product
+            magnitude = math.log2(abs(init)) + bits
             if isinstance(init, int):
                 if n > 64:
                     return True
-            elif magnitude > 1030:
+            elif magnitude > 1030 or bits >= 1025:  # a float init times an int past 2**1024: OverflowError
                 return True
-            elif magnitude < 1020:
+            elif magnitude < 1020 and bits < 1023:
                 return False
     try:
         value = _eval_piece(key, step)
@@ -257,7 +258,11 @@ def _first_bad(key: PieceKey, start: int, stop: int) -> int | None:
     """The first step in ``[start, stop)`` where piece ``key`` has a bad value (see
     :func:`_bad_value`), or None. Only ``exp`` and ``lin`` pieces can grow out of range; their
     magnitude is convex in the step, so past a good ``start`` the bad steps form a suffix and a
-    bisection finds the first one in O(log(stop - start)) evaluations."""
+    bisection finds the first one in O(log(stop - start)) evaluations. A ramp or cosine piece
+    between two finite values is finite unless their difference overflows (then every value is
+    inf or nan, from the piece's first step)."""
+    if start < stop and key[0] in ("ramp", "cos", "pow") and not math.isfinite(key[2] - key[1]):
+        return start
     if start >= stop or key[0] not in ("exp", "lin"):
         return None
     if _bad_value(key, start):
@@ -527,6 +532,27 @@ class Cosine(HPFunction):
             raise ValueError(f"`gamma` is {gamma!r}, but must be >= 1")
         return gamma
 
+    def _first_uncomputable(self, stop: int) -> int | None:
+        if stop == 0:
+            return None
+        if not math.isfinite(self.init - self.min_value):
+            return 0  # every value is inf or nan
+
+        def breaks(step: int) -> bool:  # a cycle length leaving the float range (period x gamma**i)
+            try:
+                self._piece_at(step)
+            except (ArithmeticError, ValueError):
+                return True
+            return False
+
+        if not breaks(stop - 1):
+            return None
+        lo, hi = -1, stop - 1  # the lengths only grow: the steps that break form a suffix
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if breaks(mid) else (mid, hi)
+        return hi
+
     def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
         if self.gamma == 1:
             length = self.period
@@ -564,7 +590,9 @@ class Warmup(HPFunction):
         if stop == 0:
             return None
         bad = self.then._first_uncomputable(max(stop - self.period, 1))  # the ramp needs then(0)
-        return None if bad is None else (0 if bad == 0 else bad + self.period)
+        if bad == 0 or not math.isfinite(self.then.value(0) - self.init):
+            return 0  # a ramp whose span overflows is inf or nan throughout
+        return None if bad is None else bad + self.period
 
     def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
         if step < self.period:
@@ -638,6 +666,9 @@ class CyclicLR(HPFunction):
         super().__init__(
             init=init, max_value=max_value, period_up=period_up, period_down=period_down, **data
         )
+
+    def _first_uncomputable(self, stop: int) -> int | None:
+        return 0 if stop > 0 and not math.isfinite(self.max_value - self.init) else None  # inf or nan throughout
 
     def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
         cycle = self.period_up + self.period_down

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import orjson
@@ -519,3 +520,31 @@ def test_long_ranges_are_skipped_piece_by_piece() -> None:
 def test_first_divergence_rejects_different_names() -> None:
     with pytest.raises(ValueError, match=r"only `a` has \['lr'\] and only `b` has \['bs'\]"):
         first_divergence({"lr": Constant(0.1)}, {"bs": Constant(0.1)}, 0, 10)
+
+
+def _first_bad_by_brute_force(fn: Any, stop: int) -> int | None:
+    for step in range(stop):
+        try:
+            value = fn.value(step)
+        except ArithmeticError:
+            return step
+        if isinstance(value, float) and not math.isfinite(value):
+            return step
+    return None
+
+
+@pytest.mark.parametrize("fn, stop", [
+    (Exponential(0.01, 2), 1030),  # a float times the exact int 2**1024: OverflowError, though 0.01 * 2**1024 is finite
+    (Warmup(-1e308, 10, Constant(1e308)), 20),  # the ramp's span overflows: inf and nan
+    (CyclicLR(-1e308, 1e308, 4, 4), 20),
+    (Cosine(1e308, -1e308, 4), 20),
+    (Cosine(0.1, 0.0, 2, 1e308), 20),  # its second cycle's length leaves the float range
+    (Warmup(0.0, 10, Exponential(0.1, 2.0)), 1100),
+    (Cosine(0.1, 0.0, 4, 2), 300),
+    (CyclicLR(0.1, 1.0, 4, 4), 50),
+], ids=["exp-int-gamma", "warmup-span", "cyclic-span", "cosine-span", "cosine-period", "warmup-exp", "cosine-ok",
+        "cyclic-ok"])
+def test_the_first_uncomputable_step_is_the_first_that_fails(fn: Any, stop: int) -> None:
+    """These passed the submit-time check, then failed in the worker or handed inf and nan to the
+    trainer's ``setup`` (README: such a trial is refused when submitted, naming the step)."""
+    assert fn.first_uncomputable(stop) == _first_bad_by_brute_force(fn, stop)
