@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol, cast
 
 from opentelemetry.trace import SpanKind
+from pydantic import ValidationError
 
 from events import topics, tracing
 from events.decisions import Decision, ReleasedResult
@@ -157,11 +158,18 @@ class Study:
         steps = self._check_steps(steps)
         config = self.config(hp)
         trial_id = self.trial_id(config)
-        future = self.runtime.watch(trial_id, steps)
         trial = self.runtime.state.trials.get(trial_id)
+        event = None
         if trial is None or steps not in trial.results:
-            event = TrialSubmitted(producer=f"sdk:{self.name}", study_id=self.name, trial_id=trial_id,
-                                   plan_key=self._plan_for(trial_id), seed=self.seed, hp=cast(Any, config), steps=steps)
+            try:  # the event's own checks (a value that cannot be computed for the steps asked)
+                event = TrialSubmitted(producer=f"sdk:{self.name}", study_id=self.name, trial_id=trial_id,
+                                       plan_key=self._plan_for(trial_id), seed=self.seed, hp=cast(Any, config),
+                                       steps=steps)
+            except ValidationError as exc:  # pydantic's wrapping (title, input, a URL) left out
+                raise ValueError("; ".join(str(e["ctx"]["error"]) if "error" in e.get("ctx", {}) else e["msg"]
+                                           for e in exc.errors())) from None
+        future = self.runtime.watch(trial_id, steps)  # after the checks: a refused submit leaves no waiter
+        if event is not None:
             previous = self._trial_traces.get(trial_id)
             with tracing.span("trial.submit", parent=previous, new_trace=previous is None, kind=SpanKind.PRODUCER,
                               attributes=tracing.messaging("publish", topics.PLAN, event.event_id,

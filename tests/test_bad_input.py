@@ -165,6 +165,16 @@ def test_bad_eval_step(study: Study, runtime: LogRuntime, step: object) -> None:
     check_rejected(study, runtime, lambda s: s.eval(GOOD, step), "`steps`", repr(step))
 
 
+def test_a_value_that_cannot_be_computed_is_refused_in_plain_words(study: Study, runtime: LogRuntime) -> None:
+    """The refusal came wrapped in pydantic's text (its title, the whole input, a URL), and the
+    submit had already handed out a future that never resolved."""
+    from events.hp import Exponential
+
+    msg = check_rejected(study, runtime, lambda s: s.submit({**GOOD, "lr": Exponential(1.0, 2.0)}, 2000),
+                         "'lr'", "1024")
+    assert "validation error" not in msg and "pydantic" not in msg and "\n" not in msg, msg
+
+
 def test_steps_beyond_64_bits_are_rejected_at_submit(study: Study, runtime: LogRuntime) -> None:
     """``steps`` travels as a JSON integer, which orjson limits to 64 bits: a larger value must
     be refused by ``submit`` with a ValueError naming ``steps``, not fail later inside the loop
