@@ -672,8 +672,9 @@ class ChainCheck:
         if self.failure is not None:
             return
         if r.offset != self.expected:
-            self.failure = Failure("chain", self.expected, None, f"stream {self.stream}: offset {self.expected} is "
-                                                                  f"missing (next record has offset {r.offset})")
+            why = (f"is missing (next record has offset {r.offset})" if r.offset > self.expected else
+                   f"is not next: the record there has offset {r.offset} (a record duplicated or out of order)")
+            self.failure = Failure("chain", self.expected, None, f"stream {self.stream}: offset {self.expected} {why}")
         elif head != r.chain:
             self.failure = Failure("chain", r.offset, _event_name(r),
                                    f"stream {self.stream}: the hash chain does not match (record edited, inserted, "

@@ -584,3 +584,14 @@ def test_the_dispatch_stream_must_hold_the_plans_decisions_byte_for_byte(run_dir
         assert "stream stagetree.dispatch offset 1: not the copy of the plan's next decision for workers" in msg, msg
     else:
         assert f"holds {len(dispatch) - 1} of the plan's {len(dispatch)} decisions for workers" in msg, msg
+
+
+def test_a_duplicated_record_is_named_as_such_not_as_missing(run_dir: Path, export: Path, capsys) -> None:
+    rows = lines(export)
+    i, row = plan_rows(rows)[20]
+    rows.insert(i + 1, dict(row))  # the same record twice
+    rows[0]["streams"]["stagetree.plan"] += 1
+    write(export, rows)
+    msg = " ".join(first_failure(export, run_dir, capsys).split())
+    assert f"offset {row['offset'] + 1} is not next: the record there has offset {row['offset']}" in msg, msg
+    assert "duplicated or out of order" in msg and "missing" not in msg, msg
