@@ -107,7 +107,8 @@ def cmd_reexecute(args: argparse.Namespace, console: Console) -> int:
     for d in result.divergences:
         console.print(f"[red]diverged[/red]: {escape(str(d))}")
     if result.ok:
-        console.print(f"[green]reproduced[/green]: {result.stages} stages bit for bit on {args.workers} workers")
+        workers = f"{args.workers} worker" + ("s" if args.workers != 1 else "")
+        console.print(f"[green]reproduced[/green]: {result.stages} stages bit for bit on {workers}")
         return 0
     console.print(f"[red]{len(result.divergences)} divergences[/red] in {result.stages} stages")
     return 1

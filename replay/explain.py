@@ -65,7 +65,8 @@ class Story:
             f"{r['steps']} steps (offset {r['offset']}, {'answered' if r['answered'] else 'not answered'})"
             for r in self.requests))
         if self.shares_prefix_with:
-            out.append(f"shares a prefix with {len(self.shares_prefix_with)} trials (the first step at which the "
+            n = len(self.shares_prefix_with)
+            out.append(f"shares a prefix with {n} trial{'s' if n != 1 else ''} (the first step at which the "
                        "hyper-parameters differ):")
             out += [f"  {s['trial_id']}  step {s['diverges_at']}" + ("" if s["differs"] else " (no difference "
                                                                            "within both trials' steps)")

@@ -243,7 +243,7 @@ def test_reexecute_reproduces_the_study_with_another_worker_count(run_dir: Path,
     assert summary["workers"] == 2
     assert main(["replay", "reexecute", str(run_dir), "--workers", "1", "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert "reproduced" in out and "bit for bit on 1 workers" in out
+    assert "reproduced" in out and "bit for bit on 1 worker" in out and "1 workers" not in out
 
 
 def test_reexecute_reports_a_divergence_by_trial_node_and_step(run_dir: Path, tmp_path: Path, capsys) -> None:
