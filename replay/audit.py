@@ -758,11 +758,7 @@ def _verify(source: Source, secret: bytes | None, progress: Callable[[int], None
                                                                  mismatch.detail),
                f"{counts} decisions recomputed from their log prefixes{copied}")
 
-    if source.kind == "run" and source.stored_projection is None and state.offset >= 0:
-        # every run that writes the plan stream keeps its projection (an Optuna journal alone: none)
-        result.add("projection", Failure("projection", None, None, "the run directory has no projection (state/), "
-                                                                   "which every run writes"), "")
-    elif source.stored_projection is not None and not source.stored_projection and state.offset < 0:
+    if source.stored_projection is not None and not source.stored_projection and state.offset < 0:
         # a run that ended before its first record (a worker that failed to start)
         result.add("projection", None, "the log holds no plan record and nothing was projected")
     elif source.stored_projection is not None:
