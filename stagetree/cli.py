@@ -314,6 +314,8 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
     loaded = _study_file(args.file)
     out = _out_dir(args.out, loaded[4])
     _check_out(out)
+    if args.checkpoint_store is None:
+        args.checkpoint_store = os.environ.get("STAGETREE_CHECKPOINT_STORE")
     if args.workers and not args.checkpoint_store:
         raise UsageError("--checkpoint-store (or $STAGETREE_CHECKPOINT_STORE) is required to start workers")
     if args.workers:
@@ -629,9 +631,9 @@ def parser() -> argparse.ArgumentParser:
                           "while the study runs, and print its address")
     _budget_flag(run)
     _kafka_flags(run)
-    run.add_argument("--checkpoint-store", default=os.environ.get("STAGETREE_CHECKPOINT_STORE"),
-                     help="s3://BUCKET/PREFIX or a directory, for Kafka-mode workers "
-                          "(default: $STAGETREE_CHECKPOINT_STORE)")
+    run.add_argument("--checkpoint-store", default=None,
+                     help="s3://BUCKET/PREFIX or a directory, for Kafka-mode workers (default: "
+                          "$STAGETREE_CHECKPOINT_STORE); an embedded run keeps its checkpoints in OUT/checkpoints")
     run.set_defaults(func=cmd_run)
 
     srv = sub.add_parser("serve", help="Kafka mode: the projector and scheduler (a faust app)")
@@ -794,6 +796,10 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         if args.workers < 1:
             raise UsageError(f"--workers is {args.workers!r}, but must be >= 1 in embedded mode "
                              "(0 is for Kafka mode with a running deployment)")
+        if args.checkpoint_store is not None:  # not $STAGETREE_CHECKPOINT_STORE: a deployment's env is fine here
+            raise UsageError(f"--checkpoint-store {args.checkpoint_store!r} is for Kafka mode (with "
+                             "--bootstrap-servers); an embedded run keeps its checkpoints in its run directory "
+                             "(OUT/checkpoints)")
         # the workers start first: their start-up (importing torch) overlaps checking the
         # arguments, loading the study file and opening the log
         prestarted = PrestartedWorkers(args.workers, worker_start_method(args.device))

@@ -569,10 +569,12 @@ def test_cli_warns_of_configurations_that_start_at_one_number_in_two_types(tmp_p
     assert clean.returncode == 0 and "warning" not in clean.stderr, clean.stderr
 
 
-def test_cli_flags_are_checked_before_anything_is_created(tmp_path: Path,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 11 item 10: a file as --out, a directory under a file, an unknown device: exit 2
-    naming the flag and value, nothing created, and the corrected run then starts there."""
+def test_cli_flags_are_checked_before_anything_is_created(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 11 item 10: a file as --out, a directory under a file, an unknown device, a
+    checkpoint store (a Kafka-mode flag) given to an embedded run: exit 2 naming the flag and
+    value, nothing created, and the corrected run then starts there, with the store's variable
+    (a deployment's environment) set and not used."""
     path = write(tmp_path / "study.py", VALID)
     afile = tmp_path / "afile"
     afile.write_text("not a directory")
@@ -580,14 +582,18 @@ def test_cli_flags_are_checked_before_anything_is_created(tmp_path: Path,
              (["--out", str(afile / "sub")], ["--out", "which is a file"]),
              (["--out", str(tmp_path / "dev"), "--device", "bogus"], ["--device", "'bogus'"]),
              (["--out", str(tmp_path / "dev"), "--device", "cuda:7"], ["--device", "'cuda:7'"]),
-             (["--out", "/proc/stagetree-none/run"], ["--out", "'/proc/stagetree-none/run'", "cannot be created"])]
+             (["--out", "/proc/stagetree-none/run"], ["--out", "'/proc/stagetree-none/run'", "cannot be created"]),
+             (["--out", str(tmp_path / "dev"), "--checkpoint-store", str(tmp_path / "store")],
+              ["--checkpoint-store", repr(str(tmp_path / "store")), "is for Kafka mode", "OUT/checkpoints"])]
     for flags, needles in cases:
         assert cli(["run", str(path), "--quiet", *flags]) == 2
         err = squash(capsys.readouterr().err)
         assert "Traceback" not in err and all(squash(n) in err for n in needles), err
-    assert not (tmp_path / "dev").exists()
+    assert not (tmp_path / "dev").exists() and not (tmp_path / "store").exists()
+    monkeypatch.setenv("STAGETREE_CHECKPOINT_STORE", str(tmp_path / "store"))
     proc = run_cli(path, tmp_path / "dev", "--device", "cpu")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert any((tmp_path / "dev" / "checkpoints").iterdir()) and not (tmp_path / "store").exists()
 
 
 
