@@ -301,8 +301,8 @@ def replay_run(records: Sequence[Record], run: Run, tuner: Tuner, trainer: Train
                             f"study {study_id!r} finished here, but the tuner recomputed from the log does not finish "
                             f"after its last recorded decision: it waits for results"))
                     else:
-                        check.notes.append(f"study {study_id!r}: the run at offset {run.start} ended (killed) with "
-                                           "its tuner waiting for results")
+                        check.notes.append(f"study {study_id!r}: the run at offset {run.start} has not finished (it "
+                                           "was stopped, or is still running) with its tuner waiting for results")
                     return
                 offset, event = recorded[check.checked]
                 check.failure = misplaced(check.checked)
