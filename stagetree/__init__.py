@@ -13,7 +13,8 @@ The public API, in one place::
 * Tuners: :class:`GridSearch`, :class:`SuccessiveHalving`, :class:`ASHA`, :class:`Hyperband`,
   :class:`MedianStopping`, :class:`PBT`, :class:`MLtunerTuner`, :class:`EarlyStopTuner` (with
   :class:`Schedule`), and their results :class:`TunerResult`, :class:`TrialResult`.
-* The SDK: :class:`Study` (submit trials, await metrics), :class:`TrialFailed`.
+* The SDK: :func:`run_study` (run a study file as ``stagetree run`` does, from Python; returns
+  its summary), :class:`Study` (submit trials, await metrics), :class:`TrialFailed`.
 * Simulation (``stagetree simulate``): :class:`SimulatedTrainer` with its :class:`CostModel`
   and :class:`CurveModel`, and :class:`SimStudy` for several studies at once.
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from gpu_worker.simulated import CostModel, CurveModel, SimulatedTrainer
     from gpu_worker.trainer import Trainer
     from stagetree import hp
+    from stagetree.runner import run_study
     from stagetree.simulate import SimStudy
     from stagetree.spaces import (
         Choice,
@@ -63,6 +65,7 @@ __version__ = "0.1.0"
 _WHERE = {
     "Trainer": "gpu_worker.trainer",
     "Study": "stagetree.study",
+    "run_study": "stagetree.runner",
     "TrialFailed": "stagetree.study",
     "SimulatedTrainer": "gpu_worker.simulated",
     "CostModel": "gpu_worker.simulated",
@@ -105,6 +108,7 @@ __all__ = [
     "TunerResult",
     "Uniform",
     "hp",
+    "run_study",
 ]
 
 

@@ -783,30 +783,39 @@ def _check_store(store: Any, url: str) -> None:
                              "(a worker never creates one; check the URL, or create the bucket first)") from None
 
 
-def cmd_run(args: argparse.Namespace, console: Console) -> int:
+def run_embedded(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    """``stagetree run`` without Kafka (also :func:`stagetree.run_study`): check the flags,
+    start the workers, run the study in ``--out``; returns its summary (as written to
+    ``summary.json``). Raises :class:`UsageError` for a bad flag, before anything is created."""
     import asyncio
 
     from stagetree.worker_processes import PrestartedWorkers, worker_start_method
+
+    if args.workers < 1:
+        raise UsageError(f"--workers is {args.workers!r}, but must be >= 1 in embedded mode "
+                         "(0 is for Kafka mode with a running deployment)")
+    if args.checkpoint_store is not None:  # not $STAGETREE_CHECKPOINT_STORE: a deployment's env is fine here
+        raise UsageError(f"--checkpoint-store {args.checkpoint_store!r} is for Kafka mode (with "
+                         "--bootstrap-servers); an embedded run keeps its checkpoints in its run directory "
+                         "(OUT/checkpoints)")
+    # the workers start first: their start-up (importing torch) overlaps checking the
+    # arguments, loading the study file and opening the log
+    prestarted = PrestartedWorkers(args.workers, worker_start_method(args.device))
+    try:
+        return asyncio.run(_run_embedded(args, console, prestarted))
+    finally:
+        prestarted.close()
+
+
+def cmd_run(args: argparse.Namespace, console: Console) -> int:
+    import asyncio
 
     if args.bootstrap_servers:
         if args.resume or args.log_key:
             raise UsageError("--resume and --log-key are for embedded mode; on Kafka the log is the topics")
         summary = asyncio.run(_run_kafka(args, console))
     else:
-        if args.workers < 1:
-            raise UsageError(f"--workers is {args.workers!r}, but must be >= 1 in embedded mode "
-                             "(0 is for Kafka mode with a running deployment)")
-        if args.checkpoint_store is not None:  # not $STAGETREE_CHECKPOINT_STORE: a deployment's env is fine here
-            raise UsageError(f"--checkpoint-store {args.checkpoint_store!r} is for Kafka mode (with "
-                             "--bootstrap-servers); an embedded run keeps its checkpoints in its run directory "
-                             "(OUT/checkpoints)")
-        # the workers start first: their start-up (importing torch) overlaps checking the
-        # arguments, loading the study file and opening the log
-        prestarted = PrestartedWorkers(args.workers, worker_start_method(args.device))
-        try:
-            summary = asyncio.run(_run_embedded(args, console, prestarted))
-        finally:
-            prestarted.close()
+        summary = run_embedded(args, console)
     _print_summary(summary, console)
     failed = [t for t in summary["trials"] if t["status"] == "failed"]
     if failed:

@@ -77,3 +77,53 @@ def test_a_study_file_importing_only_stagetree_runs(family: str, tmp_path: Path)
     summary = orjson.loads((out / "summary.json").read_bytes())
     assert summary["name"] == f"public-{family}" and summary["best_trial"] is not None
     assert all(t["status"] in ("done", "cancelled") for t in summary["trials"])
+
+
+GUARDED = """import json, sys
+import stagetree
+if __name__ == "__main__":
+    summary = stagetree.run_study(sys.argv[1], out=sys.argv[2], workers=1, device="cpu")
+    print(json.dumps(summary))
+"""
+
+
+@pytest.mark.e2e
+def test_run_study_runs_a_study_file_from_a_script_and_returns_its_summary(tmp_path: Path) -> None:
+    """``stagetree.run_study`` does what ``stagetree run`` does (the run directory, its log and
+    summary.json) and returns the summary it wrote; a script that calls it outside
+    ``if __name__ == "__main__":`` is told so by name instead of multiprocessing's riddle."""
+    env = {**os.environ, "STAGETREE_TEST_TUNER": "GridSearch"}
+    script = tmp_path / "go.py"
+    script.write_text(GUARDED)
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(script), str(STUDY), str(out)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    returned = orjson.loads(proc.stdout.strip().splitlines()[-1])
+    assert returned.pop("out") == str(out) and returned.pop("summary_file") == str(out / "summary.json")
+    assert returned == orjson.loads((out / "summary.json").read_bytes())
+    assert returned["name"] == "public-GridSearch" and returned["best_trial"] is not None
+    assert returned["total_steps"] == returned["unique_steps"] == 18  # 3 trials of 6 steps, starting apart
+    assert all(t["status"] == "done" for t in returned["trials"])
+
+    unguarded = tmp_path / "bare.py"
+    unguarded.write_text(GUARDED.replace('if __name__ == "__main__":\n', "").replace("\n    ", "\n"))
+    proc = subprocess.run([sys.executable, str(unguarded), str(STUDY), str(tmp_path / "bare")], capture_output=True,
+                          text=True, timeout=300, env=env)
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode != 0 and 'call run_study under `if __name__ == "__main__":`' in err, err
+
+
+@pytest.mark.parametrize(("kwargs", "needles"), [
+    ({"workers": 0}, ["`workers` is 0"]),
+    ({"workers": True}, ["`workers` is True"]),
+    ({"checkpoint_budget": "lots"}, ["`checkpoint_budget`", "'lots'"]),
+    ({"checkpoint_budget": 1.5}, ["`checkpoint_budget` is 1.5"]),
+    ({"device": "gpu0"}, ["--device", "'gpu0'"]),
+])
+def test_run_study_refuses_bad_arguments_before_anything_is_created(tmp_path: Path, kwargs: dict,
+                                                                    needles: list[str]) -> None:
+    with pytest.raises(ValueError) as caught:
+        stagetree.run_study(STUDY, out=tmp_path / "run", **kwargs)
+    assert all(n in str(caught.value) for n in needles), caught.value
+    assert not (tmp_path / "run").exists()
