@@ -163,20 +163,25 @@ def test_median_stopping_grace_steps_stop_nobody_early() -> None:
 
 def test_pbt_exploits_by_branching_the_search_plan_at_the_donors_step(tmp_path: Path) -> None:
     # Population 4 (x = 4, 3, 2, 1), generations at steps 2, 4, 6, quantile 1/4, causal order.
-    # Step 2 in order 4, 3, 2, 1: at the 4th result the bottom quarter is {1} and the top {4},
-    # so x=1 exploits x=4 and explores x to the only candidate, 7, from step 2 on. Later
-    # generations have nobody below the top who is in the bottom quarter when handed over.
+    # Step 2: the bottom quarter is {1} and the top {4}, so x=1 exploits x=4 and explores x to
+    # the only candidate, 7, from step 2 on (the new member N). Step 4: the results are
+    # 4, 3, 2, 7 (N): x=2 exploits N, and exploring to 7 from step 4 on gives a trial whose
+    # values are N's at every step, so the plan trains the two as one.
     tuner = PBT(space(4, 3, 2, 1), "val_acc", population=4, interval=2, max_steps=6, quantile=0.25,
                 mutations={"x": [7]}, causal=True)
     result = run(tuner, 2, run_dir=tmp_path)
-    (exploit,) = [d for d in result.results[0].decisions if d.kind == "exploit"]
-    loser, donor, step, new = exploit.trial_id, exploit.donor, exploit.step, exploit.new_trial_id
+    first, second = [d for d in result.results[0].decisions if d.kind == "exploit"]
+    loser, donor, step, new = first.trial_id, first.donor, first.step, first.new_trial_id
     assert (x_of(result, loser), x_of(result, donor), step) == (1, 4, 2)
     member = next(t for t in result.summaries[0]["trials"] if t["trial_id"] == new)
     assert Piecewise.model_validate(member["hp"]["x"]).value(1) == 4
     assert Piecewise.model_validate(member["hp"]["x"]).value(2) == 7
     assert member["steps"] == 6 and member["metrics"] == {"val_acc": 7.0}
-    assert result.summaries[0]["best_trial"] == new
+    assert (x_of(result, second.trial_id), second.donor, second.step) == (2, new, 4)
+    copy = next(t for t in result.summaries[0]["trials"] if t["trial_id"] == second.new_trial_id)
+    assert [Piecewise.model_validate(copy["hp"]["x"]).value(s) for s in range(6)] == [4, 4, 7, 7, 7, 7]
+    assert result.summaries[0]["best_trial"] in (new, copy["trial_id"])
+    assert result.summaries[0]["best_metric"] == 7.0
 
     # The new member's node starts at step 2 under the donor's node: it trained only from 2 on.
     store = ProjectionStore(tmp_path / "state")
@@ -188,8 +193,29 @@ def test_pbt_exploits_by_branching_the_search_plan_at_the_donors_step(tmp_path: 
     node = plan.nodes[state.trials[new].requests[4]]
     donor_node = plan.nodes[state.trials[donor].requests[2]]
     assert node.start_step == 2 and node.parent_id == donor_node.node_id
-    # 4 members x 2 steps, 3 survivors x 4 more, and the new member's 4 steps after the branch.
-    assert result.executed_steps == 4 * 2 + 3 * 4 + 4
+    # 4 members x 2 steps; x=4, 3, 2 and N 2 steps each to step 4; x=4, x=3 and N (with its
+    # copy, trained once) 2 steps each to step 6.
+    assert result.executed_steps == 4 * 2 + 4 * 2 + 3 * 2
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+@pytest.mark.parametrize("xs", [(4, 3, 2, 1), (1, 2, 3, 4)])
+def test_pbt_ranks_each_member_against_its_whole_generation(xs: tuple[int, ...], workers: int) -> None:
+    """Truncation selection (Jaderberg et al. §4.1) ranks a member against the population, so
+    the worst member exploits the best at every generation whatever order their results come in;
+    with ``synch=False`` a member is ranked against the results handed over before it, and when
+    the worst report first nobody ever exploits (what every PBT did before 2026-11-28)."""
+    def exploits(tuner: PBT) -> list[tuple[Any, Any, int]]:
+        result = run(tuner, workers)
+        return [(x_of(result, d.trial_id), x_of(result, d.donor), d.step)
+                for d in result.results[0].decisions if d.kind == "exploit"]
+
+    def pbt(synch: bool) -> PBT:
+        return PBT(space(*xs), "val_acc", population=4, interval=2, max_steps=4, mutations={"x": [9]},
+                   causal=True, synch=synch)
+
+    assert exploits(pbt(True)) == [(1, 4, 2)]
+    assert exploits(pbt(False)) == ([(1, 4, 2)] if xs[-1] == 1 else [])
 
 
 def test_pbt_explore_moves_to_a_neighbouring_candidate() -> None:

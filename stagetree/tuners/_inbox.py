@@ -66,6 +66,10 @@ class ResultInbox(Generic[P]):
     def __len__(self) -> int:
         return len(self._entries)
 
+    def waiting(self, group: int) -> int:
+        """How many registered requests of ``group`` are not handed over yet."""
+        return sum(1 for e in self._entries if e.group == group)
+
     def add(self, future: asyncio.Future[dict[str, float]], config: HPConfig, steps: int, group: int,
             payload: P) -> None:
         """Register a submitted request of ``config`` at ``steps``; ``group`` orders it in causal mode."""

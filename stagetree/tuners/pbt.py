@@ -21,10 +21,11 @@ class PBT(Tuner):
     Networks", 2017, §3), on the search plan.
 
     The first ``population`` configurations of the space train in ``interval``-step
-    generations up to ``max_steps``. When a member's result at step ``g`` is handed over and it
-    is in the bottom ``quantile`` of the results at ``g`` so far (while the top ``quantile`` holds
-    at least one other trial), it *exploits*: it takes the configuration of a trial drawn from
-    the top ``quantile`` (the donor) and *explores* from step ``g`` on: every hyper-parameter
+    generations up to ``max_steps``. Truncation selection (§4.1): a member whose result at step
+    ``g`` is in the bottom ``quantile`` of the population's results at ``g`` (while the top
+    ``quantile`` holds at least one other trial) *exploits*: it takes the configuration of a
+    trial drawn from the top ``quantile`` (the donor) and *explores* from step ``g`` on: every
+    hyper-parameter
     named in ``mutations`` is resampled from its candidates with probability
     ``resample_probability``, else moved to a neighbouring candidate (by the value at ``g``).
     The new member is a new trial whose sequences equal the donor's up to ``g``
@@ -36,6 +37,15 @@ class PBT(Tuner):
     values) become one trial, trained once, that stays two members: each gets its own decisions
     at every later generation and it counts twice in the quantiles and the answer's ranking, as
     two identical members of the paper's population would (they would train alike).
+
+    ``synch=True`` (the default, as Ray Tune's ``synch=True``): the members of a generation are
+    decided together, once every member's result at ``g`` is in (a failed or cancelled member
+    drops out), each ranked against all of them; the members that finish a generation first
+    wait for the last. ``synch=False``: each member is decided as its result is handed over,
+    ranked against the results at ``g`` handed over before it and itself, so no worker waits,
+    but the members that report first in a generation are ranked among few and rarely exploit
+    (with ``quantile=0.25``, none of the first three); logs recorded before 2026-11-28 were
+    decided this way (verify them with ``synch=False`` in the study file).
 
     Random choices come from :func:`stable_seed` of ``(study, trial id, step)``. Units: steps.
     With ``causal=True`` each generation is a causal group. Assumes results at equal steps
@@ -52,7 +62,7 @@ class PBT(Tuner):
 
     def __init__(self, space: Iterable[HPConfig], metric: str, mode: Mode = "max", *, population: int,
                  interval: int, max_steps: int, mutations: Mapping[str, Sequence[Any]], quantile: float = 0.25,
-                 resample_probability: float = 0.25, causal: bool = False) -> None:
+                 resample_probability: float = 0.25, causal: bool = False, synch: bool = True) -> None:
         super().__init__(space, metric, mode)
         self.population = positive_int("population", population)
         self.interval = positive_int("interval", interval)
@@ -67,6 +77,9 @@ class PBT(Tuner):
         self.quantile = float(quantile)
         self.resample_probability = float(resample_probability)
         self.causal = check_causal(causal)
+        if not isinstance(synch, bool):
+            raise ValueError(f"`synch` is {synch!r}, but must be True or False")
+        self.synch = synch
 
     def generations(self) -> list[int]:
         """The steps at which members are compared: every ``interval`` steps, and ``max_steps``."""
@@ -103,41 +116,53 @@ class PBT(Tuner):
     async def run(self, study: Study) -> TunerResult:
         self.check(study.trainer)
         gens = self.generations()
-        inbox: ResultInbox[int] = ResultInbox(study, self.causal)  # payload: the generation
+        inbox: ResultInbox[int] = ResultInbox(study, self.causal)  # group and payload: the generation
         for config in self.draw(study, self.configurations(study, self.population), gens[0]):
             inbox.submit(config, gens[0], 0, 0)
         at_gen: list[list[TrialResult]] = [[] for _ in gens]
         everything: dict[str, TrialResult] = {}
         final: list[TrialResult] = []
-        async for g, result in inbox.results():
-            everything[result.trial_id] = result
-            if result.failed:  # the member ends; quantiles use results that exist
-                self.decide(study, Stop(trial_id=result.trial_id, step=gens[g], reason="failed"))
-                continue
-            at_gen[g].append(result)
-            if g + 1 == len(gens):
-                final.append(result)
-                continue
-            ranked = self.rank(at_gen[g])
-            cut = int(len(ranked) * self.quantile)
-            top, bottom = ranked[:cut], ranked[len(ranked) - cut:] if cut else []
-            place = next(i for i, r in enumerate(ranked) if r.trial_id == result.trial_id)
-            evidence = Quantiles(metric=self.metric, mode=self.mode, value=self.value(result), rank=place + 1,
-                                 of=len(ranked), cut=cut, quantile=self.quantile)
-            nxt = result.hp
-            if cut and any(b.trial_id == result.trial_id for b in bottom) \
-                    and all(t.trial_id != result.trial_id for t in top):
-                seed = stable_seed(study.name, result.trial_id, str(gens[g]))
-                rng = np.random.default_rng(seed)
-                donor = top[int(rng.integers(len(top)))]
-                nxt = self.explore(donor.hp, gens[g], rng)
-                explored = {name: nxt[name].value(gens[g]) for name in sorted(self.mutations)}
-                self.decide(study, Exploit(trial_id=result.trial_id, step=gens[g], donor=donor.trial_id,
-                                           new_trial_id=study.trial_id(study.config(nxt)), to_step=gens[g + 1],
-                                           seed=seed, evidence=evidence, donor_value=self.value(donor),
-                                           explored=explored))
-            else:
-                self.decide(study, Continue(trial_id=result.trial_id, step=gens[g], to_step=gens[g + 1],
-                                            evidence=evidence))
-            inbox.submit(nxt, gens[g + 1], g + 1, g + 1)
+        while inbox:
+            g, result = await inbox.next()  # None: a cancelled request, which drops out
+            if result is not None:
+                everything[result.trial_id] = result
+                if result.failed:  # the member ends; quantiles use results that exist
+                    self.decide(study, Stop(trial_id=result.trial_id, step=gens[g], reason="failed"))
+                else:
+                    at_gen[g].append(result)
+                    if g + 1 == len(gens):
+                        final.append(result)
+                    elif not self.synch:
+                        self._select(study, inbox, gens, g, result, self.rank(at_gen[g]))
+            if self.synch and g + 1 < len(gens) and not inbox.waiting(g):  # the whole generation is in
+                ranked = self.rank(at_gen[g])
+                for member in at_gen[g]:  # in the order handed over
+                    self._select(study, inbox, gens, g, member, ranked)
         return self._result(study, final, everything)
+
+    def _select(self, study: Study, inbox: ResultInbox[int], gens: list[int], g: int, result: TrialResult,
+                ranked: list[TrialResult]) -> None:
+        """Truncation selection of the member of ``result`` at generation ``g`` among ``ranked``
+        (:meth:`rank` order): an ``exploit`` or a ``continue`` decision, and its request for the
+        next generation."""
+        cut = int(len(ranked) * self.quantile)
+        top, bottom = ranked[:cut], ranked[len(ranked) - cut:] if cut else []
+        place = next(i for i, r in enumerate(ranked) if r.trial_id == result.trial_id)
+        evidence = Quantiles(metric=self.metric, mode=self.mode, value=self.value(result), rank=place + 1,
+                             of=len(ranked), cut=cut, quantile=self.quantile)
+        nxt = result.hp
+        if cut and any(b.trial_id == result.trial_id for b in bottom) \
+                and all(t.trial_id != result.trial_id for t in top):
+            seed = stable_seed(study.name, result.trial_id, str(gens[g]))
+            rng = np.random.default_rng(seed)
+            donor = top[int(rng.integers(len(top)))]
+            nxt = self.explore(donor.hp, gens[g], rng)
+            explored = {name: nxt[name].value(gens[g]) for name in sorted(self.mutations)}
+            self.decide(study, Exploit(trial_id=result.trial_id, step=gens[g], donor=donor.trial_id,
+                                       new_trial_id=study.trial_id(study.config(nxt)), to_step=gens[g + 1],
+                                       seed=seed, evidence=evidence, donor_value=self.value(donor),
+                                       explored=explored))
+        else:
+            self.decide(study, Continue(trial_id=result.trial_id, step=gens[g], to_step=gens[g + 1],
+                                        evidence=evidence))
+        inbox.submit(nxt, gens[g + 1], g + 1, g + 1)
