@@ -123,6 +123,15 @@ def k_wise_merge_rate(state: State, study_ids: Iterable[str]) -> float | None:
     """The k-wise merge rate (q in Hippo §8.2, m_k in the thesis): total steps of the K studies'
     trials (each at its maximum steps, as ``total_steps``) / unique steps of the union of all
     their prefixes, merged per base plan key (steps / steps). None when they have no trials."""
+    total, unique = union_steps(state, study_ids)
+    return total / unique if unique else None
+
+
+def union_steps(state: State, study_ids: Iterable[str]) -> tuple[int, int]:
+    """``(total, unique)`` steps of the studies' trials: the sum of their steps, and the steps of
+    the union of their prefixes merged per base plan key (studies on different plans, another
+    trainer or seed, share nothing), computed so whatever mode they ran in. Raises ValueError
+    for a single string instead of a collection."""
     if isinstance(study_ids, (str, bytes)):
         raise ValueError(f"`study_ids` is {study_ids!r}, but must be a collection of study ids, not one string")
     ids = set(study_ids)
@@ -132,7 +141,7 @@ def k_wise_merge_rate(state: State, study_ids: Iterable[str]) -> float | None:
             groups[base_plan_key(trial.plan_key)].append(trial)
     total = sum(t.steps for trials in groups.values() for t in trials)
     unique = sum(merged_unique_steps([(t.hp, t.steps) for t in trials]) for trials in groups.values())
-    return total / unique if unique else None
+    return total, unique
 
 
 def _covered(ranges: list[tuple[int, int]], lo: int, hi: int) -> int:

@@ -40,9 +40,8 @@ from events.models import (
 )
 from gpu_worker.simulated import SimulatedWorker, models_of
 from gpu_worker.trainer import Trainer
-from projections.search_plan import merged_unique_steps
 from projections.store import ProjectionStore, Projector, all_keys
-from projections.summary import build_summary
+from projections.summary import build_summary, union_steps
 from scheduler.service import SchedulerService
 from stagetree.runtime import RuntimeBase, RuntimeError_, settle
 from stagetree.study import Study
@@ -350,11 +349,10 @@ async def _simulate(trainer: Trainer, studies: list[SimStudy], workers: int, mer
             summary["simulated"] = True
             summaries.append(summary)
         state = cluster.state
-        trials = list(state.trials.values())
-        unique = merged_unique_steps([(t.hp, t.steps) for t in trials]) if trials else 0
+        total, unique = union_steps(state, [s.name for s in studies])  # merged per plan: seeds apart share none
         return SimulationResult(
             mode=mode, policy=policy, workers=workers, summaries=summaries, makespan_seconds=makespan,
-            worker_seconds=state.stats.worker_seconds, total_steps=sum(t.steps for t in trials),
-            unique_steps=unique, executed_steps=state.stats.executed_steps, results=results)
+            worker_seconds=state.stats.worker_seconds, total_steps=total, unique_steps=unique,
+            executed_steps=state.stats.executed_steps, results=results)
     finally:
         cluster.close()

@@ -78,6 +78,20 @@ def test_two_concurrent_studies_share_one_plan() -> None:
     assert summary["k_wise_merge_rate"] == pytest.approx(result.total_steps / result.unique_steps)
 
 
+def test_studies_with_other_seeds_share_nothing_and_the_totals_say_so() -> None:
+    """Two studies of the same space with other seeds are on two plans: the simulation's unique
+    steps are the sum of each plan's own, so executed = unique merged, and q is each study's p,
+    as their summaries say (before, the two plans' trials were merged as one: unique halved)."""
+    space = GridSearchSpace({"lr": SPACE.candidates["lr"][:2], "batch_size": [Constant(128)]})
+    result = simulate(TRAINER, [SimStudy("a", GridSearch(space, 60, "val_acc"), seed=1),
+                                SimStudy("b", GridSearch(space, 60, "val_acc"), seed=2)], workers=2)
+    alone = simulate(TRAINER, [SimStudy("a", GridSearch(space, 60, "val_acc"), seed=1)], workers=2)
+    assert result.total_steps == 4 * 60 and result.unique_steps == 2 * alone.unique_steps
+    assert result.executed_steps == result.unique_steps
+    assert [s["studies_sharing_plan"] for s in result.summaries] == [["a"], ["b"]]
+    assert result.summaries[0]["k_wise_merge_rate"] == pytest.approx(alone.total_steps / alone.unique_steps)
+
+
 def test_the_papers_resnet56_sha_study_runs_at_scale(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "report.json"
     assert main(["simulate", str(ROOT / "examples/paper/resnet56_sha.py"), "--json", str(out)]) == 0
