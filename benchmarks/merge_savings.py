@@ -185,7 +185,7 @@ def compare_metrics(merged: dict[str, Any], trial: dict[str, Any]) -> list[str]:
 
 # ----------------------------------------------------------------------------- p_w
 
-def cost_weighted_merge_rate(state: State) -> dict[str, Any]:
+def cost_weighted_merge_rate(state: State, cost_hp: str = "batch_size") -> dict[str, Any]:
     """Cost-weighted merge rate p_w of the merged run (dimensionless), with its parts.
 
     p = total steps / unique steps counts every step alike, but worker-seconds weigh each step
@@ -203,9 +203,18 @@ def cost_weighted_merge_rate(state: State) -> dict[str, Any]:
     [its start_step, its child's start_step). A node's unique range is [start_step, the
     largest end any trial needs on it).
 
+    A node's cost per step is its average: exact for the unique cost, and for a trial's prefix
+    whenever the cost per step is the same all along the node. A node is one hyper-parameter
+    function, so a cost-setting value (``cost_hp``, the batch size) may change inside it; a
+    trial that ends inside such a node (a shorter trial sharing its prefix branches off it) is
+    then priced at the node's average, too dear or too cheap (which one is first submitted
+    decides whose function the node is). ``mixed_cost_nodes`` counts the nodes where a prefix
+    ends inside while the value changes along the node; p_w is approximate when it is not 0.
+
     Returns a dict: ``p_w``; ``trial_cost_s`` (predicted training seconds of the trial-based
     baseline); ``unique_cost_s`` (same for the merged plan); ``unique_steps`` (must equal the
-    summary's); ``fallback_nodes`` (nodes costed at the plan mean).
+    summary's); ``fallback_nodes`` (nodes costed at the plan mean); ``mixed_cost_nodes`` (as
+    above).
     """
     means: dict[str, float] = {}
     for key, plan in state.plans.items():
@@ -223,6 +232,7 @@ def cost_weighted_merge_rate(state: State) -> dict[str, Any]:
 
     trial_cost = 0.0
     extent: dict[tuple[str, str], int] = {}  # (plan, node) -> largest end step any trial needs
+    ends: dict[tuple[str, str], set[int]] = {}  # (plan, node) -> the end steps of trial prefixes on it
     for t in state.trials.values():
         plan: Plan = state.plans[t.plan_key]
         end, node_id = t.steps, t.requests.get(t.steps)
@@ -232,7 +242,17 @@ def cost_weighted_merge_rate(state: State) -> dict[str, Any]:
             trial_cost += steps * cost_per_step(t.plan_key, node)
             key = (t.plan_key, node_id)
             extent[key] = max(extent.get(key, node.start_step), end)
+            ends.setdefault(key, set()).add(end)
             end, node_id = node.start_step, node.parent_id
+
+    def mixed(key: tuple[str, str]) -> bool:
+        """Whether a prefix ends inside the node while ``cost_hp`` is not constant along it."""
+        node = state.plans[key[0]].nodes[key[1]]
+        function = node.hp.get(cost_hp)
+        if function is None or not any(node.start_step < end < extent[key] for end in ends[key]):
+            return False
+        first = function.value(node.start_step)
+        return any(function.value(step) != first for step in range(node.start_step, extent[key]))
 
     unique_cost, unique_steps = 0.0, 0
     for (plan_key, node_id), end in extent.items():
@@ -245,6 +265,7 @@ def cost_weighted_merge_rate(state: State) -> dict[str, Any]:
         "unique_cost_s": unique_cost,
         "unique_steps": unique_steps,
         "fallback_nodes": len(fallback),
+        "mixed_cost_nodes": sum(1 for key in extent if mixed(key)),
     }
 
 
@@ -473,6 +494,9 @@ def render(r: dict[str, Any], console: Console) -> None:
         if c["other_processes"] is not None and c["other_processes"] > CONTENDED * capacity:
             console.print(f"[yellow]other processes used {c['other_processes']:.0f} of {capacity:.0f} core-seconds "
                           f"during the {mode} run: its timings are contended[/yellow]")
+    if pw["mixed_cost_nodes"]:
+        console.print(f"[yellow]p_w is approximate: {pw['mixed_cost_nodes']} node(s) change their cost per step "
+                      "inside them where a shorter trial's prefix ends (priced at the node's average)[/yellow]")
     if pw["fallback_nodes"]:
         console.print(f"{pw['fallback_nodes']} node(s) never trained were costed at the plan's mean seconds/step")
 

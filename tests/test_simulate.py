@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from events.hp import Constant, MultiStep, Warmup
+from events.hp import Constant, MultiStep, Piecewise, Warmup
 from gpu_worker.simulated import CostModel, CurveModel, SimulatedTrainer
+from projections.store import ProjectionStore
 from replay.audit import open_source, verify
 from stagetree.cli import main
 from stagetree.simulate import SimStudy, simulate
@@ -175,3 +176,32 @@ def test_a_simulated_worker_process_does_not_import_torch() -> None:
             "assert not bad, bad[:3]")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize(("ramp_first", "p_w", "mixed"), [(False, 700 / 600, 0), (True, 850 / 600, 1)])
+def test_the_merge_savings_benchmark_says_when_its_p_w_prices_a_prefix_at_a_node_average(
+        ramp_first: bool, p_w: float, mixed: int, tmp_path: Path) -> None:
+    """benchmarks/merge_savings.py prices a step at its node's average seconds per step. A trial
+    whose batch size quadruples at step 100 (1 s/step, then 4) and one that keeps it: trial-based
+    they cost 500 + 200 s, merged 600 s, so p_w is 7/6. When the ramp is submitted first the
+    shared node is the ramp's, and the other trial's prefix [0, 100) is priced at the node's
+    average (2.5 s/step): the benchmark then counts that node as mixed, so p_w is flagged as
+    approximate."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("merge_savings", ROOT / "benchmarks" / "merge_savings.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    trainer = SimulatedTrainer("pw", ("lr", "batch_size"),
+                               cost=CostModel(base_seconds=1.0, scale={"batch_size": (128, 1.0)}), curve=CurveModel())
+    ramp = {"lr": Constant(0.1), "batch_size": Piecewise([Constant(128), Constant(512)], [100])}
+    flat = {"lr": Constant(0.1), "batch_size": Constant(128)}
+    space = [ramp, flat] if ramp_first else [flat, ramp]
+    simulate(trainer, [SimStudy("pw", GridSearch(space, 200, "val_acc"))], workers=1, run_dir=tmp_path)
+    store = ProjectionStore(tmp_path / "state")
+    try:
+        pw = bench.cost_weighted_merge_rate(store.load())
+    finally:
+        store.close()
+    assert (pw["p_w"], pw["mixed_cost_nodes"]) == (pytest.approx(p_w), mixed)
