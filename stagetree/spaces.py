@@ -515,11 +515,15 @@ def candidates_of(field: str, hp_dict: Mapping[str, Any]) -> dict[str, list[HPFu
     """``hp_dict``'s candidate lists as hyper-parameter functions (numbers become Constant).
 
     Raises:
-        ValueError: a list that is empty or not a list, or an invalid candidate, naming
-            ``field[name]`` and the value.
+        ValueError: ``hp_dict`` not a mapping, a name that is not a str, a list that is empty
+            or not a list, or an invalid candidate, naming ``field[name]`` and the value.
     """
+    if not isinstance(hp_dict, Mapping):
+        raise ValueError(f"`{field}` is {hp_dict!r}, but must be a mapping of names to lists of candidates")
     out: dict[str, list[HPFunction]] = {}
     for name, values in hp_dict.items():
+        if not isinstance(name, str):
+            raise ValueError(f"`{field}` has the name {name!r}, but names must be str")
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
             raise ValueError(f"`{field}[{name!r}]` is {values!r}, but must be a non-empty list of candidates")
         try:
@@ -537,13 +541,16 @@ class GridSearchSpace:
         filter: optional predicate on a configuration; False drops it (conditional spaces).
 
     Raises:
-        ValueError: an empty candidate list, or an invalid candidate (naming the name).
+        ValueError: an empty or non-mapping ``hp_dict``, a name that is not a str, an empty
+            candidate list, an invalid candidate (naming the name), or a non-callable ``filter``.
     """
 
     def __init__(self, hp_dict: Mapping[str, Sequence[Any]], filter: Callable[[HPConfig], bool] | None = None) -> None:
-        if not hp_dict:
+        if isinstance(hp_dict, Mapping) and not hp_dict:
             raise ValueError("`hp_dict` is {}, but must name at least one hyper-parameter")
         self.candidates: dict[str, list[Any]] = dict(candidates_of("hp_dict", hp_dict))
+        if filter is not None and not callable(filter):
+            raise ValueError(f"`filter` is {filter!r}, but must be callable or None")
         self.filter = filter
 
     def __iter__(self) -> Iterator[HPConfig]:

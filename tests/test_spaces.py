@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from events.hp import Constant, Cosine, HPFunction, MultiStep, Warmup
 from stagetree.spaces import (
     Choice,
+    GridSearchSpace,
     IntUniform,
     LogUniform,
     Milestones,
@@ -23,6 +24,7 @@ from stagetree.spaces import (
     Sampled,
     Uniform,
 )
+from stagetree.tuners import GridSearch, SuccessiveHalving
 
 
 def values(space: RandomSearchSpace, name: str) -> list[int | float]:
@@ -275,3 +277,23 @@ def test_a_sampler_used_alone_checks_its_fields() -> None:
     with pytest.raises(ValueError, match=re.escape("`Sampled(Constant).value`: `LogUniform.low` is 0")):
         Sampled(Constant, value=LogUniform(0, 1)).sample(rng)
     assert isinstance(Sampled(Constant, value=Uniform(0, 1)).sample(rng), HPFunction)
+
+
+@pytest.mark.parametrize(("make", "needles"), [
+    (lambda: GridSearchSpace({1: [0.1]}), ["`hp_dict` has the name 1", "must be str"]),
+    (lambda: GridSearchSpace([("lr", [0.1])]), ["`hp_dict` is [('lr', [0.1])]", "must be a mapping"]),
+    (lambda: GridSearchSpace({"lr": [0.1]}, filter="lr > 0"), ["`filter` is 'lr > 0'", "callable"]),
+    (lambda: GridSearch(GridSearchSpace({"lr": [0.1, 0.2]}, filter=lambda c: False), 5, "acc"),
+     ["`space` holds no configuration", "its filter drops every configuration"]),
+    (lambda: GridSearch([], 5, "acc"), ["`space` holds no configuration,"]),
+    (lambda: SuccessiveHalving(RandomSearchSpace({"lr": LogUniform(0.01, 0.1)}, n=3, seed=0,
+                                                                 filter=lambda c: False), "acc",
+                               min_steps=1, max_steps=4), ["`space` holds no configuration"]),
+])
+def test_a_grid_is_checked_as_a_random_space_is_and_an_empty_space_is_refused(make: Any, needles: list[str]) -> None:
+    """A name that is not a str, a list of pairs for the dict, a filter that is not callable,
+    and a space that holds nothing (every configuration filtered out: before, the study ran
+    zero trials and exited 0 with best None) are refused when built, naming the field."""
+    with pytest.raises(ValueError) as caught:
+        make()
+    assert all(n in str(caught.value) for n in needles), caught.value

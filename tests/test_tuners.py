@@ -370,11 +370,11 @@ def test_grid_search_space_filter() -> None:
     assert len(cond) == 4
 
 
-def test_grid_search_over_an_empty_filtered_space_has_no_best() -> None:
-    result, runtime, _ = tune(GridSearch(GridSearchSpace({"x": [1], "y": [0]}, filter=lambda c: False), 5, "acc"),
-                              lambda v, s: {"acc": 1.0})
-    assert result.best is None and result.trials == []
-    assert runtime.batches == []
+def test_grid_search_over_an_empty_filtered_space_is_refused() -> None:
+    """A filter that drops every configuration is a mistake in the study file: refused when the
+    tuner is built (it used to run no trial and end with no best, exit 0)."""
+    check_value_error(lambda: GridSearch(GridSearchSpace({"x": [1], "y": [0]}, filter=lambda c: False), 5, "acc"),
+                      "`space` holds no configuration (its filter drops every configuration)")
 
 
 # ============================================================================ invalid arguments

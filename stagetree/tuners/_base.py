@@ -14,7 +14,7 @@ import hashlib
 import itertools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sized
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -67,6 +67,10 @@ class Tuner(ABC):
     of the rung's trials, ranked below every result; statistics over results (MedianStopping's
     median, PBT's quantiles) use only the results that exist. The study goes on; its summary
     lists the trial as "failed" with the error.
+
+    Raises:
+        ValueError: ``mode`` not "max" or "min", an empty ``metric``, or a sized ``space`` (a
+            grid, a random space, a list) that holds no configuration.
     """
 
     def __init__(self, space: Iterable[HPConfig], metric: str, mode: Mode = "max") -> None:
@@ -74,6 +78,9 @@ class Tuner(ABC):
             raise ValueError(f"`mode` is {mode!r}, but must be 'max' or 'min'")
         if not metric:
             raise ValueError(f"`metric` is {metric!r}, but must name a metric")
+        if isinstance(space, Sized) and len(space) == 0:  # a grid or random space, or a list
+            dropped = " (its filter drops every configuration)" if getattr(space, "filter", None) else ""
+            raise ValueError(f"`space` holds no configuration{dropped}, but must hold at least one")
         self.space = space
         self.metric = metric
         self.mode: Mode = mode

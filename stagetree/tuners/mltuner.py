@@ -165,7 +165,7 @@ class MLtunerTuner(Tuner):
                  tunables: Mapping[str, Sequence[Any]], max_steps: int, epoch_steps: int, trial_steps: int,
                  points: int = 10, progress_metric: str = "loss", k: int = 5, eps: float | None = None,
                  patience: int = 5, max_branches: int = 8, top_n: int = 5, tolerance: float = 0.10) -> None:
-        super().__init__([], metric, mode)  # the space is the initial configuration, set below
+        super().__init__(space, metric, mode)  # type: ignore[arg-type]  # checks an empty space; set below
         self.max_steps = positive_int("max_steps", max_steps)
         self.epoch_steps = positive_int("epoch_steps", epoch_steps)
         self.trial_steps = positive_int("trial_steps", trial_steps)
