@@ -129,12 +129,13 @@ def unique_steps(plan: Plan, targets: Iterable[tuple[str, int]]) -> int:
     return sum(stop - start for start, stop in needed(plan, targets).values())
 
 
-def study_needs(state: State, study_id: str) -> dict[tuple[str, str], tuple[int, int]]:
-    """The steps the study's trials need, per ``(plan_key, node_id)``: ``(start, end)`` over
-    each trial's maximum request; their lengths sum to the study's unique steps (thesis §4.2.1)."""
+def study_needs(state: State, study_id: str | None) -> dict[tuple[str, str], tuple[int, int]]:
+    """The steps the study's trials need (None: every study's), per ``(plan_key, node_id)``:
+    ``(start, end)`` over each trial's maximum request; their lengths sum to the study's unique
+    steps (thesis §4.2.1)."""
     targets: dict[str, list[tuple[str, int]]] = {}
     for trial in state.trials.values():
-        if trial.study_id == study_id and trial.steps in trial.requests:
+        if (study_id is None or trial.study_id == study_id) and trial.steps in trial.requests:
             targets.setdefault(trial.plan_key, []).append((trial.requests[trial.steps], trial.steps))
     return {(key, node_id): span for key, requests in targets.items()
             for node_id, span in needed(state.plans[key], requests).items()}

@@ -10,7 +10,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from projections.queries import unique_steps
+from projections.queries import study_needs
 from projections.state import State
 
 
@@ -32,11 +32,7 @@ def render(state: State, title: str, study_id: str | None = None) -> Group:
     outstanding = sum(len(d.stages) - d.finished for d in dispatches if d.status == "running")
     done = sum(1 for t in trials if t.status == "done")
     asked = sum(t.steps for t in trials)
-    targets: dict[str, list[tuple[str, int]]] = {}
-    for t in trials:
-        if t.steps in t.requests:
-            targets.setdefault(t.plan_key, []).append((t.requests[t.steps], t.steps))
-    unique = sum(unique_steps(state.plans[key], requests) for key, requests in targets.items())
+    unique = sum(end - start for start, end in study_needs(state, study_id).values())
     executed = state.stats.executed_steps if study_id is None else sum(p.executed_steps for p in plans)
     seconds = state.stats.worker_seconds if study_id is None else sum(p.worker_seconds for p in plans)
     head = Text.assemble(
