@@ -59,7 +59,9 @@ def resolve_device(spec: str = "auto", index: int = 0) -> torch.device:
     otherwise the torch device named by ``spec`` (``cpu``, ``cuda:1``, ...).
 
     Raises:
-        ValueError: ``spec`` is not a torch device name, or names a CUDA device that is absent.
+        ValueError: ``spec`` is not ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (other torch device
+            types, ``mps``, ``meta``, ``cpu:1``, are not ones a worker trains on), or names a CUDA
+            device that is absent (no CUDA, or ``N`` >= the number of CUDA devices).
     """
     if spec == "auto":
         if torch.cuda.is_available():
@@ -69,8 +71,14 @@ def resolve_device(spec: str = "auto", index: int = 0) -> torch.device:
         device = torch.device(spec)
     except RuntimeError as exc:
         raise ValueError(f"`device` is {spec!r}, but must be auto, cpu or cuda:N ({exc})") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"`device` is {spec!r}, but CUDA is not available here")
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index not in (None, 0)):
+        raise ValueError(f"`device` is {spec!r}, but must be auto, cpu or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"`device` is {spec!r}, but CUDA is not available here")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"`device` is {spec!r}, but this machine has {torch.cuda.device_count()} CUDA "
+                             f"device(s) (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
     return device
 
 

@@ -32,13 +32,18 @@ TRIAL_PLAN_SEPARATOR = "/trial/"  # mode "trial": every trial's plan key is <key
 _FILE_SAFE = re.compile(r"[A-Za-z0-9._-]+")
 
 
+FILE_SAFE_LIMIT = 100
+"""Characters of a name kept in its file name (a file name holds 255 bytes at most)."""
+
+
 def file_safe(name: str) -> str:
     """``name`` as one file name: itself when it is one (A-Z a-z 0-9 . _ -, not ``.`` or
-    ``..``), else ``_``-separated plus 8 hex characters of its sha256, so two names never share
-    one and none leaves its directory (``../x`` is ``x-<hash>``)."""
-    if _FILE_SAFE.fullmatch(name) and name not in (".", ".."):
+    ``..``, at most :data:`FILE_SAFE_LIMIT` characters), else its first 100 characters
+    ``_``-separated plus 8 hex characters of its sha256, so two names never share one and none
+    leaves its directory (``../x`` is ``x-<hash>``)."""
+    if _FILE_SAFE.fullmatch(name) and name not in (".", "..") and len(name) <= FILE_SAFE_LIMIT:
         return name
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "study"
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name[:FILE_SAFE_LIMIT]).strip("._") or "study"
     return f"{safe}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
 
 

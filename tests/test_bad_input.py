@@ -582,6 +582,9 @@ def test_cli_flags_are_checked_before_anything_is_created(tmp_path: Path, capsys
              (["--out", str(afile / "sub")], ["--out", "which is a file"]),
              (["--out", str(tmp_path / "dev"), "--device", "bogus"], ["--device", "'bogus'"]),
              (["--out", str(tmp_path / "dev"), "--device", "cuda:7"], ["--device", "'cuda:7'"]),
+             (["--out", str(tmp_path / "dev"), "--device", "mps"], ["--device", "'mps'", "auto, cpu or cuda:N"]),
+             (["--out", str(tmp_path / "dev"), "--device", "meta"], ["--device", "'meta'", "auto, cpu or cuda:N"]),
+             (["--out", str(tmp_path / "dev"), "--device", "cpu:1"], ["--device", "'cpu:1'", "auto, cpu or cuda:N"]),
              (["--out", "/proc/stagetree-none/run"], ["--out", "'/proc/stagetree-none/run'", "cannot be created"]),
              (["--out", str(tmp_path / "dev"), "--checkpoint-store", str(tmp_path / "store")],
               ["--checkpoint-store", repr(str(tmp_path / "store")), "is for Kafka mode", "OUT/checkpoints"])]
@@ -675,3 +678,19 @@ def test_cli_a_study_name_that_is_no_file_name_stays_under_runs(tmp_path: Path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", "study.py"]
     assert [p.name for p in (tmp_path / "runs").iterdir()] == [safe]
     assert orjson.loads(summary_path(tmp_path / "runs" / safe, "../escaped").read_bytes())["name"] == "../escaped"
+
+
+def test_cli_a_long_study_name_still_gets_its_summary(tmp_path: Path) -> None:
+    """A ``name`` longer than a file name can be trained to the end and then failed to write
+    its summary (errno 36, a traceback, no summary). Names over 100 characters are cut to 100
+    plus 8 hex characters of their sha256, so two long names still never share a file."""
+    from projections.summary import file_safe
+
+    long = "a" * 300
+    assert file_safe(long) == "a" * 100 + "-" + file_safe(long)[-8:] != file_safe(long + "a")
+    assert file_safe("a" * 100) == "a" * 100
+    path = write(tmp_path / "study.py", VALID.replace('name = "tiny"', f'name = "{long}"'))
+    proc = run_cli(path, tmp_path / "out")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert orjson.loads(summary_path(tmp_path / "out", long).read_bytes())["name"] == long
+    assert orjson.loads((tmp_path / "out" / "summary.json").read_bytes())["name"] == long
