@@ -50,6 +50,11 @@ class Trainer(abc.ABC):
     with the seed), then either nothing or ``load_state_dict`` (resume from a
     checkpoint), then for each step ``s``: ``setup`` (only when some value
     changed), ``train_step``; and ``evaluate`` / ``state_dict`` between steps.
+    Once per worker process, before it joins, a warm-up builds with seed 0 and
+    calls ``evaluate`` and one ``train_step`` at step 0 and the default batch
+    size *without* ``setup`` (``gpu_worker.process.warm_up``: torch's first-call
+    costs are start-up, not stage time); its weights are thrown away, and an
+    error it raises is left to the first stage that meets it again.
 
     Determinism contract (DESIGN.md "Determinism recipe"):
 

@@ -18,6 +18,7 @@ from rich.markup import escape
 from events import topics
 from events.keys import secret_from
 from stagetree.outputs import check_output_dir, check_output_file
+from stagetree.words import counted
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -107,7 +108,7 @@ def cmd_reexecute(args: argparse.Namespace, console: Console) -> int:
     for d in result.divergences:
         console.print(f"[red]diverged[/red]: {escape(str(d))}")
     if result.ok:
-        workers = f"{args.workers} worker" + ("s" if args.workers != 1 else "")
+        workers = counted(args.workers, "worker")
         console.print(f"[green]reproduced[/green]: {result.stages} stages bit for bit on {workers}")
         return 0
     console.print(f"[red]{len(result.divergences)} divergences[/red] in {result.stages} stages")

@@ -35,6 +35,7 @@ from stagetree.errors import RuntimeError_, TrialFailed, TrialsFailed, UsageErro
 from stagetree.export.commands import register as register_export
 from stagetree.simulate_cli import register as register_simulate
 from stagetree.sizes import parse_size
+from stagetree.words import counted
 
 if TYPE_CHECKING:
     import subprocess
@@ -123,8 +124,8 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
                                  workers=args.workers, seed=seed, trainer=f"{trainer.name}@{trainer.version}",
                                  metric=tuner.metric, metric_mode=tuner.mode,
                                  study_file=str(Path(args.file).resolve()))])
-    progress = Progress(lambda: runtime.state, f"{name} ({mode}, {args.workers} workers)", enabled=not args.quiet,
-                        study_id=name)
+    progress = Progress(lambda: runtime.state, f"{name} ({mode}, {counted(args.workers, 'worker')})",
+                        enabled=not args.quiet, study_id=name)
     runtime.on_fold.append(progress.on_fold)
     with progress:
         try:
@@ -481,7 +482,7 @@ def _print_summary(summary: dict[str, Any], console: Console) -> None:
     from rich.markup import escape
 
     best = next((t for t in summary["trials"] if t["trial_id"] == summary["best_trial"]), None)
-    console.print(f"[bold]{summary['name']}[/bold] ({summary['mode']}, {summary['workers']} workers): "
+    console.print(f"[bold]{summary['name']}[/bold] ({summary['mode']}, {counted(summary['workers'], 'worker')}): "
                   f"{len(summary['trials'])} trials, best {summary['best_trial']} = {summary['best_metric']}")
     if best is not None:
         console.print(f"  best hp: {best['hp']}  at {best['steps']} steps")
@@ -686,7 +687,8 @@ def _kafka_flags(p: argparse.ArgumentParser, required: bool = False) -> None:
     servers = os.environ.get("STAGETREE_BOOTSTRAP_SERVERS")
     p.add_argument("--bootstrap-servers", type=_bootstrap_servers, default=servers,  # a string: checked too
                    required=required and not servers,
-                   help="Kafka HOST:PORT (default: $STAGETREE_BOOTSTRAP_SERVERS); embedded mode when unset")
+                   help="Kafka HOST:PORT[,HOST:PORT...] (default: $STAGETREE_BOOTSTRAP_SERVERS)"
+                        + ("" if required else "; embedded mode when unset"))
     p.add_argument("--topic-prefix", type=_topic_prefix, default=os.environ.get("STAGETREE_TOPIC_PREFIX", ""),
                    help="prefix of every topic name (default: $STAGETREE_TOPIC_PREFIX)")
     p.add_argument("--plan-partitions", type=_positive,  # a string default: checked as the flag's value

@@ -80,8 +80,14 @@ def run_study(study_file: str | os.PathLike[str], *, out: str | os.PathLike[str]
     for flag, value in (("device", device), ("log_key", log_key)):
         if value is not None and not isinstance(value, str):
             raise cli.UsageError(f"`{flag}` is {value!r}, but must be a str")
+    for flag, value in (("merge", merge), ("resume", resume), ("progress", progress)):
+        if not isinstance(value, bool):
+            raise cli.UsageError(f"`{flag}` is {value!r}, but must be True or False")
+    for flag, value in (("study_file", study_file), ("out", out)):
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise cli.UsageError(f"`{flag}` is {value!r}, but must be a path (a str or os.PathLike)")
     args = argparse.Namespace(
         file=str(Path(study_file)), out=None if out is None else str(Path(out)), workers=workers, device=device,
-        no_merge=not merge, resume=bool(resume), quiet=not progress, log_key=log_key, dashboard=None,
+        no_merge=not merge, resume=resume, quiet=not progress, log_key=log_key, dashboard=None,
         checkpoint_budget=checkpoint_budget, checkpoint_store=None, bootstrap_servers=None)
     return cli.run_embedded(args, Console(stderr=True, soft_wrap=True, emoji=False))

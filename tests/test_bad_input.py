@@ -597,6 +597,7 @@ def test_cli_flags_are_checked_before_anything_is_created(tmp_path: Path, capsys
     proc = run_cli(path, tmp_path / "dev", "--device", "cpu")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert any((tmp_path / "dev" / "checkpoints").iterdir()) and not (tmp_path / "store").exists()
+    assert "(merged, 1 worker)" in proc.stdout, proc.stdout  # not "1 workers"
 
 
 

@@ -120,10 +120,13 @@ def test_run_study_runs_a_study_file_from_a_script_and_returns_its_summary(tmp_p
     ({"checkpoint_budget": "lots"}, ["`checkpoint_budget`", "'lots'"]),
     ({"checkpoint_budget": 1.5}, ["`checkpoint_budget` is 1.5"]),
     ({"device": "gpu0"}, ["--device", "'gpu0'"]),
+    ({"merge": "False"}, ["`merge` is 'False'", "True or False"]),
+    ({"resume": "no"}, ["`resume` is 'no'"]),
+    ({"out": 3}, ["`out` is 3", "must be a path"]),
 ])
 def test_run_study_refuses_bad_arguments_before_anything_is_created(tmp_path: Path, kwargs: dict,
                                                                     needles: list[str]) -> None:
     with pytest.raises(ValueError) as caught:
-        stagetree.run_study(STUDY, out=tmp_path / "run", **kwargs)
+        stagetree.run_study(STUDY, **{"out": tmp_path / "run", **kwargs})
     assert all(n in str(caught.value) for n in needles), caught.value
     assert not (tmp_path / "run").exists()

@@ -351,3 +351,31 @@ def test_the_trial_table_gives_each_final_decision_and_the_curves_mark_them(tmp_
     marks = {t.trial_id: decision_marks(state, t.trial_id) for t in trials}
     assert plot_curves(trials, "val_acc", None, tmp_path / "c.png", marks) == {"promote": promotions, "stop": stops}
     assert (stops, promotions) == (9, 8)  # rungs 2, 4, 8, 16 keep 10 -> 5 -> 2 -> 1: 5 + 3 + 1 stop, 5 + 2 + 1 go on
+
+
+def test_report_of_one_study_in_a_log_of_several(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--study`` picks the study a report is about (it was always the directory's first);
+    a study the log does not hold is bad input, naming the ones it does."""
+    from gpu_worker.simulated import CostModel, SimulatedTrainer
+    from stagetree.simulate import SimStudy, simulate
+    from stagetree.tuners import GridSearch, GridSearchSpace
+
+    trainer = SimulatedTrainer("report-two", ("lr",), cost=CostModel(base_seconds=1.0))
+    a = GridSearchSpace({"lr": [Constant(0.1), Constant(0.2)]})
+    b = GridSearchSpace({"lr": [Constant(0.1), Constant(0.3), Constant(0.4)]})
+    run = tmp_path / "run"
+    result = simulate(trainer, [SimStudy("a", GridSearch(a, 4, metric="val_acc")),
+                                SimStudy("b", GridSearch(b, 4, metric="val_acc"))], workers=2, run_dir=run)
+    for summary in result.summaries:
+        summary_path(run, summary["name"]).write_bytes(orjson.dumps(summary))
+    (run / "summary.json").write_bytes(orjson.dumps(result.summaries[0]))
+
+    first = build_report(run, tmp_path / "first").read_text(encoding="utf-8")
+    second = build_report(run, tmp_path / "second", study="b").read_text(encoding="utf-8")
+    assert "stagetree report: a</h1>" in first and "2 trials" in first
+    assert "stagetree report: b</h1>" in second and "3 trials" in second and "from summary-b.json" in second
+    assert table(second)["total_steps"] == 3 * 4
+
+    assert main([str(run), "--out", str(tmp_path / "x"), "--study", "c"]) == 2
+    err = capsys.readouterr().err
+    assert "--study 'c'" in err and "'a', 'b'" in err

@@ -17,7 +17,7 @@ from replay.report.style import SHARED_COLOR, UNIQUE_COLOR
 # ----------------------------------------------------------------------------- entry points
 
 
-def build_report(source: Path, out: Path, audit: dict[str, Any] | None = None) -> Path:
+def build_report(source: Path, out: Path, audit: dict[str, Any] | None = None, study: str | None = None) -> Path:
     """Write the HTML report of ``source`` (run directory or JSONL export) to ``out``.
 
     Args:
@@ -26,6 +26,7 @@ def build_report(source: Path, out: Path, audit: dict[str, Any] | None = None) -
             ``curves.png`` into (created; existing files of those names are replaced).
         audit: ``stagetree replay verify --json``'s result ({"ok", "checks", "first_failure"}),
             shown at the top; None shows "not audited".
+        study: the study to report on (default: the directory's first, of ``summary.json``).
 
     Returns:
         the path of ``out/index.html``.
@@ -40,7 +41,7 @@ def build_report(source: Path, out: Path, audit: dict[str, Any] | None = None) -
     from replay.report.pictures import best_trial_id, curve_metric, plot_curves, plot_gantt, plot_stage_tree
     from replay.report.tree import stage_tree
 
-    data = load_run(source)
+    data = load_run(source, study)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     trials = study_trials(data)
@@ -105,6 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``stagetree report`` (for wiring into the ``stagetree`` parser)."""
     p.add_argument("source", help="run directory or JSONL export (stagetree log export)")
     p.add_argument("--out", required=True, help="directory to write index.html and the PNG pictures into")
+    p.add_argument("--study", help="the study to report on, in a log of several (default: the directory's first, "
+                                   "whose summary is summary.json)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--audit", help="JSON audit result to show at the top (stagetree replay verify --json FILE)")
     group.add_argument("--verify", action="store_true", help="run stagetree replay verify now and show its result")
@@ -152,7 +155,7 @@ def cmd_report(args: argparse.Namespace, console: Any = None) -> int:
     secret = secret_from(args.log_key)
     try:
         audit = _load_audit(args.audit) if args.audit else _verify(args.source, secret) if args.verify else None
-        index = build_report(Path(args.source), Path(args.out), audit)
+        index = build_report(Path(args.source), Path(args.out), audit, args.study)
     except ReportError as exc:
         _say(console, f"error: {exc}", err=True)
         return 2

@@ -11,6 +11,7 @@ from typing import Any
 from projections.state import Trial
 from replay.report.load import RunData
 from replay.report.tree import TreeStage
+from stagetree.words import counted
 
 # ----------------------------------------------------------------------------- HTML
 
@@ -142,7 +143,8 @@ def savings_html(data: RunData, stages: Sequence[TreeStage], trials: Sequence[Tr
            "seconds are virtual seconds of simulated GPUs, timed by the trainer's cost model."
            if data.simulated else "")
     head = (f"<p class=\"caption\">{_e(s.get('name', ''))}: {_e(s.get('mode', '?'))} mode, "
-            f"{_e(s.get('workers', '?'))} workers, {len(trials)} trials; values {_e(data.summary_source)}.{sim}</p>")
+            f"{_e(counted(s.get('workers', '?'), 'worker'))}, {_e(counted(len(trials), 'trial'))}; "
+            f"values {_e(data.summary_source)}.{sim}</p>")
     return (f'<section id="savings"><h2>Merge savings</h2>{head}<table>'
             f"<tr><th>quantity</th><th>value</th><th>meaning</th></tr>{''.join(rows)}</table></section>")
 

@@ -95,16 +95,17 @@ def _decode_all(records: Sequence[Record]) -> tuple[list[tuple[int, Event]], int
     return events, bad
 
 
-def load_run(source: str | Path) -> RunData:
-    """Read a run directory or a JSONL export into :class:`RunData`.
+def load_run(source: str | Path, study: str | None = None) -> RunData:
+    """Read a run directory or a JSONL export into :class:`RunData` of one study: ``study``, or
+    by default the one of ``summary.json`` (the directory's first), else the last started.
 
     The projection is the fold of the plan stream (``replay verify`` says whether it equals the
     stored one). Undecodable records are counted and skipped (they are the audit's business).
     A run directory's log is opened read-only, so a running study can be reported on.
 
     Raises:
-        ReportError: the source does not exist, is not a run directory or export, or
-            summary.json is invalid.
+        ReportError: the source does not exist, is not a run directory or export, a summary
+            file is invalid, or the log holds no study ``study`` (naming the ones it holds).
     """
     path = Path(source)
     try:
@@ -115,6 +116,13 @@ def load_run(source: str | Path) -> RunData:
     summary = _read_summary(path / "summary.json")
     state = fold(records)
     events, bad = _decode_all(records)
+    if study is not None:
+        if study not in state.studies:
+            held = ", ".join(map(repr, sorted(state.studies))) or "none"
+            raise ReportError(f"--study {study!r}: {str(path)!r} holds no study of that name (it holds {held})")
+        summary, note = finished_summary(path, events, study)  # a running study's is computed from the log
+        return run_data(path, events, state, study, summary=summary, summary_source=note or "from summary.json",
+                        invalid_events=bad)
 
     study_id = summary.get("name") if summary and isinstance(summary.get("name"), str) else None
     if study_id is None:

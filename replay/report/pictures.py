@@ -16,6 +16,7 @@ from projections.state import Trial
 from replay.report.load import RunData, StageRun
 from replay.report.style import BEST_COLOR, DPI, FAILED_COLOR, SHARED_COLOR, UNFINISHED_COLOR, UNIQUE_COLOR
 from replay.report.tree import TreeStage, stage_label
+from stagetree.words import counted
 
 # ----------------------------------------------------------------------------- pictures
 
@@ -72,7 +73,7 @@ def plot_stage_tree(stages: Sequence[TreeStage], path: Path) -> None:
         label = f"{stage_label(s, multi_plan)}  [{s.from_step}, {s.to_step})"
         extra = []
         if s.trials:
-            extra.append(f"{len(s.trials)} trial" + ("s" if len(s.trials) != 1 else ""))
+            extra.append(counted(len(s.trials), "trial"))
         if s.executions > 1:
             extra.append(f"trained {s.executions}×")
         if extra:
