@@ -194,21 +194,26 @@ def _check_device(spec: str, flag: str = "--device") -> None:
         raise UsageError(str(exc).replace("`device`", flag, 1)) from None  # "--device is 'x', but ..."
 
 
-def _studies_in(log_dir: Path) -> dict[str, str]:
+def _studies_in(log_dir: Path) -> tuple[dict[str, str], set[str]]:
     """The studies started in the embedded log at ``log_dir``: id -> mode (``merged`` or
-    ``trial``, of its first StudyStarted), read without writing or locking anything
+    ``trial``, of its first StudyStarted), and the ids of those whose last run finished (a
+    StudyFinished after their last StudyStarted); read without writing or locking anything
     (undecodable records are skipped; they hold no study)."""
     from events.log import EmbeddedLog
-    from events.models import StudyStarted
+    from events.models import StudyFinished, StudyStarted
     from projections.summary import plan_events
 
     log = EmbeddedLog(log_dir, read_only=True)
     try:
         studies: dict[str, str] = {}
+        finished: set[str] = set()
         for e in plan_events(log):
             if isinstance(e, StudyStarted):
                 studies.setdefault(e.study_id, e.mode)
-        return studies
+                finished.discard(e.study_id)
+            elif isinstance(e, StudyFinished):
+                finished.add(e.study_id)
+        return studies, finished
     finally:
         log.close()
 
@@ -239,7 +244,7 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
     if has_log and held_elsewhere(out / "log"):  # a run still starting holds no study yet
         raise UsageError(f"--out {str(out)!r}: the log is open in another process (a run of this directory is "
                          "still going); wait for it to end, or choose another --out")
-    studies = _studies_in(out / "log") if has_log else {}
+    studies, finished = _studies_in(out / "log") if has_log else ({}, set())
     if args.resume and studies and name not in studies:
         raise UsageError(f"--resume: {str(out)!r} holds no run of study {name!r} (it holds "
                          f"{', '.join(map(repr, sorted(studies)))}); to add study {name!r} to this directory, "
@@ -255,6 +260,13 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
     if studies.get(name, mode) != mode:
         raise UsageError(f"the log holds a {studies[name]!r} run of {name!r}; it cannot continue as {mode!r} "
                          f"({'without' if args.no_merge else 'with'} --no-merge)")
+    if args.resume and name in finished:  # nothing to resume: its tuner's decisions are all in the log
+        from projections.summary import summary_path
+
+        path = summary_path(out, name)
+        if path.is_file():
+            console.print(f"study {name!r} in {str(out)!r} has finished: nothing to resume")
+            return orjson.loads(path.read_bytes()) | {"out": str(out), "summary_file": str(path)}
     budget = args.checkpoint_budget if args.checkpoint_budget is not None else _budget_default()
     port = reserve(args.dashboard) if args.dashboard is not None else None
     try:  # the last check: a directory that cannot be made (no parent, no permission)

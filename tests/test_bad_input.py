@@ -470,6 +470,27 @@ def test_cli_resume_of_nothing_starts_the_run(tmp_path: Path) -> None:
         assert orjson.loads((out / "summary.json").read_bytes())["name"] == "tiny"
 
 
+def test_cli_resume_of_a_finished_study_appends_nothing(tmp_path: Path) -> None:
+    """``--resume`` of a study that finished ran its tuner again and appended every decision a
+    second time (``replay explain`` listed each twice); now it says so and leaves the log."""
+    path = write(tmp_path / "study.py", VALID)
+    out = tmp_path / "out"
+    assert run_cli(path, out).returncode == 0
+
+    def records() -> int:
+        log = EmbeddedLog(out / "log", read_only=True)
+        try:
+            return sum(1 for _ in log.read(topics.PLAN))
+        finally:
+            log.close()
+
+    before, summary = records(), (out / "summary.json").read_bytes()
+    proc = run_cli(path, out, "--resume")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "has finished: nothing to resume" in " ".join(proc.stdout.split()), proc.stdout
+    assert records() == before and (out / "summary.json").read_bytes() == summary
+
+
 def test_cli_resume_of_another_study_is_refused_and_summaries_are_per_study(tmp_path: Path) -> None:
     """Issue 11 item 9: ``--resume`` in a directory that holds only other studies is refused
     (exit 2, naming them), nothing is appended, and no study overwrites another's summary."""
