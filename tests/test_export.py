@@ -10,6 +10,7 @@ hyper-parameter sequences of two trials differ.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -128,6 +129,14 @@ def test_tensorboard_export_reads_back_exactly(merged: RunView, wsd_runs: dict[s
     out = tmp_path / "tb"
     for _ in range(2):  # exporting again replaces the first export's files
         assert main(["export", "tensorboard", str(wsd_runs["merged"]), "--out", str(out)]) == 0
+        # a run an export of another study left (its trial is not in this one), and a user's own
+        (out / "0123456789abcdef").mkdir(exist_ok=True)
+        (out / "0123456789abcdef" / "events.out.tfevents.1.host.stagetree").write_bytes(b"")
+        (out / "mine").mkdir(exist_ok=True)
+        (out / "mine" / "events.out.tfevents.1.host").write_bytes(b"")
+    assert main(["export", "tensorboard", str(wsd_runs["merged"]), "--out", str(out)]) == 0
+    assert not (out / "0123456789abcdef").exists() and (out / "mine" / "events.out.tfevents.1.host").is_file()
+    shutil.rmtree(out / "mine")
     runs = _tensorboard(out)
     summary = _summary(wsd_runs["merged"])
     assert set(runs) == {".", *(t["trial_id"] for t in summary["trials"])}

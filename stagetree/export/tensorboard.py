@@ -75,6 +75,12 @@ def export_tensorboard(view: RunView, out: str | Path) -> dict[str, Any]:
         events, n = _trial_events(trial, hps[trial.trial_id], status)
         _write(root / trial.trial_id, events)
         scalars += n
+    ours = {trial.trial_id for trial in view.trials}
+    for directory in [d for d in root.iterdir() if d.is_dir() and d.name not in ours]:
+        for old in directory.glob(f"events.out.tfevents.*{SUFFIX}"):  # an earlier export's run (another study)
+            old.unlink()
+        if not any(directory.iterdir()):
+            directory.rmdir()
     return {"runs": len(view.trials), "scalars": scalars, "out": str(root)}
 
 
