@@ -280,13 +280,20 @@ def trial_based_estimate(state: State, study_id: str, summary: dict[str, Any]) -
     study it equals ``total_steps`` for the trials that finished.
     ``trial_based_worker_seconds`` = delivered_steps x worker_seconds / executed_steps: the
     run's own held seconds per trained step (training, checkpoints, evaluation), applied to
-    every delivered step; ``saved_worker_seconds`` = that - worker_seconds. Both are None before
-    any stage finished. An estimate: ``benchmarks/merge_savings.py`` measures both runs.
+    every delivered step; ``saved_worker_seconds`` = that - what the study cost at the same
+    rate: its plans' worker_seconds, or, on a plan other studies share, the steps trained on it
+    since the study started (``executed_steps_since_start``; the work of studies running beside
+    it included) x that rate, so the steps an earlier study had trained count as saved. Both are
+    None before any stage finished. An estimate: ``benchmarks/merge_savings.py`` measures both
+    runs.
     """
     delivered = sum(max(t.results, default=0) for t in state.trials.values() if t.study_id == study_id)
     executed, held = summary.get("executed_steps") or 0, summary.get("worker_seconds") or 0.0
     if not executed:
         return {"delivered_steps": delivered, "trial_based_worker_seconds": None, "saved_worker_seconds": None}
-    estimate = delivered * held / executed
-    return {"delivered_steps": delivered, "trial_based_worker_seconds": estimate,
-            "saved_worker_seconds": estimate - held}
+    rate = held / executed
+    since = summary.get("executed_steps_since_start")
+    shared = len(summary.get("studies_sharing_plan") or []) > 1 and since is not None
+    cost = since * rate if shared else held
+    return {"delivered_steps": delivered, "trial_based_worker_seconds": delivered * rate,
+            "saved_worker_seconds": delivered * rate - cost}

@@ -604,6 +604,10 @@ def test_a_finished_studys_figures_are_its_summarys_whatever_a_later_study_added
             assert figures[key] == pytest.approx(summary[key]), (study, key)
     assert views["early"]["executed_steps"] == 2 and views["late"]["executed_steps"] == 4
     assert views["early"]["saved_worker_seconds"] >= 0
+    # "late" delivered 4 steps and trained 2 of them (the first 2 were early's): it saved half of
+    # what 4 steps cost at the plan's rate (it read 0 or less: the plan's seconds were all its cost)
+    late = views["late"]
+    assert late["saved_worker_seconds"] == pytest.approx(late["worker_seconds"] / 4 * (4 - 2))
 
 
 def test_studies_are_selectable_and_trials_sortable_clickable_and_verifiable(two_studies: Path,
