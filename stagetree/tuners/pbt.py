@@ -25,8 +25,7 @@ class PBT(Tuner):
     ``g`` is in the bottom ``quantile`` of the population's results at ``g`` (while the top
     ``quantile`` holds at least one other trial) *exploits*: it takes the configuration of a
     trial drawn from the top ``quantile`` (the donor) and *explores* from step ``g`` on: every
-    hyper-parameter
-    named in ``mutations`` is resampled from its candidates with probability
+    hyper-parameter named in ``mutations`` is resampled from its candidates with probability
     ``resample_probability``, else moved to a neighbouring candidate (by the value at ``g``).
     The new member is a new trial whose sequences equal the donor's up to ``g``
     (:func:`continue_with`), so the search plan branches a new node at the donor's step ``g``
