@@ -235,7 +235,7 @@ def _bad_value(key: PieceKey, step: int) -> bool:
     if key[0] == "exp":
         init, gamma, origin = key[1:]
         n = step - origin
-        if isinstance(gamma, int):
+        if isinstance(gamma, int) and init != 0:  # a zero init: 0 * gamma ** n, evaluated below
             bits = n * math.log2(gamma)  # of the int gamma ** n, computed exactly before the product
             magnitude = math.log2(abs(init)) + bits
             if isinstance(init, int):
@@ -256,14 +256,21 @@ def _bad_value(key: PieceKey, step: int) -> bool:
 
 def _first_bad(key: PieceKey, start: int, stop: int) -> int | None:
     """The first step in ``[start, stop)`` where piece ``key`` has a bad value (see
-    :func:`_bad_value`), or None. Only ``exp`` and ``lin`` pieces can grow out of range; their
+    :func:`_bad_value`), or None. ``exp`` and ``lin`` pieces can grow out of range; their
     magnitude is convex in the step, so past a good ``start`` the bad steps form a suffix and a
-    bisection finds the first one in O(log(stop - start)) evaluations. A ramp or cosine piece
-    between two finite values is finite unless their difference overflows (then every value is
-    inf or nan, from the piece's first step)."""
-    if start < stop and key[0] in ("ramp", "cos", "pow") and not math.isfinite(key[2] - key[1]):
+    bisection finds the first one in O(log(stop - start)) evaluations. A ramp multiplies its
+    span by the steps since its origin before dividing by its period, so that product, too,
+    grows with the step and can overflow between finite ends: the same bisection. A ramp, cosine
+    or power piece whose span overflows is inf or nan from its first step; a cosine piece
+    doubles its span at the start of its cycle, its largest factor (``start`` must lie in one
+    cycle); a power piece multiplies its span by at most 1."""
+    if start >= stop:
+        return None
+    if key[0] in ("ramp", "cos", "pow") and not math.isfinite(key[2] - key[1]):
         return start
-    if start >= stop or key[0] not in ("exp", "lin"):
+    if key[0] == "cos":
+        return start if _bad_value(key, start) else None
+    if key[0] not in ("exp", "lin", "ramp"):
         return None
     if _bad_value(key, start):
         return start
@@ -535,8 +542,8 @@ class Cosine(HPFunction):
     def _first_uncomputable(self, stop: int) -> int | None:
         if stop == 0:
             return None
-        if not math.isfinite(self.init - self.min_value):
-            return 0  # every value is inf or nan
+        if not math.isfinite(self.init - self.min_value) or _first_bad(self._piece_at(0)[0], 0, 1) is not None:
+            return 0  # every value is inf or nan, or the span doubled at each cycle's start overflows
 
         def breaks(step: int) -> bool:  # a cycle length leaving the float range (period x gamma**i)
             try:
@@ -590,8 +597,11 @@ class Warmup(HPFunction):
         if stop == 0:
             return None
         bad = self.then._first_uncomputable(max(stop - self.period, 1))  # the ramp needs then(0)
-        if bad == 0 or not math.isfinite(self.then.value(0) - self.init):
-            return 0  # a ramp whose span overflows is inf or nan throughout
+        if bad == 0:
+            return 0
+        ramp = _first_bad(self._piece_at(0)[0], 0, min(stop, self.period))  # its span x steps can overflow
+        if ramp is not None:
+            return ramp
         return None if bad is None else bad + self.period
 
     def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
@@ -605,9 +615,10 @@ class PowerRamp(HPFunction):
     """From ``init`` to ``end_value`` over ``period`` steps along a power curve, then ``end_value``.
 
     For ``step < period``: ``init + (end_value - init) * (step / period) ** power``; for
-    ``step >= period``: ``end_value``. Power 1 is a linear ramp (the same canonical piece as a
-    :class:`Warmup` ramp), power 0.5 the "1-sqrt" cooldown of warmup-stable-decay schedules
-    (``init * (1 - sqrt(step / period))`` down to 0; Hägele et al., "Scaling Laws and
+    ``step >= period``: ``end_value``. Power 1 is a linear ramp, the same canonical piece as a
+    :class:`Warmup` ramp and computed as one (``init + (end_value - init) * step / period``,
+    which may differ from the power formula in the last bit), power 0.5 the "1-sqrt" cooldown
+    of warmup-stable-decay schedules (``init * (1 - sqrt(step / period))`` down to 0; Hägele et al., "Scaling Laws and
     Compute-Optimal Training Beyond Fixed Training Durations", NeurIPS 2024, §3), power 2 the
     "1-square" one. Inside :class:`Piecewise` it runs in its own frame, so a cooldown that starts
     at step ``c`` is ``Piecewise([stable, PowerRamp(peak, 0.0, length, 0.5)], [c])``.
@@ -625,10 +636,9 @@ class PowerRamp(HPFunction):
         super().__init__(init=init, end_value=end_value, period=period, power=power, **data)
 
     def _first_uncomputable(self, stop: int) -> int | None:
-        # values lie between init and end_value, unless their difference leaves the float range
-        if stop == 0 or self.init == self.end_value or math.isfinite(float(self.end_value) - float(self.init)):
-            return None
-        return 0
+        # values lie between init and end_value, unless their difference leaves the float range (or,
+        # at power 1, a ramp: its span times the steps does)
+        return _first_bad(self._piece_at(0)[0], 0, min(stop, self.period))
 
     def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
         if step < self.period:
@@ -668,7 +678,13 @@ class CyclicLR(HPFunction):
         )
 
     def _first_uncomputable(self, stop: int) -> int | None:
-        return 0 if stop > 0 and not math.isfinite(self.max_value - self.init) else None  # inf or nan throughout
+        if stop > 0 and not math.isfinite(self.max_value - self.init):
+            return 0  # inf or nan throughout
+        up = _first_bad(self._piece_at(0)[0], 0, min(stop, self.period_up))  # a span x steps can overflow;
+        if up is not None:  # later cycles repeat the first
+            return up
+        return _first_bad(self._piece_at(self.period_up)[0], self.period_up,
+                          min(stop, self.period_up + self.period_down))
 
     def _piece_at(self, step: int) -> tuple[PieceKey, int | None]:
         cycle = self.period_up + self.period_down

@@ -60,7 +60,9 @@ class DigitsCNN(nn.Module):
 
 
 class DigitsTrainer(Trainer):
-    """SGD on ``DigitsCNN``; ``lr`` and ``momentum`` default to 0.05 and 0.0 when not tuned."""
+    """SGD on ``DigitsCNN``. A trial's configuration gives ``lr``, ``batch_size`` and ``momentum``
+    (a study refuses one that lacks any); ``build`` starts the optimizer at lr 0.05 and momentum
+    0.0, which ``setup`` then replaces with the trial's values."""
 
     hyperparameters = ("lr", "batch_size", "momentum")
 

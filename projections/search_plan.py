@@ -134,8 +134,9 @@ def place(plan: Plan, hp: HPConfig, steps: int) -> Placement:
     branch point the child that starts there, with the trial's values is looked up in an index
     (Hippo §3.2: the child edge ``(start, hp_config)``), so roots and siblings are not scanned.
 
-    Raises:
-        ValueError: ``hp`` names different hyper-parameters than the plan's nodes.
+    A configuration that names other hyper-parameters than a node shares nothing with it (it
+    gets a root of its own); a study's trials all name the trainer's hyper-parameters
+    (``stagetree.study.validate_config``), so within a plan they match.
     """
     config: Config = tuple(sorted((name, fn.canonical) for name, fn in hp.items()))
     current: Node | None = None

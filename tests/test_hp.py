@@ -254,7 +254,7 @@ def test_a_value_that_cannot_be_computed_differs_from_any_other() -> None:
     (Exponential(0.1, 2), 10**18, 1024),
     (Exponential(1.0, 0.5), 10**18, None),  # underflow to 0.0 is a value
     (Warmup(0.0, 10, Exponential(1.0, 2.0)), 2000, 1034),
-    (Warmup(0.0, 10, Exponential(2.0**1023, 2.0)), 12, 11),  # then(1) = 2**1024 overflows
+    (Warmup(0.0, 10, Exponential(2.0**1023, 2.0)), 12, 2),  # the ramp to 2**1023: 2**1023 x 2 steps overflows
     (MultiStep(1.0, [5, 10], 1e300), 20, 10),
     (Linear(1e300, 1e300), 10**18, 179_769_313),  # 1e300 * 179769313 leaves the float range
     (Cosine(0.1, 0.0, 1), 10**18, None),  # periodic: no scan of 10**18 pieces
@@ -542,8 +542,25 @@ def _first_bad_by_brute_force(fn: Any, stop: int) -> int | None:
     (Warmup(0.0, 10, Exponential(0.1, 2.0)), 1100),
     (Cosine(0.1, 0.0, 4, 2), 300),
     (CyclicLR(0.1, 1.0, 4, 4), 50),
+    # a span x steps (a ramp) or a span x 2 (a cosine at its cycle's start) past the float range,
+    # between finite ends (the bug bash of 2026-11-28; hypothesis shrank the first)
+    (Cosine(0.0, 8.98846567431158e307, 1), 5),
+    (Cosine(1e308, 0.0, 4), 5),
+    (Warmup(0.0, 3, Constant(8.98846567431158e307)), 5),
+    (Warmup(0.0, 1000, Constant(1e306)), 1010),
+    (CyclicLR(0.0, 1e306, 1000, 10), 1010),
+    (CyclicLR(1e306, 0.0, 10, 1000), 1010),
+    (PowerRamp(0.0, 1e308, 10, 1), 20),
+    (PowerRamp(0.0, 1e308, 10, 2), 20),
+    # a zero init times an int gamma: 0 at every step (its logarithm raised a math domain error)
+    (MultiStep(0.0, [5], 2), 10),
+    (MultiStep(0, [5], 2), 10),
+    (Piecewise([Constant(0), Constant(0), MultiStep(0, [1], 1)], [1, 2]), 3),
+    (MultiStep(0.0, list(range(1, 1100)), 2), 1100),  # 0.0 x 2**1024: the float conversion overflows
 ], ids=["exp-int-gamma", "warmup-span", "cyclic-span", "cosine-span", "cosine-period", "warmup-exp", "cosine-ok",
-        "cyclic-ok"])
+        "cyclic-ok", "cosine-double-span", "cosine-double-span-2", "warmup-ramp-product", "warmup-ramp-late",
+        "cyclic-up-product", "cyclic-down-product", "powerramp-1-product", "powerramp-2-ok", "multistep-zero-float",
+        "multistep-zero-int", "piecewise-zero", "multistep-zero-many"])
 def test_the_first_uncomputable_step_is_the_first_that_fails(fn: Any, stop: int) -> None:
     """These passed the submit-time check, then failed in the worker or handed inf and nan to the
     trainer's ``setup`` (README: such a trial is refused when submitted, naming the step)."""
