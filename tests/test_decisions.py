@@ -130,7 +130,7 @@ def test_the_reducer_records_each_decision_on_the_trials_it_names(runs: Any) -> 
     roles = {t: [d.role for d in folded.decided[t] if d.decision["kind"] == "exploit"]
              for t in (exploit.trial_id, exploit.donor, exploit.new_trial_id)}
     assert roles[exploit.trial_id][0] == "trial" and "donor" in roles[exploit.donor]
-    assert roles[exploit.new_trial_id] == ["new"]
+    assert roles[exploit.new_trial_id][0] == "new"  # (it may exploit in turn at a later generation)
     # the new member's story starts with the exploit that made it
     assert folded.decided[exploit.new_trial_id][0].decision["kind"] == "exploit"
 
