@@ -852,10 +852,11 @@ def config_values(config: Mapping[str, HPFunction], step: int) -> dict[str, int 
 
 def continue_with(fn: HPFunction, then: HPFunction, at: int) -> HPFunction:
     """``fn`` up to step ``at``, then ``then`` in its own frame (starting at 0 at ``at``): a
-    Piecewise, flattened when ``fn`` is one already. Raises ValueError unless ``at`` is after
-    ``fn``'s last boundary."""
+    Piecewise, flattened when ``fn`` is one already (its boundaries at or after ``at`` and the
+    pieces they start are left out: ``then`` replaces them). Raises ValueError unless ``at`` >= 1."""
     if isinstance(fn, Piecewise):
-        return Piecewise([*fn.functions, then], [*fn.boundaries, at])
+        kept = [b for b in fn.boundaries if b < at]
+        return Piecewise([*fn.functions[:len(kept) + 1], then], [*kept, at])
     return Piecewise([fn, then], [at])
 
 

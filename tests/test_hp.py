@@ -565,3 +565,18 @@ def test_the_first_uncomputable_step_is_the_first_that_fails(fn: Any, stop: int)
     """These passed the submit-time check, then failed in the worker or handed inf and nan to the
     trainer's ``setup`` (README: such a trial is refused when submitted, naming the step)."""
     assert fn.first_uncomputable(stop) == _first_bad_by_brute_force(fn, stop)
+
+
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=4, unique=True), st.integers(1, 80))
+def test_continue_with_keeps_the_values_before_the_step_and_takes_then_after(cuts: list[int], at: int) -> None:
+    """PBT explores from a donor's configuration at a generation's step; a donor whose sequence is
+    a Piecewise with boundaries at or after that step (a paper space's schedule) made an invalid
+    Piecewise (boundaries not increasing), which ended the study."""
+    from events.hp import continue_with
+
+    boundaries = sorted(cuts)
+    fn = Piecewise([Constant(float(i)) for i in range(len(boundaries) + 1)], boundaries)
+    then = MultiStep(9.0, [3], 0.5)
+    out = continue_with(fn, then, at)
+    assert [out.value(s) for s in range(at)] == [fn.value(s) for s in range(at)]
+    assert [out.value(at + s) for s in range(10)] == [then.value(s) for s in range(10)]
