@@ -211,8 +211,11 @@ class ReadOnlyRocks:
                 elif not (entry.name == "LOCK" or entry.name.startswith("LOG")):
                     os.symlink(os.path.abspath(entry.path), target)
             self.db = Rdict(self.scratch, opts, access_type=AccessType.read_only())
-        except BaseException:
+        except BaseException as exc:
             shutil.rmtree(self.scratch, ignore_errors=True)
+            if type(exc) is Exception:  # rocksdict's: RocksDB's status, naming the scratch copy's files
+                raise LogError(f"the database at {path} cannot be opened (damaged?): "
+                               f"{str(exc).replace(self.scratch, str(path))}") from None
             raise
 
     def close(self) -> None:
@@ -291,7 +294,7 @@ class EmbeddedLog:
             except Exception as exc:  # rocksdict raises a bare Exception on a held LOCK
                 if "lock" in str(exc).lower():
                     raise LogLocked(f"the log at {self.path} is open in another process") from exc
-                raise
+                raise LogError(f"the log at {self.path} cannot be opened (damaged?): {exc}") from None
         self._wopts = WriteOptions()
         self._wopts.sync = sync
         self._lazy = WriteOptions()  # appends with durable=False: the next durable write syncs them
@@ -487,15 +490,33 @@ class EmbeddedLog:
             raise ValueError(f"`start` is {start}, but must be >= 0")
         end = self.end_offset(stream) if stop is None else min(stop, self.end_offset(stream))
         prefix = b"r" + stream.encode() + b"\x00"
+        expected = start
         for raw_key, raw in self._db.items(from_key=_record_key(stream, start)):
             if not raw_key.startswith(prefix):
                 break
             offset = _OFFSET.unpack(raw_key[len(prefix):])[0]
-            if offset >= end:
+            if offset >= end or offset != expected:
                 break
             (klen,) = _KEYLEN.unpack_from(raw)
             body = 4 + klen
             yield Record(stream, offset, raw[4:body].decode(), bytes(raw[body + 32 :]), bytes(raw[body : body + 32]))
+            expected += 1
+        if expected < end:  # RocksDB's iterator stops at a block it cannot read, saying nothing
+            raise LogError(f"the log at {self.path} cannot be read past offset {expected - 1} of stream {stream!r} "
+                           f"({end} records): {self._damage(stream, expected)}")
+
+    def _damage(self, stream: str, offset: int) -> str:
+        """Why the record at ``offset`` of ``stream`` cannot be read: the store's status."""
+        it = self._db.iter()
+        it.seek(_record_key(stream, offset))
+        try:
+            it.status()
+        except Exception as exc:  # rocksdict raises a bare Exception with RocksDB's status
+            scratch = self._read_only.scratch if self._read_only is not None else None
+            return f"the store reports {str(exc).replace(scratch, str(self.path)) if scratch else exc}"
+        finally:
+            del it
+        return f"the record at offset {offset} is missing"
 
     def close(self) -> None:
         """Make what was appended durable, flush and release the database (and its LOCK); a

@@ -906,3 +906,36 @@ def test_kafka_records_carry_the_events_trace_context_in_headers(kafka: KafkaBac
             consumer.close()
     assert msgs[0].headers() == [("traceparent", parent.encode())]
     assert msgs[1].headers() is None
+
+
+def test_a_damaged_table_file_is_an_error_naming_the_stream_not_a_shorter_log(tmp_path: Path) -> None:
+    """RocksDB's iterator stops at a block it cannot read without raising: the log read 81 of
+    178 records, ``replay verify`` called that chain "ok" and ``log export`` wrote a partial log
+    and exited 0 (the bug bash of 2026-11-28). A read that ends before the stream's end is an
+    error naming the stream, the offset and RocksDB's status; a log whose metadata is damaged is
+    named (not a scratch copy's path in a traceback)."""
+    log = EmbeddedLog(tmp_path / "log")
+    for i in range(40):
+        log.append(topics.PLAN, f"k{i}", orjson.dumps({"i": i, "pad": "x" * 2000}))
+    log._db.flush()  # into a table file, as a long run's log is
+    log.close()
+    (table,) = (tmp_path / "log").glob("*.sst")
+    data = bytearray(table.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    table.write_bytes(bytes(data))
+    for read_only in (True, False):
+        reopened = EmbeddedLog(tmp_path / "log", read_only=read_only)
+        try:
+            assert reopened.end_offset(topics.PLAN) == 40
+            with pytest.raises(LogError, match=r"cannot be read past offset \d+ of stream 'stagetree.plan' \(40 "
+                                               r"records\): the store reports Corruption") as caught:
+                list(reopened.read(topics.PLAN))
+            assert "stagetree-read-" not in str(caught.value)
+        finally:
+            reopened.close()
+
+    (tmp_path / "log" / "CURRENT").write_text("MANIFEST-999999\n")
+    for read_only in (True, False):
+        with pytest.raises(LogError, match=r"cannot be opened \(damaged\?\).*MANIFEST-999999") as caught:
+            EmbeddedLog(tmp_path / "log", read_only=read_only)
+        assert "stagetree-read-" not in str(caught.value)
