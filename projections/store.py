@@ -177,6 +177,15 @@ class ProjectionStore:
         """Every stored record (key -> canonical bytes)."""
         return {bytes(k): bytes(v) for k, v in self._db.items()}
 
+    def position(self) -> tuple[int, str]:
+        """``(offset, chain)``: the last plan-stream offset folded into the store and the hash
+        chain after it (``(-1, "0" * 64)`` when nothing was), read without loading the state."""
+        raw = self._db.get(b"meta")
+        if raw is None:
+            return State().offset, State().chain
+        value = orjson.loads(raw)
+        return value["offset"], value["chain"]
+
     def load(self) -> State:
         """Rebuild the in-memory state from the stored records (empty state if none)."""
         state = State()

@@ -218,6 +218,38 @@ def _studies_in(log_dir: Path) -> tuple[dict[str, str], set[str]]:
         log.close()
 
 
+def _check_projection(out: Path) -> None:
+    """Refuse (exit 2) a run directory whose projection (``state/``) has folded plan records its
+    log (``log/``) no longer holds, or other ones: the log lost its tail (damage, a power loss)
+    or was replaced. Resuming there would append new records at offsets the projection has
+    already folded, so it skipped them and waited for ever, or, opening a log whose metadata is
+    damaged for writing, let RocksDB drop its table files. Read without writing anything."""
+    from events.log import EmbeddedLog
+    from projections.store import ProjectionStore
+
+    if not (out / "state" / "CURRENT").is_file():
+        return
+    store = ProjectionStore(out / "state", read_only=True)
+    try:
+        offset, chain = store.position()
+    finally:
+        store.close()
+    log = EmbeddedLog(out / "log", read_only=True)
+    try:
+        end = log.end_offset(topics.PLAN)
+        record = next(iter(log.read(topics.PLAN, offset, offset + 1)), None) if 0 <= offset < end else None
+    finally:
+        log.close()
+    if offset < 0 or (record is not None and record.chain.hex() == chain):
+        return
+    why = (f"its projection (state/) has folded the plan stream up to offset {offset}, but log/ holds "
+           f"{end} records" if offset >= end else
+           f"the plan record at offset {offset} of log/ is not the one its projection (state/) folded there")
+    raise UsageError(f"--out {str(out)!r}: {why}: the log lost records (damage, a power loss) or was replaced. "
+                     "Nothing was changed. Restore log/ from a copy, or move state/ away to continue from what "
+                     "log/ holds (the projection is rebuilt from it); `stagetree replay verify` says what differs")
+
+
 async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: PrestartedWorkers
                         ) -> dict[str, Any]:
     """Run the study in ``--out``: a new directory, the same study again (``--resume``), or a new
@@ -244,6 +276,8 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
     if has_log and held_elsewhere(out / "log"):  # a run still starting holds no study yet
         raise UsageError(f"--out {str(out)!r}: the log is open in another process (a run of this directory is "
                          "still going); wait for it to end, or choose another --out")
+    if has_log:
+        _check_projection(out)
     studies, finished = _studies_in(out / "log") if has_log else ({}, set())
     if args.resume and studies and name not in studies:
         raise UsageError(f"--resume: {str(out)!r} holds no run of study {name!r} (it holds "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -489,6 +490,38 @@ def test_cli_resume_of_a_finished_study_appends_nothing(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "has finished: nothing to resume" in " ".join(proc.stdout.split()), proc.stdout
     assert records() == before and (out / "summary.json").read_bytes() == summary
+
+
+def test_cli_resume_where_the_log_lost_records_its_projection_folded_is_refused(tmp_path: Path) -> None:
+    """A log whose tail is gone (damage, a power loss) beside a projection that folded it: the
+    resume appended at offsets the projection had folded, so it skipped them and waited for ever
+    (or, on a log with damaged metadata, RocksDB dropped its table files and the run overwrote
+    the history). It is refused before anything is opened for writing, saying what to do."""
+    path = write(tmp_path / "study.py", VALID)
+    out = tmp_path / "out"
+    assert run_cli(path, out).returncode == 0
+    log = EmbeddedLog(out / "log", read_only=True)
+    try:
+        head = [(r.key, r.value) for r in log.read(topics.PLAN, 0, 10)]
+    finally:
+        log.close()
+    shutil.rmtree(out / "log")
+    for name in ("summary.json", "summary-tiny.json"):
+        (out / name).unlink()
+    cut = EmbeddedLog(out / "log")
+    cut.append_many(topics.PLAN, head)  # the same first 10 records, chained alike
+    cut.close()
+    proc = run_cli(path, out, "--resume")
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "holds 10 records" in err and "move state/ away" in err, err
+    log = EmbeddedLog(out / "log", read_only=True)
+    try:
+        assert log.end_offset(topics.PLAN) == 10  # nothing appended
+    finally:
+        log.close()
+    shutil.rmtree(out / "state")  # as the message says: the projection is rebuilt from what log/ holds
+    proc = run_cli(path, out, "--resume")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_cli_resume_of_another_study_is_refused_and_summaries_are_per_study(tmp_path: Path) -> None:
