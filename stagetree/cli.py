@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from events.kafka_log import KafkaLog
+    from events.models import StudyStarted
     from stagetree.dashboard.cli import Beside
     from stagetree.tuners import Tuner, TunerResult
     from stagetree.worker_processes import PrestartedWorkers
@@ -194,22 +195,22 @@ def _check_device(spec: str, flag: str = "--device") -> None:
         raise UsageError(str(exc).replace("`device`", flag, 1)) from None  # "--device is 'x', but ..."
 
 
-def _studies_in(log_dir: Path) -> tuple[dict[str, str], set[str]]:
-    """The studies started in the embedded log at ``log_dir``: id -> mode (``merged`` or
-    ``trial``, of its first StudyStarted), and the ids of those whose last run finished (a
-    StudyFinished after their last StudyStarted); read without writing or locking anything
-    (undecodable records are skipped; they hold no study)."""
+def _studies_in(log_dir: Path) -> tuple[dict[str, StudyStarted], set[str]]:
+    """The studies started in the embedded log at ``log_dir``: id -> its first StudyStarted
+    (its mode, ``merged`` or ``trial``, its plan key, seed and trainer), and the ids of those
+    whose last run finished (a StudyFinished after their last StudyStarted); read without
+    writing or locking anything (undecodable records are skipped; they hold no study)."""
     from events.log import EmbeddedLog
     from events.models import StudyFinished, StudyStarted
     from projections.summary import plan_events
 
     log = EmbeddedLog(log_dir, read_only=True)
     try:
-        studies: dict[str, str] = {}
+        studies: dict[str, StudyStarted] = {}
         finished: set[str] = set()
         for e in plan_events(log):
             if isinstance(e, StudyStarted):
-                studies.setdefault(e.study_id, e.mode)
+                studies.setdefault(e.study_id, e)
                 finished.discard(e.study_id)
             elif isinstance(e, StudyFinished):
                 finished.add(e.study_id)
@@ -291,9 +292,19 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
             raise UsageError(f"--out {str(out)!r} already holds a run that never started a study; pass --resume "
                              "to start it there, or choose another --out")
     mode = "trial" if args.no_merge else "merged"
-    if studies.get(name, mode) != mode:
-        raise UsageError(f"the log holds a {studies[name]!r} run of {name!r}; it cannot continue as {mode!r} "
+    if name in studies and studies[name].mode != mode:
+        raise UsageError(f"the log holds a {studies[name].mode!r} run of {name!r}; it cannot continue as {mode!r} "
                          f"({'without' if args.no_merge else 'with'} --no-merge)")
+    if name in studies:  # another seed or trainer is another plan: its trials would all be refused
+        from stagetree.study import plan_key_of
+
+        recorded, trainer, seed = studies[name], loaded[1], loaded[3]
+        if plan_key_of(trainer, seed) != recorded.plan_key:
+            raise UsageError(
+                f"study file {args.file!r}: study {name!r} in {str(out)!r} ran with seed {recorded.seed} and trainer "
+                f"{recorded.trainer!r}, but the file now gives seed {seed} and trainer "
+                f"{trainer.name + '@' + trainer.version!r} (or other constants or batch-size settings): that is "
+                "another study; give it another `name`, or restore the file")
     if args.resume and name in finished:  # nothing to resume: its tuner's decisions are all in the log
         from projections.summary import summary_path
 

@@ -524,6 +524,31 @@ def test_cli_resume_where_the_log_lost_records_its_projection_folded_is_refused(
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_cli_resume_with_another_seed_is_refused(tmp_path: Path) -> None:
+    """A study file whose seed changed is another plan: resumed, every trial it submitted was
+    dead-lettered and the run waited for ever (or, once finished, printed the old seed's answer).
+    Refused, naming both seeds, and nothing is appended."""
+    path = write(tmp_path / "study.py", VALID + "seed = 7\n")
+    out = tmp_path / "out"
+    assert run_cli(path, out).returncode == 0
+    (out / "summary.json").unlink()
+    (out / "summary-tiny.json").unlink()
+    log = EmbeddedLog(out / "log", read_only=True)
+    try:
+        before = log.end_offset(topics.PLAN)
+    finally:
+        log.close()
+    write(path, VALID + "seed = 8\n")
+    proc = run_cli(path, out, "--resume")
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "ran with seed 7" in err and "gives seed 8" in err, err
+    log = EmbeddedLog(out / "log", read_only=True)
+    try:
+        assert log.end_offset(topics.PLAN) == before
+    finally:
+        log.close()
+
+
 def test_cli_resume_of_another_study_is_refused_and_summaries_are_per_study(tmp_path: Path) -> None:
     """Issue 11 item 9: ``--resume`` in a directory that holds only other studies is refused
     (exit 2, naming them), nothing is appended, and no study overwrites another's summary."""
