@@ -307,11 +307,19 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
                 "another study; give it another `name`, or restore the file")
     if args.resume and name in finished:  # nothing to resume: its tuner's decisions are all in the log
         from projections.summary import summary_path
+        from replay.report.load import load_run
 
         path = summary_path(out, name)
-        if path.is_file():
+        try:
+            kept = orjson.loads(path.read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            kept = None
+        if isinstance(kept, dict) and kept.get("name") == name:
             console.print(f"study {name!r} in {str(out)!r} has finished: nothing to resume")
-            return orjson.loads(path.read_bytes()) | {"out": str(out), "summary_file": str(path)}
+            return kept | {"out": str(out), "summary_file": str(path)}
+        console.print(f"study {name!r} in {str(out)!r} has finished: nothing to resume; its summary file "
+                      f"{str(path)!r} is missing or unreadable, so it is computed again from the log")
+        return _write_summary(out, load_run(out, name).summary or {})
     budget = args.checkpoint_budget if args.checkpoint_budget is not None else _budget_default()
     port = reserve(args.dashboard) if args.dashboard is not None else None
     try:  # the last check: a directory that cannot be made (no parent, no permission)

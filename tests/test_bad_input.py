@@ -490,6 +490,14 @@ def test_cli_resume_of_a_finished_study_appends_nothing(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "has finished: nothing to resume" in " ".join(proc.stdout.split()), proc.stdout
     assert records() == before and (out / "summary.json").read_bytes() == summary
+    (out / "summary-tiny.json").write_text("{not json")  # damaged: computed again from the log
+    proc = run_cli(path, out, "--resume")
+    assert proc.returncode == 0 and "computed again from the log" in " ".join(proc.stdout.split()), proc.stdout
+    again = orjson.loads((out / "summary-tiny.json").read_bytes())
+    kept = orjson.loads(summary)
+    assert records() == before
+    assert {k: again[k] for k in ("trials", "best_trial", "best_metric", "executed_steps")} == \
+        {k: kept[k] for k in ("trials", "best_trial", "best_metric", "executed_steps")}
 
 
 def test_cli_resume_where_the_log_lost_records_its_projection_folded_is_refused(tmp_path: Path) -> None:
