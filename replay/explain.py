@@ -27,6 +27,7 @@ from projections import queries
 from replay.audit import AuditError, Source, fold, open_source
 from replay.report.load import stage_runs
 from replay.tuner import plan_events
+from stagetree.words import counted
 
 
 @dataclass
@@ -65,9 +66,8 @@ class Story:
             f"{r['steps']} steps (offset {r['offset']}, {'answered' if r['answered'] else 'not answered'})"
             for r in self.requests))
         if self.shares_prefix_with:
-            n = len(self.shares_prefix_with)
-            out.append(f"shares a prefix with {n} trial{'s' if n != 1 else ''} (the first step at which the "
-                       "hyper-parameters differ):")
+            out.append(f"shares a prefix with {counted(len(self.shares_prefix_with), 'trial')} (the first step at "
+                       "which the hyper-parameters differ):")
             out += [f"  {s['trial_id']}  step {s['diverges_at']}" + ("" if s["differs"] else " (no difference "
                                                                            "within both trials' steps)")
                     for s in self.shares_prefix_with]
@@ -78,7 +78,7 @@ class Story:
         for s in self.stages:
             others = [t for t in s["trials"] if t != self.trial_id]
             secs = f"{s['seconds']:.2f} s" if s["seconds"] is not None else s["status"]
-            with_ = f"shared with {len(others)} trial{'s' if len(others) > 1 else ''}: {', '.join(others)}"
+            with_ = f"shared with {counted(len(others), 'trial')}: {', '.join(others)}"
             out.append(f"  {s['node_id']} [{s['from_step']}, {s['to_step']}) on {s['worker_id']} ({s['dispatch_id']}), "
                        f"{secs}, " + (with_ if others else "this trial only"))
         out.append("checkpoints: " + (", ".join(f"step {c['step']} ({c['node_id']}, sha256 {c['ref'][:12]}, "
