@@ -202,6 +202,7 @@ class ReadOnlyRocks:
     """
 
     def __init__(self, path: Path, opts: Options) -> None:
+        self.path = path
         self.scratch = tempfile.mkdtemp(prefix="stagetree-read-")
         try:
             for entry in os.scandir(path):
@@ -213,10 +214,13 @@ class ReadOnlyRocks:
             self.db = Rdict(self.scratch, opts, access_type=AccessType.read_only())
         except BaseException as exc:
             shutil.rmtree(self.scratch, ignore_errors=True)
-            if type(exc) is Exception:  # rocksdict's: RocksDB's status, naming the scratch copy's files
-                raise LogError(f"the database at {path} cannot be opened (damaged?): "
-                               f"{str(exc).replace(self.scratch, str(path))}") from None
+            if type(exc) is Exception:  # rocksdict's: RocksDB's status
+                raise LogError(f"the database at {path} cannot be opened (damaged?): {self.named(exc)}") from None
             raise
+
+    def named(self, error: Exception) -> str:
+        """RocksDB's message ``error`` with the files it names in the scratch copy named where they are."""
+        return str(error).replace(self.scratch, str(self.path))
 
     def close(self) -> None:
         try:
@@ -512,8 +516,7 @@ class EmbeddedLog:
         try:
             it.status()
         except Exception as exc:  # rocksdict raises a bare Exception with RocksDB's status
-            scratch = self._read_only.scratch if self._read_only is not None else None
-            return f"the store reports {str(exc).replace(scratch, str(self.path)) if scratch else exc}"
+            return f"the store reports {self._read_only.named(exc) if self._read_only is not None else exc}"
         finally:
             del it
         return f"the record at offset {offset} is missing"

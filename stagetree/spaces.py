@@ -399,8 +399,7 @@ class RandomSearchSpace:
             raise ValueError(f"`n` is {n!r}, but must be a positive int")
         if isinstance(seed, bool) or not isinstance(seed, Integral) or not 0 <= seed < 2**63:
             raise ValueError(f"`seed` is {seed!r}, but must be an int in [0, 2**63)")
-        if filter is not None and not callable(filter):
-            raise ValueError(f"`filter` is {filter!r}, but must be callable or None")
+        check_filter(filter)
         self.hp_dict: dict[str, Any] = space_specs(hp_dict)
         self.n: int = int(n)
         self.seed: int = int(seed)
@@ -511,6 +510,12 @@ def _fixed(where: str, value: Any) -> HPFunction:
 # ----------------------------------------------------------------------------- grid spaces
 
 
+def check_filter(filter: Any) -> None:
+    """A space's ``filter``: None or a predicate on a configuration. Raises ValueError naming it."""
+    if filter is not None and not callable(filter):
+        raise ValueError(f"`filter` is {filter!r}, but must be callable or None")
+
+
 def candidates_of(field: str, hp_dict: Mapping[str, Any]) -> dict[str, list[HPFunction]]:
     """``hp_dict``'s candidate lists as hyper-parameter functions (numbers become Constant).
 
@@ -549,8 +554,7 @@ class GridSearchSpace:
         if isinstance(hp_dict, Mapping) and not hp_dict:
             raise ValueError("`hp_dict` is {}, but must name at least one hyper-parameter")
         self.candidates: dict[str, list[Any]] = dict(candidates_of("hp_dict", hp_dict))
-        if filter is not None and not callable(filter):
-            raise ValueError(f"`filter` is {filter!r}, but must be callable or None")
+        check_filter(filter)
         self.filter = filter
 
     def __iter__(self) -> Iterator[HPConfig]:
