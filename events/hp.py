@@ -542,8 +542,8 @@ class Cosine(HPFunction):
     def _first_uncomputable(self, stop: int) -> int | None:
         if stop == 0:
             return None
-        if not math.isfinite(self.init - self.min_value) or _first_bad(self._piece_at(0)[0], 0, 1) is not None:
-            return 0  # every value is inf or nan, or the span doubled at each cycle's start overflows
+        if _first_bad(self._piece_at(0)[0], 0, 1) is not None:
+            return 0  # its span, or that span doubled at each cycle's start, leaves the float range
 
         def breaks(step: int) -> bool:  # a cycle length leaving the float range (period x gamma**i)
             try:
@@ -678,10 +678,8 @@ class CyclicLR(HPFunction):
         )
 
     def _first_uncomputable(self, stop: int) -> int | None:
-        if stop > 0 and not math.isfinite(self.max_value - self.init):
-            return 0  # inf or nan throughout
-        up = _first_bad(self._piece_at(0)[0], 0, min(stop, self.period_up))  # a span x steps can overflow;
-        if up is not None:  # later cycles repeat the first
+        up = _first_bad(self._piece_at(0)[0], 0, min(stop, self.period_up))  # a span, or span x steps, can
+        if up is not None:  # overflow; later cycles repeat the first
             return up
         return _first_bad(self._piece_at(self.period_up)[0], self.period_up,
                           min(stop, self.period_up + self.period_down))
