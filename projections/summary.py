@@ -135,7 +135,7 @@ def k_wise_merge_rate(state: State, study_ids: Iterable[str]) -> float | None:
 def union_steps(state: State, study_ids: Iterable[str]) -> tuple[int, int]:
     """``(total, unique)`` steps of the studies' trials: the sum of their steps, and the steps of
     the union of their prefixes merged per base plan key (studies on different plans, another
-    trainer or seed, share nothing), computed so whatever mode they ran in. Raises ValueError
+    trainer or seed, share nothing), the same whatever mode they ran in. Raises ValueError
     for a single string instead of a collection."""
     if isinstance(study_ids, (str, bytes)):
         raise ValueError(f"`study_ids` is {study_ids!r}, but must be a collection of study ids, not one string")
