@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from events.kafka_log import KafkaLog
+    from events.log import EmbeddedLog
     from events.models import StudyStarted
     from stagetree.dashboard.cli import Beside
     from stagetree.tuners import Tuner, TunerResult
@@ -195,37 +196,32 @@ def _check_device(spec: str, flag: str = "--device") -> None:
         raise UsageError(str(exc).replace("`device`", flag, 1)) from None  # "--device is 'x', but ..."
 
 
-def _studies_in(log_dir: Path) -> tuple[dict[str, StudyStarted], set[str]]:
-    """The studies started in the embedded log at ``log_dir``: id -> its first StudyStarted
-    (its mode, ``merged`` or ``trial``, its plan key, seed and trainer), and the ids of those
-    whose last run finished (a StudyFinished after their last StudyStarted); read without
-    writing or locking anything (undecodable records are skipped; they hold no study)."""
-    from events.log import EmbeddedLog
+def _studies_in(log: EmbeddedLog) -> tuple[dict[str, StudyStarted], set[str]]:
+    """The studies started in the embedded log ``log`` (opened read-only): id -> its first
+    StudyStarted (its mode, ``merged`` or ``trial``, its plan key, seed and trainer), and the ids
+    of those whose last run finished (a StudyFinished after their last StudyStarted)
+    (undecodable records are skipped; they hold no study)."""
     from events.models import StudyFinished, StudyStarted
     from projections.summary import plan_events
 
-    log = EmbeddedLog(log_dir, read_only=True)
-    try:
-        studies: dict[str, StudyStarted] = {}
-        finished: set[str] = set()
-        for e in plan_events(log):
-            if isinstance(e, StudyStarted):
-                studies.setdefault(e.study_id, e)
-                finished.discard(e.study_id)
-            elif isinstance(e, StudyFinished):
-                finished.add(e.study_id)
-        return studies, finished
-    finally:
-        log.close()
+    studies: dict[str, StudyStarted] = {}
+    finished: set[str] = set()
+    for e in plan_events(log):
+        if isinstance(e, StudyStarted):
+            studies.setdefault(e.study_id, e)
+            finished.discard(e.study_id)
+        elif isinstance(e, StudyFinished):
+            finished.add(e.study_id)
+    return studies, finished
 
 
-def _check_projection(out: Path) -> None:
+def _check_projection(out: Path, log: EmbeddedLog) -> None:
     """Refuse (exit 2) a run directory whose projection (``state/``) has folded plan records its
     log (``log/``) no longer holds, or other ones: the log lost its tail (damage, a power loss)
     or was replaced. Resuming there would append new records at offsets the projection has
     already folded, so it skipped them and waited for ever, or, opening a log whose metadata is
-    damaged for writing, let RocksDB drop its table files. Read without writing anything."""
-    from events.log import EmbeddedLog
+    damaged for writing, let RocksDB drop its table files. ``log``: ``out/log`` opened
+    read-only; nothing is written."""
     from projections.store import ProjectionStore
 
     if not (out / "state" / "CURRENT").is_file():
@@ -235,12 +231,8 @@ def _check_projection(out: Path) -> None:
         offset, chain = store.position()
     finally:
         store.close()
-    log = EmbeddedLog(out / "log", read_only=True)
-    try:
-        end = log.end_offset(topics.PLAN)
-        record = next(iter(log.read(topics.PLAN, offset, offset + 1)), None) if 0 <= offset < end else None
-    finally:
-        log.close()
+    end = log.end_offset(topics.PLAN)
+    record = next(iter(log.read(topics.PLAN, offset, offset + 1)), None) if 0 <= offset < end else None
     if offset < 0 or (record is not None and record.chain.hex() == chain):
         return
     why = (f"its projection (state/) has folded the plan stream up to offset {offset}, but log/ holds "
@@ -265,7 +257,7 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
     import asyncio
 
     from events.keys import secret_from
-    from events.log import held_elsewhere
+    from events.log import EmbeddedLog, held_elsewhere
     from stagetree.embedded import EmbeddedCoordinator
 
     loaded = _study_file(args.file)
@@ -277,9 +269,15 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
     if has_log and held_elsewhere(out / "log"):  # a run still starting holds no study yet
         raise UsageError(f"--out {str(out)!r}: the log is open in another process (a run of this directory is "
                          "still going); wait for it to end, or choose another --out")
-    if has_log:
-        _check_projection(out)
-    studies, finished = _studies_in(out / "log") if has_log else ({}, set())
+    studies: dict[str, StudyStarted] = {}
+    finished: set[str] = set()
+    if has_log:  # read once, without writing or locking anything
+        log = EmbeddedLog(out / "log", read_only=True)
+        try:
+            _check_projection(out, log)
+            studies, finished = _studies_in(log)
+        finally:
+            log.close()
     if args.resume and studies and name not in studies:
         raise UsageError(f"--resume: {str(out)!r} holds no run of study {name!r} (it holds "
                          f"{', '.join(map(repr, sorted(studies)))}); to add study {name!r} to this directory, "
