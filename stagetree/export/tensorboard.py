@@ -77,8 +77,7 @@ def export_tensorboard(view: RunView, out: str | Path) -> dict[str, Any]:
         scalars += n
     ours = {trial.trial_id for trial in view.trials}
     for directory in [d for d in root.iterdir() if d.is_dir() and d.name not in ours]:
-        for old in directory.glob(f"events.out.tfevents.*{SUFFIX}"):  # an earlier export's run (another study)
-            old.unlink()
+        _clear(directory)  # an earlier export's run (another study)
         if not any(directory.iterdir()):
             directory.rmdir()
     return {"runs": len(view.trials), "scalars": scalars, "out": str(root)}
@@ -92,11 +91,16 @@ def _hparams_summary(tag: str, data: Any) -> Any:
     return summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, metadata=md, tensor=empty)])
 
 
+def _clear(directory: Path) -> None:
+    """Remove the event files an export wrote in ``directory`` (a user's own are left)."""
+    for old in directory.glob(f"events.out.tfevents.*{SUFFIX}"):
+        old.unlink()
+
+
 def _write(directory: Path, events: list[Any]) -> None:
     """Replace the export's event file in ``directory`` with ``events``."""
     directory.mkdir(parents=True, exist_ok=True)
-    for old in directory.glob(f"events.out.tfevents.*{SUFFIX}"):
-        old.unlink()
+    _clear(directory)
     writer = EventFileWriter(str(directory), filename_suffix=SUFFIX)
     try:
         for event in events:
