@@ -82,6 +82,13 @@ class StudyStarted(Event):
     metric_mode: Literal["max", "min"] | None = None
     study_file: str | None = None
     """Path of the study file the run imported (what ``replay reexecute`` rebuilds the trainer from)."""
+    tuner_settings: dict[str, Any] | None = None
+    """The study's tuner as JSON data (:meth:`stagetree.tuners.Tuner.settings`: its class, the
+    version of its decision rules, its arguments and a digest of its space): what its decisions
+    depend on besides the results. A ``--resume`` with other settings is refused, and ``replay
+    verify`` compares them with the study file's tuner before recomputing the decisions. None
+    when the run recorded none (a study run from code without a Tuner, or a log written before
+    the field existed)."""
 
 
 class StudyFinished(Event):

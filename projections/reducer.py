@@ -105,8 +105,11 @@ def _study_started(state: State, ev: StudyStarted, touched: set[Key]) -> None:
     if prev is not None and prev["plan_key"] != ev.plan_key:
         raise Rejected(f"study {ev.study_id!r} already uses plan {prev['plan_key']!r}, not {ev.plan_key!r}")
     runs = (prev or {}).get("runs", 0) + 1
+    payload = ev.payload()
+    if payload["tuner_settings"] is None:  # absent, as in logs written before the field: their digests hold
+        del payload["tuner_settings"]
     state.studies[ev.study_id] = {
-        **ev.payload(),
+        **payload,
         "runs": runs,
         "finished": False,
         "best_trial": None,

@@ -47,6 +47,7 @@ from replay.audit import AuditError, AuditResult, Failure, Source, open_source, 
 from stagetree.runtime import RuntimeBase, settle
 from stagetree.study import Study
 from stagetree.tuners import Tuner
+from stagetree.tuners._settings import difference
 
 NO_DECISIONS = ("not recomputed: the log holds no tuner decisions (its tuner recorded none, e.g. one that calls "
                 "submit without decide, or the log was written before decisions were events)")
@@ -345,6 +346,13 @@ def _check_runs(records: Sequence[Record], study: str, runs: Sequence[Run],
     total = TunerCheck(study)
     for i, run in enumerate(runs):
         tuner, trainer = make(i)
+        why = None if run.study.tuner_settings is None else difference(run.study.tuner_settings, tuner.settings())
+        if why is not None:  # another tuner, other arguments or another space: not the run's study file
+            total.failure = Failure("tuner", run.start, run.study.type, (
+                f"study {study!r}: the run that starts here recorded other tuner settings than the study file's "
+                f"tuner has ({why}); its decisions were not recomputed: pass --study with the study file the run "
+                "used"))
+            return total
         check = replay_run(records, run, tuner, trainer, secret=secret)
         total.checked += check.checked
         total.notes += check.notes

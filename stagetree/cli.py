@@ -120,12 +120,13 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
     prior = runtime.state.studies.get(name)
     if prior is not None and prior["mode"] != mode:
         raise UsageError(f"the log holds a {prior['mode']!r} run of {name!r}; it cannot continue as {mode!r}")
+    settings = _same_tuner(args.file, name, "the log", prior and prior.get("tuner_settings"), tuner)
     before = elapsed_before(log, name) if prior is not None else 0.0
     study = Study(runtime, name, trainer, seed, merge=mode == "merged", metric=tuner.metric)
     runtime.append([StudyStarted(producer="cli", study_id=name, name=name, plan_key=study.plan_key, mode=mode,
                                  workers=args.workers, seed=seed, trainer=f"{trainer.name}@{trainer.version}",
                                  metric=tuner.metric, metric_mode=tuner.mode,
-                                 study_file=str(Path(args.file).resolve()))])
+                                 study_file=str(Path(args.file).resolve()), tuner_settings=settings)])
     progress = Progress(lambda: runtime.state, f"{name} ({mode}, {counted(args.workers, 'worker')})",
                         enabled=not args.quiet, study_id=name)
     runtime.on_fold.append(progress.on_fold)
@@ -147,6 +148,20 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
     return build_summary(runtime.state, name, mode=mode, workers=args.workers,
                          best_trial=best.trial_id if best else None, best_metric=best_metric, end_to_end_seconds=e2e,
                          events=plan_events(log))
+
+
+def _same_tuner(file: str, name: str, where: str, recorded: dict[str, Any] | None, tuner: Tuner) -> dict[str, Any]:
+    """``tuner``'s settings (:meth:`Tuner.settings`), after refusing (exit 2) a continuation of
+    study ``name`` whose earlier run ``recorded`` other ones (None: it recorded none): another
+    tuner, other arguments or another space would mix two studies' decisions in one."""
+    from stagetree.tuners._settings import difference
+
+    settings = tuner.settings()
+    why = None if recorded is None else difference(recorded, settings)
+    if why is not None:
+        raise UsageError(f"study file {file!r}: study {name!r} in {where} ran with other tuner settings ({why}): "
+                         "that is another study; give it another `name`, or restore the file")
+    return settings
 
 
 def _write_summary(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
@@ -303,6 +318,7 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
                 f"{recorded.trainer!r}, but the file now gives seed {seed} and trainer "
                 f"{trainer.name + '@' + trainer.version!r} (or other constants or batch-size settings): that is "
                 "another study; give it another `name`, or restore the file")
+        _same_tuner(args.file, name, repr(str(out)), recorded.tuner_settings, loaded[2])
     if args.resume and name in finished:  # nothing to resume: its tuner's decisions are all in the log
         from projections.summary import summary_path
         from replay.report.load import load_run

@@ -314,7 +314,8 @@ async def _simulate(trainer: Trainer, studies: list[SimStudy], workers: int, mer
         cluster.append([
             StudyStarted(producer="simulator", study_id=s.name, name=s.name, plan_key=study.plan_key, mode=mode,
                          workers=workers, seed=s.seed, trainer=f"{trainer.name}@{trainer.version}",
-                         metric=s.tuner.metric, metric_mode=s.tuner.mode, study_file=study_file)
+                         metric=s.tuner.metric, metric_mode=s.tuner.mode, study_file=study_file,
+                         tuner_settings=s.tuner.settings())
             for s, study in zip(studies, sdk)
         ])
         done_at: dict[int, float] = {}

@@ -557,6 +557,32 @@ def test_cli_resume_with_another_seed_is_refused(tmp_path: Path) -> None:
         log.close()
 
 
+@pytest.mark.parametrize(("edit", "named"), [
+    (("steps=1", "steps=2"), "`steps`: 1 in the log, 2 now"),
+    (('"lr": [0.1]', '"lr": [0.1, 0.05]'), "`space.configurations`: 1 in the log, 2 now"),
+    (("GridSearch(", "type('GridSearch', (GridSearch,), {'rules': 2})("), "`rules`: 1 in the log, 2 now"),
+])
+def test_cli_resume_with_other_tuner_settings_is_refused(tmp_path: Path, edit: tuple[str, str], named: str) -> None:
+    """A study file whose tuner changed (an argument, the space, or the version of its decision
+    rules) is another study: resumed, the new tuner's decisions were mixed with the old one's,
+    and ``replay verify`` then failed on the earlier run's. Refused, naming the first
+    difference, with nothing appended; restored, it resumes."""
+    path = write(tmp_path / "study.py", VALID)
+    out = tmp_path / "out"
+    assert run_cli(path, out).returncode == 0
+    with EmbeddedLog(out / "log", read_only=True) as log:
+        before = log.end_offset(topics.PLAN)
+    write(path, VALID.replace(*edit))
+    proc = run_cli(path, out, "--resume")
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "ran with other tuner settings" in err and named in err, err
+    with EmbeddedLog(out / "log", read_only=True) as log:
+        assert log.end_offset(topics.PLAN) == before
+    write(path, VALID)
+    proc = run_cli(path, out, "--resume")
+    assert proc.returncode == 0 and "nothing to resume" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_cli_resume_of_another_study_is_refused_and_summaries_are_per_study(tmp_path: Path) -> None:
     """Issue 11 item 9: ``--resume`` in a directory that holds only other studies is refused
     (exit 2, naming them), nothing is appended, and no study overwrites another's summary."""

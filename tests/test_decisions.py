@@ -147,13 +147,17 @@ def test_a_decision_decided_at_or_after_its_own_offset_is_rejected() -> None:
 
 
 def test_a_tuner_that_decides_otherwise_is_named_at_the_first_decision_it_changes(runs: Any) -> None:
+    """A tuner with the recorded settings whose code decides otherwise (here: it ranks the
+    worst first, as a changed rule would that kept its version): the first decision it
+    changes is named."""
     run_dir, _ = runs["sha"]
     trainer, s = study("sha")
 
-    def other() -> Any:  # the same study file with a tuner that minimises
+    def other() -> Any:  # the same study file with a tuner whose ranking is reversed
         _, again = study("sha")
         tuner = again.tuner
-        tuner.mode = "min"
+        rank = tuner.rank
+        tuner.rank = lambda results: list(reversed(rank(results)))
         return tuner
 
     assert check_study(run_dir, "sha", lambda: study("sha")[1].tuner, trainer).ok
@@ -161,6 +165,40 @@ def test_a_tuner_that_decides_otherwise_is_named_at_the_first_decision_it_change
     first_cut = next(o for o, e in decisions_in(run_dir) if e.decision.kind in ("promote", "stop"))
     assert check.failure is not None and check.failure.offset == first_cut
     assert "recorded step 2: " in check.failure.detail and "SuccessiveHalving, rung 0" in check.failure.detail
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ("mode", '`mode`: "max" in the log, "min" now'),
+    ("reduction", "`reduction`: 2 in the log, 3 now"),
+    ("space", "`space.configurations`: 10 in the log, 4 now"),
+    ("rules", "`rules`: 1 in the log, 2 now"),
+])
+def test_a_study_file_whose_tuner_settings_differ_is_named_at_its_run(change: str, named: str, runs: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each run records its tuner's settings (class, rules version, arguments, a digest of the
+    space): recomputed with a study file whose tuner differs, verify fails at the run's
+    StudyStarted naming the first difference, instead of at the first decision that differs."""
+    run_dir, _ = runs["sha"]
+    trainer, s = study("sha")
+    assert s.tuner.settings()["reduction"] == 2 and s.tuner.settings()["space"]["configurations"] == 10
+
+    def other() -> Any:
+        tuner = study("sha")[1].tuner
+        if change == "mode":
+            tuner.mode = "min"
+        elif change == "reduction":
+            tuner.reduction = 3
+        elif change == "space":
+            tuner.space = list(tuner.space)[:4]
+        else:  # a stagetree whose SuccessiveHalving decides by other rules
+            monkeypatch.setattr(SuccessiveHalving, "rules", 2)
+        return tuner
+
+    check = check_study(run_dir, "sha", other, trainer)
+    start = next(o for o, e in plan_events(open_source(run_dir)) if e.type == "StudyStarted")
+    assert check.failure is not None and check.failure.offset == start and check.failure.event == "StudyStarted"
+    assert named in check.failure.detail and "pass --study with the study file the run used" in check.failure.detail
+    assert check.checked == 0
 
 
 # ----------------------------------------------------------------------------- tampering

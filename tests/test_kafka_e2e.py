@@ -100,6 +100,18 @@ def test_kafka_study_equals_embedded_bit_for_bit(embedded: Path, deployment: dic
                          timeout=300, env=deployment)
     assert bad.returncode == 1 and "does not match its seal" in bad.stdout, bad.stdout
 
+    # the same study with another tuner argument is another study: refused (exit 2, naming the
+    # difference from the settings its StudyStarted records) before anything is appended
+    changed = tmp_path / "tiny_sha.py"
+    changed.write_text(STUDY.read_text().replace("reduction=2", "reduction=4").replace(
+        'Path(__file__).resolve().parents[2] / "examples"', repr(str(STUDY.parents[2] / "examples"))))
+    records = len(kafka_state(deployment)[1])
+    refused = subprocess.run([*CLI, "run", str(changed), "--workers", "0", "--out", str(tmp_path / "again"),
+                              "--quiet"], capture_output=True, text=True, timeout=300, env=deployment)
+    err = " ".join(refused.stderr.split())
+    assert refused.returncode == 2 and "`reduction`: 2 in the log, 4 now" in err, refused.stdout + refused.stderr
+    assert len(kafka_state(deployment)[1]) == records
+
 
 def test_worker_kill_and_app_restart_finish_with_the_same_results(
         embedded: Path, deployment: dict[str, str], tmp_path: Path) -> None:

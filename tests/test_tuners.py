@@ -434,3 +434,88 @@ def test_study_rejects_a_space_that_does_not_match_the_trainer() -> None:
     space = GridSearchSpace({"lr": [0.1], "x": [1], "y": [0]})
     with pytest.raises(ValueError, match="'lr'"):
         tune(GridSearch(space, steps=5, metric="acc"), lambda v, s: {"acc": 1.0})
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+def _every_tuner() -> dict[str, Callable[[], Any]]:
+    from stagetree.integration.optuna import OptunaSearch
+    from stagetree.tuners import (
+        ASHA,
+        PBT,
+        EarlyStopTuner,
+        GridSearch,
+        Hyperband,
+        MedianStopping,
+        MLtunerTuner,
+        RandomSearchSpace,
+        Schedule,
+        SuccessiveHalving,
+        Uniform,
+    )
+
+    def grid() -> GridSearchSpace:
+        return GridSearchSpace({"lr": [0.1, 0.01], "bs": [32]})
+
+    return {
+        "GridSearch": lambda: GridSearch(grid(), 5, "acc"),
+        "SuccessiveHalving": lambda: SuccessiveHalving(grid(), "acc", min_steps=1, max_steps=8, reduction=2),
+        "ASHA": lambda: ASHA(grid(), "acc", min_steps=1, max_steps=8),
+        "Hyperband": lambda: Hyperband(grid(), "acc", min_steps=1, max_steps=8),
+        "MedianStopping": lambda: MedianStopping(grid(), "acc", max_steps=8, interval=2),
+        "PBT": lambda: PBT(grid(), "acc", population=2, interval=2, max_steps=8, mutations={"lr": [0.1, 0.01]}),
+        "EarlyStopTuner": lambda: EarlyStopTuner(Schedule.from_milestones((5, 2)), grid(), "acc"),
+        "MLtunerTuner": lambda: MLtunerTuner([{"lr": 0.1, "bs": 32}], tunables={"lr": [0.1, 0.01]}, max_steps=100,
+                                             epoch_steps=10, trial_steps=5),
+        "OptunaSearch": lambda: OptunaSearch({"lr": Uniform(0.01, 0.1), "bs": 32}, "acc", n_trials=4, steps=5, seed=3),
+        "random": lambda: GridSearch(RandomSearchSpace({"lr": Uniform(0.01, 0.1), "bs": 32}, n=4, seed=1), 5, "acc"),
+    }
+
+
+KEPT_ELSEWHERE = {"OptunaSearch": {"hp_dict", "sampler", "seed", "storage", "study_name", "pruner"}}
+"""Arguments a tuner keeps in its space, whose own settings record them."""
+
+
+@pytest.mark.parametrize("name", sorted(_every_tuner()))
+def test_settings_are_json_equal_for_equal_tuners_and_name_every_argument(name: str) -> None:
+    """What StudyStarted records (``tuner_settings``): JSON, equal for two tuners built alike
+    (no address, no state), and holding every ``__init__`` argument of the tuner (a new
+    argument kept under another name would go unrecorded: a resume with it changed would not
+    be refused)."""
+    import inspect
+
+    import orjson
+
+    make = _every_tuner()[name]
+    a, b = make(), make()
+    settings = a.settings()
+    assert orjson.loads(orjson.dumps(settings)) == settings == b.settings()
+    assert settings["rules"] == 1 and settings["tuner"] == type(a).__name__ and "space" in settings
+    params = set(inspect.signature(type(a).__init__).parameters) - {"self", "space"}
+    assert params - set(settings) <= KEPT_ELSEWHERE.get(name, set()), params - set(settings)
+    if name == "OptunaSearch":
+        assert settings["space"]["seed"] == 3 and settings["space"]["sampler"] == "TPESampler"
+
+
+def test_settings_difference_names_the_first_changed_field() -> None:
+    from stagetree.tuners import PBT, SuccessiveHalving
+    from stagetree.tuners._settings import difference
+
+    def sha(**kw: Any) -> dict[str, Any]:
+        args: dict[str, Any] = {"min_steps": 1, "max_steps": 8, "reduction": 2} | kw
+        return SuccessiveHalving(GridSearchSpace({"lr": [0.1, 0.01]}), "acc", **args).settings()
+
+    assert difference(sha(), sha()) is None
+    assert difference(sha(), sha(max_steps=16)) == "`max_steps`: 8 in the log, 16 now"
+    other_space = SuccessiveHalving(GridSearchSpace({"lr": [0.1, 0.02]}), "acc", min_steps=1, max_steps=8,
+                                    reduction=2).settings()
+    assert difference(sha(), other_space).startswith("`space.sha256`: ")  # same count, other configurations
+    pbt = PBT(GridSearchSpace({"lr": [0.1]}), "acc", population=2, interval=2, max_steps=8,
+              mutations={"lr": [0.1, 0.01]}).settings()
+    assert difference(sha(), pbt) == "`causal`: absent in the log, false now"
+    changed = dict(pbt, mutations={"lr": [pbt["mutations"]["lr"][0], {"kind": "Constant", "value": 0.02}]})
+    assert difference(pbt, changed) == "`mutations.lr[1].value`: 0.01 in the log, 0.02 now"
+    assert difference(pbt, dict(pbt, mutations={"lr": [0.1]})) == \
+        '`mutations.lr`: [{"kind":"Constant","value":0.1},{"kind":"Constant","value":0.01}] in the log, [0.1] now'
+    assert difference({"x": 1}, {"x": 1.0}) == "`x`: 1 in the log, 1.0 now"  # an int and a float differ

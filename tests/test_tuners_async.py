@@ -256,9 +256,16 @@ def test_replaying_the_log_recomputes_every_decision_in_order(name: str, tmp_pat
 
 
 def test_replay_notices_a_tuner_that_decides_differently(tmp_path: Path) -> None:
+    """With the recorded settings (another mode or argument fails earlier, at the run's
+    StudyStarted) but code that ranks the worst first: named at the first decision it changes."""
     run(TUNERS["asha"](), 3, run_dir=tmp_path)
-    other = lambda: ASHA(space(3, 1, 4, 1.5, 5, 9, 2, 6), "val_acc", mode="min", min_steps=1, max_steps=4,  # noqa: E731
-                         reduction=2)
+
+    def other() -> Any:
+        tuner = TUNERS["asha"]()
+        rank = tuner.rank
+        tuner.rank = lambda results: list(reversed(rank(results)))
+        return tuner
+
     check = check_study(tmp_path, "s", other, TRAINER)
     assert not check.ok and check.failure is not None
     assert check.failure.check == "tuner" and check.failure.offset is not None

@@ -16,12 +16,13 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sized
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from events.decisions import Answer, Decision, Draw, Promote, Ranking, Stop
 from events.hp import HPConfig
 from gpu_worker.trainer import Trainer
 from stagetree.study import Study, TrialFailed
+from stagetree.tuners._settings import tuner_settings
 
 Mode = Literal["max", "min"]
 
@@ -73,6 +74,12 @@ class Tuner(ABC):
             grid, a random space, a list) that holds no configuration.
     """
 
+    rules: ClassVar[int] = 1
+    """The version of the tuner's decision rules, recorded in its :meth:`settings`: a change to
+    a tuner that makes it decide otherwise on the same results bumps it (keeping the old rule
+    selectable by an argument where it can be, as PBT's ``synch=False``), so that a log decided
+    under other rules is told apart from one whose decisions were edited."""
+
     def __init__(self, space: Iterable[HPConfig], metric: str, mode: Mode = "max") -> None:
         if mode not in ("max", "min"):
             raise ValueError(f"`mode` is {mode!r}, but must be 'max' or 'min'")
@@ -97,6 +104,15 @@ class Tuner(ABC):
             ValueError: an argument the trainer cannot take (naming the field and the value).
         """
         del trainer  # the base's arguments do not depend on it
+
+    def settings(self) -> dict[str, Any]:
+        """What the tuner's decisions depend on besides the results, as JSON data (recorded in
+        the study's StudyStarted as ``tuner_settings``): ``tuner`` (the class name), ``rules``
+        (:attr:`rules`), ``space`` (a digest of its configurations, or an adaptive space's own
+        settings) and every ``__init__`` argument the tuner keeps as an attribute of the same
+        name (:func:`stagetree.tuners._settings.tuner_settings`). A tuner with arguments it keeps
+        under other names overrides this to add them."""
+        return tuner_settings(self)
 
     # ------------------------------------------------------------------ decisions
 

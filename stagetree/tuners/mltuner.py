@@ -209,7 +209,7 @@ class MLtunerTuner(Tuner):
 
     # ------------------------------------------------------------------ pieces
 
-    def settings(self) -> list[dict[str, HPFunction]]:
+    def tunable_settings(self) -> list[dict[str, HPFunction]]:
         """Every setting of the tunables (their candidates' product, in the given order)."""
         names = list(self.tunables)
         return [dict(zip(names, combo)) for combo in itertools.product(*(self.tunables[n] for n in names))]
@@ -348,7 +348,7 @@ class MLtunerTuner(Tuner):
     async def _round(self, study: Study, rnd: int, main: HPConfig, start: int, cap_length: int,
                      cap_branches: int, everything: dict[str, TrialResult]) -> _Round:
         """One tuning round from ``main`` at step ``start`` (RELATED_SPEC §3.3)."""
-        settings = self.settings()
+        settings = self.tunable_settings()
         seed = stable_seed(study.name, "mltuner", str(rnd))
         rng = np.random.default_rng(seed)
         order = [settings[int(i)] for i in rng.permutation(len(settings))]

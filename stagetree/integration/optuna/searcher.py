@@ -46,6 +46,7 @@ from stagetree.spaces import ask_config, space_specs
 from stagetree.study import Study
 from stagetree.tuners import Mode, TrialResult, Tuner, TunerResult
 from stagetree.tuners._base import positive_int
+from stagetree.tuners._settings import jsonable
 
 require("optuna", "optuna", "stagetree.integration.optuna")
 from optuna import Study as OptunaStudy  # noqa: E402
@@ -114,6 +115,14 @@ class OptunaSpace:
     def __iter__(self) -> Any:
         """No configuration exists before a study asks: a tuner calls :meth:`configurations`."""
         return iter(())
+
+    def settings(self) -> dict[str, Any]:
+        """The space as JSON data, recorded with its tuner's settings (:meth:`Tuner.settings`):
+        its hyper-parameters' samplers, ``n``, the Optuna sampler's class and seed, the pruner's
+        class and the Optuna study's name (not the storage: where that study is kept)."""
+        return {"space": type(self).__name__, "hp_dict": jsonable(self.specs), "n": self.n,
+                "sampler": self.sampler_name, "seed": self.seed, "pruner": type(self.pruner).__name__,
+                "study_name": self.study_name}
 
     def __repr__(self) -> str:
         return f"OptunaSpace({self.specs!r}, n={self.n}, sampler={self.sampler_name}, seed={self.seed})"
