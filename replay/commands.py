@@ -57,25 +57,38 @@ def cmd_import(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, console: Console) -> int:
-    from replay.audit import open_source
+    from replay.anchor import Anchor, check_anchors, source_anchor
+    from replay.audit import AuditError, open_source
     from replay.tuner import verify_all
 
     if args.json:
         check_output_file("--json", args.json)  # before the audit, not once it is done
+    try:
+        anchors = [Anchor.parse(a) for a in args.anchor]
+    except ValueError as exc:
+        raise AuditError(str(exc)) from None
     secret = secret_from(args.log_key)
     source = open_source(args.source, secret, args.checkpoints)
+    if anchors and source.chain == "sealed":  # before the audit, not once it is done
+        check_anchors(source, anchors)
     total = len(source.streams.get(topics.PLAN, []))
     with _progress(console, args.quiet) as progress:
         task = progress.add_task("verify", total=total)
-        result = verify_all(source, secret, progress=lambda n: progress.advance(task, n), study_file=args.study)
+        result = verify_all(source, secret, progress=lambda n: progress.advance(task, n), study_file=args.study,
+                            anchors=anchors)
     for check in result.checks:
         mark = "[yellow]skipped[/yellow]" if check.get("skipped") else "[green]ok[/green]" if check["ok"] \
             else "[red]FAILED[/red]"
         console.print(f"{mark} {check['name']}: {escape(check['detail'])}")
+    anchor = source_anchor(source) if result.ok else None
     if args.json:
-        Path(args.json).write_bytes(orjson.dumps(result.as_dict(), option=orjson.OPT_INDENT_2))
+        Path(args.json).write_bytes(orjson.dumps(result.as_dict() | {"anchor": anchor and str(anchor)},
+                                                 option=orjson.OPT_INDENT_2))
     if result.ok:
         console.print(f"[green]verified[/green]: {result.events} records of {escape(str(args.source))}")
+        if anchor is not None:
+            console.print(f"anchor: {anchor} (keep it apart from the log: `--anchor` then proves the log still "
+                          "holds this record, with everything before it unchanged)", soft_wrap=True)
         return 0
     console.print(f"[red]verification failed[/red]: {escape(str(result.first_failure))}")
     return 1
@@ -139,6 +152,10 @@ def register(sub: argparse._SubParsersAction, positive: type | object) -> None: 
                                      "study's StudyStarted records; without one they are not recomputed)")
     ver.add_argument("--checkpoints", help="checkpoint directory (default: the run directory's)")
     ver.add_argument("--log-key", help=key_help)
+    ver.add_argument("--anchor", action="append", default=[], metavar="STREAM@OFFSET:CHAIN",
+                     help="an anchor `stagetree run` or an earlier verify printed, kept apart from the log: the log "
+                          "must still hold that record with that chain (catches a log cut or rewritten before it); "
+                          "repeatable")
     ver.add_argument("--json", help="also write the audit result as JSON to this file")
     ver.add_argument("--quiet", action="store_true", help="no progress bar")
     ver.set_defaults(func=cmd_verify)

@@ -43,6 +43,7 @@ from gpu_worker.loader import StudyFileError
 from gpu_worker.trainer import Trainer
 from projections.partitions import PartitionedFold
 from projections.store import Projector
+from replay.anchor import Anchor, check_anchors
 from replay.audit import AuditError, AuditResult, Failure, Source, open_source, verify
 from stagetree.runtime import RuntimeBase, settle
 from stagetree.study import Study
@@ -454,16 +455,22 @@ def verify_decisions(source: Source, study_file: str | None = None, *,
 
 
 def verify_all(source: Source, secret: bytes | None = None, progress: Callable[[int], None] | None = None,
-               study_file: str | None = None) -> AuditResult:
+               study_file: str | None = None, anchors: Sequence[Anchor] = ()) -> AuditResult:
     """``stagetree replay verify``: every check of :func:`replay.audit.verify`, then the
-    ``tuner`` check (:func:`verify_decisions`). Never raises for a mismatch.
+    ``tuner`` check (:func:`verify_decisions`), then, when ``anchors`` are given, the ``anchor``
+    check (:func:`replay.anchor.check_anchors`). Never raises for a mismatch.
 
     Raises:
-        AuditError: ``study_file`` was given but cannot be loaded.
+        AuditError: ``study_file`` was given but cannot be loaded; ``anchors`` were given for a
+            deployment's topics.
     """
     result = verify(source, secret, progress)
     failure, detail, skipped = verify_decisions(source, study_file, secret=secret)
     result.add("tuner", failure, detail, skipped=skipped)
+    if anchors:
+        result.add("anchor", check_anchors(source, anchors),
+                   f"the log holds the anchored {'record' if len(anchors) == 1 else 'records'} "
+                   f"({', '.join(f'{a.stream}@{a.offset}' for a in anchors)}) with their anchored chain")
     return result
 
 

@@ -273,6 +273,7 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
 
     from events.keys import secret_from
     from events.log import EmbeddedLog, held_elsewhere
+    from replay.anchor import log_anchor
     from stagetree.embedded import EmbeddedCoordinator
 
     loaded = _study_file(args.file)
@@ -350,6 +351,8 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
                     None, _start_dashboard, str(out), port, secret_from(args.log_key), console)
             await coord.ready()
             summary = await _conduct(coord, coord.log, args, loaded, mode)
+            anchor = log_anchor(coord.log)  # after its StudyFinished
+            summary["log_anchor"] = None if anchor is None else str(anchor)
     finally:
         if dashboard is not None:
             dashboard.stop()
@@ -578,6 +581,9 @@ def _print_summary(summary: dict[str, Any], console: Console) -> None:
                       + (f"; {earlier} steps answered from earlier studies" if earlier is not None else "")
                       + (f", {since} steps trained since this study started" if since is not None else ""))
     console.print(f"  summary: {summary['summary_file']}")
+    if summary.get("log_anchor"):
+        console.print(f"  log anchor: {summary['log_anchor']} (keep it apart from the run: `stagetree replay verify "
+                      "--anchor` then proves the log still holds this study unchanged)", soft_wrap=True)
     failed = [t for t in summary["trials"] if t["status"] == "failed"]
     if failed:
         console.print(f"  [red]{len(failed)} failed[/red] (a failed trial is a loss; see the summary): "

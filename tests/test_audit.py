@@ -587,3 +587,76 @@ def test_a_duplicated_record_is_named_as_such_not_as_missing(run_dir: Path, expo
     msg = " ".join(first_failure(export, run_dir, capsys).split())
     assert f"offset {row['offset'] + 1} is not next: the record there has offset {row['offset']}" in msg, msg
     assert "duplicated or out of order" in msg and "missing" not in msg, msg
+
+
+def _reexport(rows: list[dict], out: Path) -> Path:
+    """``rows`` (an export's records) written as an export again, every stream re-chained with
+    plain sha256 from offset 0 and the header (counts, projection digest) made anew: a forgery
+    anyone can make of a log chained without a key."""
+    from replay.audit import Source, export_log
+
+    streams: dict[str, list[Record]] = {}
+    heads: dict[str, bytes] = {}
+    for row in rows:
+        recs = streams.setdefault(row["stream"], [])
+        value = row["value"].encode()
+        heads[row["stream"]] = chain_next(heads.get(row["stream"], bytes(32)), row["stream"], len(recs), row["key"],
+                                          value)
+        recs.append(Record(row["stream"], len(recs), row["key"], value, heads[row["stream"]]))
+    export_log(Source(out, "export", streams, "sha256", None), out)
+    return out
+
+
+@pytest.mark.parametrize("tamper", ["cut", "rewrite"])
+def test_an_anchor_kept_apart_catches_a_log_cut_or_rewritten_with_its_header(run_dir: Path, export: Path,
+                                                                                tmp_path: Path, tamper: str,
+                                                                                capsys) -> None:
+    """The audit gap of a chain without a key: an export cut after some plan record, or with a
+    record rewritten (here an informational timestamp, which no decision reads), re-chained and
+    with its header made anew, verifies. The run's anchor (``log_anchor`` in its summary, and
+    printed by ``stagetree run`` and ``replay verify``), kept apart, catches both."""
+    anchor = orjson.loads((run_dir / "summary.json").read_bytes())["log_anchor"]
+    assert main(["replay", "verify", str(run_dir), "--anchor", anchor, "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert f"anchor: {anchor}" in " ".join(out.split()) and "ok anchor: the log holds the anchored record" in out
+    header, *rows = lines(export)
+    plan = [r for r in rows if r["stream"] == topics.PLAN]
+    if tamper == "cut":  # the run as if it had ended earlier: its StudyFinished and what came after are gone
+        finished = next(i for i, r in enumerate(plan) if '"StudyFinished"' in r["value"])
+        rows = [r for r in rows if r["stream"] != topics.PLAN or r["offset"] < plan[finished]["offset"]]
+    else:
+        event = orjson.loads(plan[5]["value"])
+        event["ts"] += 1.0
+        plan[5]["value"] = orjson.dumps(event, option=orjson.OPT_SORT_KEYS).decode()
+    forged = _reexport(rows, tmp_path / "forged.jsonl")
+    assert main(["replay", "verify", str(forged), "--quiet"]) == 0, capsys.readouterr().out  # the gap
+    capsys.readouterr()
+    msg = " ".join(first_failure(forged, run_dir, capsys, "--anchor", anchor).split())
+    offset = int(anchor.split("@")[1].split(":")[0])
+    if tamper == "cut":
+        assert f"anchor check failed at offset {offset}: stream stagetree.plan ends at offset" in msg, msg
+        assert "the log was cut" in msg, msg
+    else:
+        assert f"anchor check failed at offset {offset}: stream stagetree.plan: the chain after offset {offset} is " \
+               in msg and "was rewritten" in msg, msg
+
+
+def test_a_malformed_anchor_is_refused_naming_the_flag(run_dir: Path, capsys) -> None:
+    assert main(["replay", "verify", str(run_dir), "--anchor", "stagetree.plan@12:xyz", "--quiet"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--anchor is 'stagetree.plan@12:xyz', but must be STREAM@OFFSET:CHAIN" in err, err
+
+
+def test_an_anchor_reads_back_as_written_and_a_deployments_topics_are_not_anchored() -> None:
+    from replay.anchor import Anchor, check_anchors
+    from replay.audit import AuditError, Source
+
+    anchor = Anchor.parse(f" stagetree.plan@177:{'ab' * 32}\n")
+    assert (anchor.stream, anchor.offset, anchor.chain) == ("stagetree.plan", 177, "ab" * 32)
+    assert Anchor.parse(str(anchor)) == anchor
+    for bad in ("stagetree.plan@-1:" + "ab" * 32, "stagetree.plan:" + "ab" * 32, "stagetree.plan@1:" + "AB" * 32):
+        with pytest.raises(ValueError, match="but must be STREAM@OFFSET:CHAIN"):
+            Anchor.parse(bad)
+    kafka = Source(Path("kafka://127.0.0.1:9092"), "kafka", {}, "sealed", None)
+    with pytest.raises(AuditError, match="anchor a run directory or an export"):
+        check_anchors(kafka, [anchor])
