@@ -554,6 +554,9 @@ class AuditResult:
     checks: list[dict[str, Any]] = field(default_factory=list)
     first_failure: Failure | None = None
     events: int = 0
+    anchor: str | None = None
+    """The anchor of the plan stream's last record (``STREAM@OFFSET:CHAIN``, :mod:`replay.anchor`)
+    when every check passed and the records carry their chain; else None."""
 
     @property
     def ok(self) -> bool:
@@ -569,7 +572,7 @@ class AuditResult:
 
     def as_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "checks": self.checks, "events": self.events,
-                "first_failure": str(self.first_failure) if self.first_failure else None}
+                "first_failure": str(self.first_failure) if self.first_failure else None, "anchor": self.anchor}
 
 
 def _event_name(record: Record) -> str:

@@ -57,7 +57,7 @@ def cmd_import(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, console: Console) -> int:
-    from replay.anchor import Anchor, check_anchors, source_anchor
+    from replay.anchor import Anchor, check_anchors
     from replay.audit import AuditError, open_source
     from replay.tuner import verify_all
 
@@ -80,14 +80,12 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
         mark = "[yellow]skipped[/yellow]" if check.get("skipped") else "[green]ok[/green]" if check["ok"] \
             else "[red]FAILED[/red]"
         console.print(f"{mark} {check['name']}: {escape(check['detail'])}")
-    anchor = source_anchor(source) if result.ok else None
     if args.json:
-        Path(args.json).write_bytes(orjson.dumps(result.as_dict() | {"anchor": anchor and str(anchor)},
-                                                 option=orjson.OPT_INDENT_2))
+        Path(args.json).write_bytes(orjson.dumps(result.as_dict(), option=orjson.OPT_INDENT_2))
     if result.ok:
         console.print(f"[green]verified[/green]: {result.events} records of {escape(str(args.source))}")
-        if anchor is not None:
-            console.print(f"anchor: {anchor} (keep it apart from the log: `--anchor` then proves the log still "
+        if result.anchor is not None:
+            console.print(f"anchor: {result.anchor} (keep it apart from the log: `--anchor` then proves the log still "
                           "holds this record, with everything before it unchanged)", soft_wrap=True)
         return 0
     console.print(f"[red]verification failed[/red]: {escape(str(result.first_failure))}")

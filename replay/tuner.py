@@ -43,7 +43,7 @@ from gpu_worker.loader import StudyFileError
 from gpu_worker.trainer import Trainer
 from projections.partitions import PartitionedFold
 from projections.store import Projector
-from replay.anchor import Anchor, check_anchors
+from replay.anchor import Anchor, check_anchors, source_anchor
 from replay.audit import AuditError, AuditResult, Failure, Source, open_source, verify
 from stagetree.runtime import RuntimeBase, settle
 from stagetree.study import Study
@@ -458,7 +458,8 @@ def verify_all(source: Source, secret: bytes | None = None, progress: Callable[[
                study_file: str | None = None, anchors: Sequence[Anchor] = ()) -> AuditResult:
     """``stagetree replay verify``: every check of :func:`replay.audit.verify`, then the
     ``tuner`` check (:func:`verify_decisions`), then, when ``anchors`` are given, the ``anchor``
-    check (:func:`replay.anchor.check_anchors`). Never raises for a mismatch.
+    check (:func:`replay.anchor.check_anchors`); when every check passed, ``anchor`` is the plan
+    stream's (:func:`replay.anchor.source_anchor`). Never raises for a mismatch.
 
     Raises:
         AuditError: ``study_file`` was given but cannot be loaded; ``anchors`` were given for a
@@ -471,6 +472,8 @@ def verify_all(source: Source, secret: bytes | None = None, progress: Callable[[
         result.add("anchor", check_anchors(source, anchors),
                    f"the log holds the anchored {'record' if len(anchors) == 1 else 'records'} "
                    f"({', '.join(f'{a.stream}@{a.offset}' for a in anchors)}) with their anchored chain")
+    anchor = source_anchor(source) if result.ok else None
+    result.anchor = None if anchor is None else str(anchor)
     return result
 
 

@@ -165,10 +165,15 @@ def test_cli_reads_an_audit_file_and_rejects_bad_input(run_dir: Path, tmp_path: 
 
 
 @pytest.mark.e2e
-def test_cli_verify_runs_the_audit(run_dir: Path, tmp_path: Path) -> None:
+def test_cli_verify_runs_the_audit(run_dir: Path, summary: dict, tmp_path: Path) -> None:
+    """The audit banner, with the anchor of what was audited (the run's own, as its summary
+    keeps it), and the tuner the study recorded in the header."""
     assert main([str(run_dir), "--out", str(tmp_path / "v"), "--verify"]) == 0
     doc = (tmp_path / "v" / "index.html").read_text()
     assert 'class="audit ok"' in doc, doc[doc.index('id="audit"'):][:2000]
+    assert f"Anchor of the log audited: <code>{summary['log_anchor']}</code>" in doc
+    assert "tuner <code>SuccessiveHalving(max_steps=160, metric=&quot;val_acc&quot;, min_steps=10, " \
+           "mode=&quot;max&quot;, reduction=2) on GridSearchSpace(configurations=16), rules 1</code>" in doc, doc[:3000]
 
 
 @pytest.mark.e2e

@@ -40,6 +40,7 @@ def build_report(source: Path, out: Path, audit: dict[str, Any] | None = None, s
     from replay.report.load import load_run, study_trials
     from replay.report.pictures import best_trial_id, curve_metric, plot_curves, plot_gantt, plot_stage_tree
     from replay.report.tree import stage_tree
+    from stagetree.tuners._settings import describe
 
     data = load_run(source, study)
     out = Path(out)
@@ -62,8 +63,10 @@ def build_report(source: Path, out: Path, audit: dict[str, Any] | None = None, s
     decisions = {t: decision_from_json(d.decision).describe(d.tuner) for t, d in finals.items()}
 
     name = (data.summary or {}).get("name") or data.study_id or data.source.name
+    settings = data.study_started.tuner_settings if data.study_started else None
     meta = (f"source <code>{_e(data.source)}</code> · {len(data.events):,} events"
             + (f" ({data.invalid_events} undecodable, skipped)" if data.invalid_events else "")
+            + (f" · tuner <code>{_e(describe(settings))}</code>" if settings else "")
             + f" · generated {_e(time.strftime('%Y-%m-%d %H:%M:%S'))}")
     multi = len({s.plan_key for s in stages}) > 1
     tree_caption = (

@@ -57,8 +57,8 @@ def _num(v: Any, fmt: str = "{:,}") -> str:
 def audit_html(audit: dict[str, Any] | None) -> str:
     """The audit banner: green when ``audit["ok"]``, red with the first failure otherwise, amber
     "not audited" when ``audit`` is None. ``audit`` is ``stagetree replay verify --json``'s
-    document: {"ok", "checks": [{"name", "ok", "skipped", "detail"}], "first_failure"} (a
-    skipped check, not made, is marked as such)."""
+    document: {"ok", "checks": [{"name", "ok", "skipped", "detail"}], "first_failure", "anchor"}
+    (a skipped check, not made, is marked as such; the anchor is shown when the audit passed)."""
     if audit is None:
         return ('<section class="audit none" id="audit"><h2>Not audited</h2>'
                 "<p>not audited — run <code>stagetree replay verify</code> on this run (or "
@@ -87,6 +87,10 @@ def audit_html(audit: dict[str, Any] | None) -> str:
         parts.append("</ul>")
     if audit.get("events") is not None:
         parts.append(f'<p class="caption">{_e(audit["events"])} records checked.</p>')
+    if ok and audit.get("anchor"):
+        parts.append(f'<p class="caption">Anchor of the log audited: <code>{_e(audit["anchor"])}</code>. Kept apart '
+                     "from the log, <code>stagetree replay verify --anchor</code> proves later that the log still "
+                     "holds this record, with everything before it unchanged.</p>")
     parts.append("</section>")
     return "".join(parts)
 

@@ -138,3 +138,16 @@ def difference(recorded: Any, current: Any, path: str = "") -> str | None:
 def _short(value: Any) -> str:
     text = orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
     return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def describe(settings: Mapping[str, Any]) -> str:
+    """Settings (:func:`tuner_settings`) in one line for people, e.g.
+    ``SuccessiveHalving(max_steps=160, metric="val_acc", ...) on GridSearchSpace(configurations=16),
+    rules 1`` (each value as JSON, cut to 80 characters; a space's sha256 left out)."""
+    def args(items: Mapping[str, Any], leave: set[str]) -> str:
+        return ", ".join(f"{k}={_short(v)}" for k, v in sorted(items.items()) if k not in leave)
+
+    space = settings.get("space")
+    space = space if isinstance(space, Mapping) else {}
+    return (f"{settings.get('tuner', '?')}({args(settings, {'tuner', 'rules', 'space'})}) on "
+            f"{space.get('space', '?')}({args(space, {'space', 'sha256'})}), rules {settings.get('rules', '?')}")
