@@ -46,6 +46,7 @@ from events.log import (  # noqa: F401 (KEY_ENV, secret_from: re-exported from t
     CHAIN_START,
     KEY_ENV,
     EmbeddedLog,
+    LogError,
     Record,
     chain_algorithm,
     chain_next,
@@ -65,6 +66,14 @@ EXPORT_VERSION = 2
 
 class AuditError(ValueError):
     """A source cannot be read (missing, not a run dir or export, malformed export)."""
+
+
+class LogDamaged(LogError):
+    """A run directory's log is there but cannot be read: its metadata (CURRENT, the MANIFEST)
+    cannot be opened, or a table file holds a block RocksDB cannot read before the stream's end
+    (the message names the stream, the offset and RocksDB's status). A :class:`LogError`, as
+    before, for the commands that need the records (``log export``, ``report``); ``replay
+    verify`` makes it a failed chain check (:func:`unreadable`), not bad input."""
 
 
 def projection_digest(records: dict[bytes, bytes]) -> str:
@@ -134,12 +143,29 @@ def _embedded_reader(path: Path, name: str, stop: int) -> Callable[[int], Iterat
     """Reads ``name`` of the embedded log at ``path`` below offset ``stop`` (opened read-only for
     each pass, without the lock: a running coordinator may hold it)."""
     def read(partition: int) -> Iterator[Record]:
-        log = EmbeddedLog(path, read_only=True)
+        log = _open_log(path)
         try:
             yield from log.read(name, 0, stop, partition=partition)
+        except LogError as exc:  # the read stopped before the stream's end: a damaged table file
+            raise LogDamaged(str(exc)) from None
         finally:
             log.close()
     return read
+
+
+def _open_log(path: Path) -> EmbeddedLog:
+    """The embedded log at ``path``, opened read-only.
+
+    Raises:
+        LogDamaged: the database is there (``CURRENT``) but cannot be opened.
+        LogError: no database at ``path``.
+    """
+    try:
+        return EmbeddedLog(path, read_only=True)
+    except LogError as exc:
+        if not (path / "CURRENT").is_file():
+            raise
+        raise LogDamaged(str(exc)) from None
 
 
 @dataclass
@@ -167,6 +193,11 @@ def open_run(path: Path, secret: bytes | None, *, as_of_projection: bool = False
     (the projection check then compares like with like); ``Source.left_out`` counts the plan
     records appended after it. Without it, a running run's projection lags its log and the
     projection check says so.
+
+    Raises:
+        AuditError: ``path`` holds no ``log/``.
+        LogDamaged: the log is there but cannot be opened (the streams' reads raise it too, for
+            a block that cannot be read).
     """
     if not (path / "log").is_dir():
         raise AuditError(f"{str(path)!r} is not a run directory (no log/)")
@@ -179,7 +210,7 @@ def open_run(path: Path, secret: bytes | None, *, as_of_projection: bool = False
             store.close()
     elif (path / "state").is_dir():
         stored = {}  # a projection directory without a database: nothing was stored
-    log = EmbeddedLog(path / "log", read_only=True)
+    log = _open_log(path / "log")
     try:
         ends = {name: log.end_offset(name) for name in log.streams()}  # later appends are not read
         chain = log.chain
@@ -549,7 +580,9 @@ class Failure:
 
 @dataclass
 class AuditResult:
-    """The outcome of :func:`verify`: one entry per check, and the first failure (None: all ok)."""
+    """The outcome of :func:`verify`: one entry per check, and the first failure (None: all ok).
+    ``damaged``: the log could not be read (:func:`unreadable`); the checks that need its
+    records were not made."""
 
     checks: list[dict[str, Any]] = field(default_factory=list)
     first_failure: Failure | None = None
@@ -557,6 +590,7 @@ class AuditResult:
     anchor: str | None = None
     """The anchor of the plan stream's last record (``STREAM@OFFSET:CHAIN``, :mod:`replay.anchor`)
     when every check passed and the records carry their chain; else None."""
+    damaged: bool = False
 
     @property
     def ok(self) -> bool:
@@ -573,6 +607,25 @@ class AuditResult:
     def as_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "checks": self.checks, "events": self.events,
                 "first_failure": str(self.first_failure) if self.first_failure else None, "anchor": self.anchor}
+
+
+CHECKS = ("chain", "decision", "projection", "checkpoint")
+"""The checks of :func:`verify`, in the order it makes them."""
+
+NOT_READ = "not checked: the log cannot be read (the chain check names the damage)"
+"""The detail of a check not made because the log cannot be read (:func:`unreadable`)."""
+
+
+def unreadable(error: LogDamaged, also: Iterable[str] = ()) -> AuditResult:
+    """The result of verifying a log that cannot be read (``error``: damaged metadata, or a
+    block of a table file that cannot be read): the chain check fails naming the damage, and
+    every other check (those of :data:`CHECKS`, then ``also``) is said not to be made (skipped),
+    none of them "ok" over records that were not read."""
+    result = AuditResult(damaged=True)
+    result.add("chain", Failure("chain", None, None, str(error)), "")
+    for name in [*CHECKS[1:], *also]:
+        result.add(name, None, NOT_READ, skipped=True)
+    return result
 
 
 def _event_name(record: Record) -> str:
@@ -695,9 +748,15 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
     besides the projection: the decision prefixes still to visit and the recomputed decision
     groups not yet matched (:class:`replay.decisions.DecisionCheck`), the offsets the seals
     name, and one entry per checkpoint object (not per CheckpointSaved). The garbage collector
-    runs rarely meanwhile (:func:`rare_collections`)."""
+    runs rarely meanwhile (:func:`rare_collections`).
+
+    A log that cannot be read to the end of a stream (:class:`LogDamaged`) is a failed chain
+    check naming the damage, the other checks not made (:func:`unreadable`)."""
     with rare_collections():
-        return _verify(source, secret, progress)
+        try:
+            return _verify(source, secret, progress)
+        except LogDamaged as exc:
+            return unreadable(exc)
 
 
 def _verify(source: Source, secret: bytes | None, progress: Callable[[int], None] | None) -> AuditResult:

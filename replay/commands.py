@@ -58,7 +58,7 @@ def cmd_import(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     from replay.anchor import Anchor, check_anchors
-    from replay.audit import AuditError, open_source
+    from replay.audit import AuditError, LogDamaged, open_source, unreadable
     from replay.tuner import verify_all
 
     if args.json:
@@ -68,14 +68,18 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     except ValueError as exc:
         raise AuditError(str(exc)) from None
     secret = secret_from(args.log_key)
-    source = open_source(args.source, secret, args.checkpoints)
-    if anchors and source.chain == "sealed":  # before the audit, not once it is done
-        check_anchors(source, anchors)
-    total = len(source.streams.get(topics.PLAN, []))
-    with _progress(console, args.quiet) as progress:
-        task = progress.add_task("verify", total=total)
-        result = verify_all(source, secret, progress=lambda n: progress.advance(task, n), study_file=args.study,
-                            anchors=anchors)
+    try:
+        source = open_source(args.source, secret, args.checkpoints)
+        total = len(source.streams.get(topics.PLAN, []))
+    except LogDamaged as exc:  # a run directory whose log cannot be read: a failed check, not bad input
+        result = unreadable(exc, also=("tuner", "anchor") if anchors else ("tuner",))
+    else:
+        if anchors and source.chain == "sealed":  # before the audit, not once it is done
+            check_anchors(source, anchors)
+        with _progress(console, args.quiet) as progress:
+            task = progress.add_task("verify", total=total)
+            result = verify_all(source, secret, progress=lambda n: progress.advance(task, n),
+                                study_file=args.study, anchors=anchors)
     for check in result.checks:
         mark = "[yellow]skipped[/yellow]" if check.get("skipped") else "[green]ok[/green]" if check["ok"] \
             else "[red]FAILED[/red]"

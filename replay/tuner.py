@@ -44,7 +44,7 @@ from gpu_worker.trainer import Trainer
 from projections.partitions import PartitionedFold
 from projections.store import Projector
 from replay.anchor import Anchor, check_anchors, source_anchor
-from replay.audit import AuditError, AuditResult, Failure, Source, open_source, verify
+from replay.audit import NOT_READ, AuditError, AuditResult, Failure, Source, open_source, verify
 from stagetree.runtime import RuntimeBase, settle
 from stagetree.study import Study
 from stagetree.tuners import Tuner
@@ -466,6 +466,10 @@ def verify_all(source: Source, secret: bytes | None = None, progress: Callable[[
             deployment's topics.
     """
     result = verify(source, secret, progress)
+    if result.damaged:  # the log cannot be read: the chain check names the damage
+        for name in ("tuner", "anchor") if anchors else ("tuner",):
+            result.add(name, None, NOT_READ, skipped=True)
+        return result
     failure, detail, skipped = verify_decisions(source, study_file, secret=secret)
     result.add("tuner", failure, detail, skipped=skipped)
     if anchors:

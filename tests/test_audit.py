@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -660,3 +661,49 @@ def test_an_anchor_reads_back_as_written_and_a_deployments_topics_are_not_anchor
     kafka = Source(Path("kafka://127.0.0.1:9092"), "kafka", {}, "sealed", None)
     with pytest.raises(AuditError, match="anchor a run directory or an export"):
         check_anchors(kafka, [anchor])
+
+
+def test_a_damaged_log_fails_verify_as_a_failed_chain_check_not_as_bad_input(run_dir: Path, tmp_path: Path,
+                                                                              capsys) -> None:
+    """A run whose log has a table block RocksDB cannot read, or whose metadata names a
+    manifest that is not there: the read raises (not a shorter log), and ``replay verify``
+    exited 2, as for a mistyped path. It is a failed verification (exit 1): the chain check
+    names the damage, and no other check says "ok" over records it could not read. ``log
+    export`` and ``report`` still fail (exit 2) and write nothing; a source that is not there
+    is still bad input."""
+    from replay.tuner import verify_all
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(run_dir, damaged)
+    table = max((damaged / "log").glob("*.sst"), key=lambda p: p.stat().st_size)
+    data = bytearray(table.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    table.write_bytes(bytes(data))
+    manifest = tmp_path / "manifest"
+    shutil.copytree(run_dir, manifest)
+    (manifest / "log" / "CURRENT").write_text("MANIFEST-999999\n")
+    for run, damage in [(damaged, r"cannot be read past offset \d+ of stream 'stagetree\.\w+' \(\d+ records\): "
+                                  r"the store reports Corruption"),
+                        (manifest, r"cannot be opened \(damaged\?\).*MANIFEST-999999")]:
+        report = tmp_path / f"{run.name}.json"
+        assert main(["replay", "verify", str(run), "--quiet", "--json", str(report)]) == 1
+        out = " ".join(capsys.readouterr().out.split())
+        assert re.search(f"FAILED chain: chain check failed at the log: .*{damage}", out), out
+        assert "verification failed: chain check failed" in out and not re.search(r"\bok \w+:", out), out
+        checks = {c["name"]: c for c in orjson.loads(report.read_bytes())["checks"]}
+        assert list(checks) == ["chain", "decision", "projection", "checkpoint", "tuner"]
+        assert not checks["chain"]["ok"] and all(c["skipped"] for c in list(checks.values())[1:]), checks
+        assert all("the log cannot be read" in c["detail"] for c in list(checks.values())[1:]), checks
+        export = tmp_path / f"{run.name}.jsonl"
+        for argv in (["log", "export", str(run), "--out", str(export)],
+                     ["report", str(run), "--verify", "--out", str(tmp_path / f"{run.name}-report")]):
+            assert main(argv) == 2, argv
+            err = " ".join(capsys.readouterr().err.split())
+            assert re.search(damage, err) and "Traceback" not in err, (argv, err)
+        assert not export.exists() and not (tmp_path / f"{run.name}-report").exists()
+    result = verify_all(open_source(damaged))  # the damage met by the audit's own passes (``report --verify``)
+    assert not result.ok and result.first_failure is not None and result.first_failure.check == "chain"
+    assert [c["name"] for c in result.checks if not c["skipped"]] == ["chain"], result.checks
+    assert main(["replay", "verify", str(tmp_path / "missing"), "--quiet"]) == 2
+    assert main(["replay", "verify", str(tmp_path), "--quiet"]) == 2  # not a run directory
+    assert "is not a run directory" in capsys.readouterr().err
