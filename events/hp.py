@@ -141,10 +141,23 @@ Number = Annotated[int | float, BeforeValidator(_number)]
 PositiveNumber = Annotated[int | float, BeforeValidator(_number), AfterValidator(_positive)]
 """A finite float or a 64-bit int; ints stay ints (batch sizes); bools and strings are rejected."""
 
-Period = Annotated[StrictInt, AfterValidator(_at_least_one)]
+def _plain_int(value: Any) -> Any:
+    """An integral number other than a bool (numpy's integers too) as the plain ``int`` it is,
+    so that it is stored and written to JSON exactly as that int (same canonical JSON, same
+    trial ids); anything else as it is, for the strict int check to refuse (a float, even
+    ``5.0``; a bool; a string)."""
+    if isinstance(value, Integral) and not isinstance(value, bool):
+        return index(value)
+    return value
+
+
+Int = Annotated[StrictInt, BeforeValidator(_plain_int)]
+"""An int (any :class:`numbers.Integral` but a bool, stored as ``int``)."""
+
+Period = Annotated[Int, AfterValidator(_at_least_one)]
 """A length in steps, >= 1."""
 
-Steps = Annotated[tuple[StrictInt, ...], AfterValidator(_increasing_positive)]
+Steps = Annotated[tuple[Int, ...], AfterValidator(_increasing_positive)]
 """Strictly increasing steps, each >= 1 (milestones, boundaries)."""
 
 PieceKey = tuple[Any, ...]

@@ -310,6 +310,41 @@ def test_as_hp() -> None:
             as_hp(bad)  # type: ignore[arg-type]
 
 
+def test_numpy_integers_are_accepted_as_the_ints_they_are_and_floats_still_refused() -> None:
+    """Milestones built with numpy (``np.array([5, 8])``, ``[np.int64(5)]``) were refused
+    ("Input should be a valid integer"), and so were numpy step counts and boundaries. Any
+    integral number but a bool is taken and stored as a plain int: the same function, the same
+    canonical JSON (so the same trial id), the same JSON types; 5.0 and True are refused as
+    before."""
+    pairs = [
+        (MultiStep(0.1, np.array([5, 8]), 0.1), MultiStep(0.1, [5, 8], 0.1)),
+        (MultiStep(32, [np.int64(5), np.uint16(9)], 2), MultiStep(32, [5, 9], 2)),
+        (Warmup(0.0, np.int32(10), Constant(0.1)), Warmup(0.0, 10, Constant(0.1))),
+        (Cosine(0.1, 0.0, np.int64(20), 2), Cosine(0.1, 0.0, 20, 2)),
+        (CyclicLR(0.01, 0.1, np.int8(5), np.uint8(7)), CyclicLR(0.01, 0.1, 5, 7)),
+        (PowerRamp(0.1, 0.0, np.int64(10), 0.5), PowerRamp(0.1, 0.0, 10, 0.5)),
+        (Piecewise([Constant(0.1), Constant(0.01)], np.array([50])), Piecewise([Constant(0.1), Constant(0.01)], [50])),
+        (hp_from_json({"kind": "MultiStep", "init": 0.1, "milestones": [np.int64(5)], "gamma": 0.1}),
+         MultiStep(0.1, [5], 0.1)),
+    ]
+    for numpy_built, plain in pairs:
+        assert numpy_built == plain and canonical_json({"lr": numpy_built}) == canonical_json({"lr": plain})
+        assert hp_to_json(numpy_built) == hp_to_json(plain)
+        assert all(type(v) is type(w) for v, w in zip(numpy_built.model_dump().values(), plain.model_dump().values()))
+        assert numpy_built.pieces(200) == plain.pieces(200)
+    assert type(MultiStep(0.1, np.array([5, 8]), 0.1).milestones[0]) is int
+    for bad, field in [(lambda: MultiStep(0.1, [5.0], 0.1), "milestones.0"),
+                       (lambda: MultiStep(0.1, [np.float64(5.0)], 0.1), "milestones.0"),
+                       (lambda: MultiStep(0.1, [True, 8], 0.1), "milestones.0"),
+                       (lambda: MultiStep(0.1, [np.bool_(True)], 0.1), "milestones.0"),
+                       (lambda: Warmup(0.0, 10.0, Constant(0.1)), "period"),
+                       (lambda: Piecewise([Constant(0.1), Constant(0.01)], [50.0]), "boundaries.0")]:
+        with pytest.raises(ValueError, match=f"`{field}`: Input should be a valid integer"):
+            bad()
+    with pytest.raises(ValueError, match=r"`milestones` is \[8, 5\], but must be strictly increasing"):
+        MultiStep(0.1, np.array([8, 5]), 0.1)
+
+
 # --------------------------------------------------------------------------- validation
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.hp import Constant, Cosine, Exponential, Linear, MultiStep, Piecewise, config_values
+from events.hp import Constant, Cosine, Exponential, Linear, MultiStep, Piecewise, Warmup, config_values
 from events.models import StageDispatched, TrialCancelled
 from projections.state import Checkpoint, Node, Plan
 from scheduler.critical_path import critical_path
@@ -113,6 +114,20 @@ def test_fig3_to_5_trials_share_a1_and_a3_and_train_no_step_twice() -> None:
     assert (root.node_id, 0, 100) in ranges and (root.node_id, 100, 150) in ranges
     assert sim.state.stats.executed_steps == 300 + 200 + 100 + 100 + 150  # = unique steps
     assert sum(counts.values()) == 850
+
+
+def test_a_trial_written_with_numpy_ints_shares_its_steps_with_one_written_with_ints() -> None:
+    """Milestones and a warm-up length written as numpy integers are the ints they are: the
+    trial's prefix is the plain-int trial's, trained once for both."""
+    numpy_built = {"lr": MultiStep(0.1, np.array([20]), 0.1), "wd": Warmup(0.0, np.int64(10), Constant(1e-4))}
+    plain = {"lr": MultiStep(0.1, [20, 30], 0.1), "wd": Warmup(0.0, 10, Constant(1e-4))}
+    sim = Simulation(workers=2)
+    sim.submit("numpy", numpy_built, 40)
+    sim.submit("plain", plain, 40)
+    sim.run()
+    assert all(t.status == "done" for t in sim.state.trials.values())
+    assert max(_trained_steps(sim).values()) == 1
+    assert sim.state.stats.executed_steps == 30 + 10 + 10  # [0, 30) once, then each trial's last 10 steps
 
 
 def test_trial_added_while_prefix_runs_is_not_retrained() -> None:
