@@ -22,7 +22,15 @@ from events import topics
 from events.codec import InvalidEvent, decode
 from events.hp import config_to_json
 from events.log import EventLog
-from events.models import COORDINATOR_RESTARTED, Event, StageFinished, StudyFinished, StudyStarted, WorkerLost
+from events.models import (
+    COORDINATOR_RESTARTED,
+    Event,
+    StageFinished,
+    StageStopped,
+    StudyFinished,
+    StudyStarted,
+    WorkerLost,
+)
 from projections.queries import study_needs
 from projections.search_plan import merged_unique_steps
 from projections.state import State, Trial
@@ -171,21 +179,36 @@ def sharing_steps(state: State, events: Iterable[Event], study_id: str) -> tuple
     ``to_step - from_step`` of the StageFinished events on the study's plans after it (retrained
     steps count again). Without a StudyStarted of the study, nothing is earlier: (0, all).
     """
+    earlier, since, _ = _since_start(state, events, study_id)
+    return earlier, since
+
+
+def _since_start(state: State, events: Iterable[Event], study_id: str) -> tuple[int, int, float]:
+    """:func:`sharing_steps` and, in the same pass over ``events``, the worker-seconds held by
+    stages on the study's plans while it ran (seconds): the ``seconds`` of their StageFinished
+    and StageStopped events from a StudyStarted of the study to its next StudyFinished (a
+    resumed study: each of its runs). Without a StudyStarted of the study: all of them."""
     keys = {t.plan_key for t in state.trials.values() if t.study_id == study_id}
     trained: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
-    started, since = False, 0
+    started, running, since, held, every = False, False, 0, 0.0, 0.0
     for event in events:
         if isinstance(event, StudyStarted) and event.study_id == study_id:
-            started = True
-        elif isinstance(event, StageFinished) and event.plan_key in keys:
+            started = running = True
+        elif isinstance(event, StudyFinished) and event.study_id == study_id:
+            running = False
+        elif isinstance(event, (StageFinished, StageStopped)) and event.plan_key in keys:
+            every += event.seconds
+            held += event.seconds if running else 0.0
+            if not isinstance(event, StageFinished):
+                continue
             if started:
                 since += event.to_step - event.from_step
             else:
                 trained[(event.plan_key, event.node_id)].append((event.from_step, event.to_step))
     if not started:
-        return 0, sum(b - a for ranges in trained.values() for a, b in ranges)  # all of it is "since"
+        return 0, sum(b - a for ranges in trained.values() for a, b in ranges), every  # all of it is "since"
     earlier = sum(_covered(trained.get(key, []), lo, hi) for key, (lo, hi) in study_needs(state, study_id).items())
-    return earlier, since
+    return earlier, since, held
 
 
 def _bases(state: State, study_id: str) -> set[str]:
@@ -206,12 +229,16 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
     ``executed_steps`` counts the steps workers actually trained in finished stages;
     ``merge_rate`` = total / unique (Hippo §6.2); ``worker_seconds`` sums the time each worker
     was held by a stage (the papers' GPU-hours, in seconds); ``idle_worker_seconds`` =
-    max(0, workers x end_to_end_seconds - worker_seconds) is the worker time no stage held
-    while the study ran: waiting for a dispatch, a tail with fewer ready stages than workers,
-    and, with a causal-order tuner (``causal=True``), the time finished results waited for
-    causally earlier ones (NASPipe's bubble). Executed steps and worker-seconds
-    count the study's own plans, so studies on other plans of the same log do not mix in; but a
-    plan shared with other studies (Hippo §7) counts every study's steps and seconds on it.
+    max(0, workers x end_to_end_seconds - the worker-seconds stages held on the study's plans
+    while it ran) is the worker time no stage held while the study ran: waiting for a dispatch,
+    a tail with fewer ready stages than workers, and, with a causal-order tuner
+    (``causal=True``), the time finished results waited for causally earlier ones (NASPipe's
+    bubble). Executed steps and worker-seconds count the study's own plans, so studies on other
+    plans of the same log do not mix in; but a plan shared with other studies (Hippo §7) counts
+    every study's steps and seconds on it. Idle worker-seconds do not: they subtract only the
+    seconds held from the study's StudyStarted to its StudyFinished (those of studies running
+    beside it included, not an earlier or later study's), which need the plan stream
+    ``events``; without it, the plans' worker-seconds.
 
     Checkpoints (of the whole run directory or deployment, every study's): ``checkpoint_bytes``
     the bytes of the checkpoint objects kept at the end, ``peak_checkpoint_bytes`` the most ever
@@ -233,7 +260,8 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
     unique = merged_unique_steps([(t.hp, t.steps) for t in trials]) if trials else 0
     sharing = studies_sharing_plan(state, study_id)
     worker_seconds = sum(p.worker_seconds for p in plans)
-    earlier, since = sharing_steps(state, events, study_id) if events is not None else (None, None)
+    earlier, since, held = (_since_start(state, events, study_id) if events is not None
+                            else (None, None, worker_seconds))
     return {
         "name": study.get("name", study_id),
         "mode": mode,
@@ -257,7 +285,7 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
         "merge_rate": total / unique if unique else None,
         "worker_seconds": worker_seconds,
         "end_to_end_seconds": end_to_end_seconds,
-        "idle_worker_seconds": max(0.0, workers * end_to_end_seconds - worker_seconds),
+        "idle_worker_seconds": max(0.0, workers * end_to_end_seconds - held),
         "checkpoint_bytes": state.stats.checkpoint_bytes,
         "peak_checkpoint_bytes": state.stats.peak_checkpoint_bytes,
         "checkpoints_evicted": state.stats.evictions,

@@ -22,7 +22,7 @@ import pytest
 from events import topics
 from events.codec import decode
 from events.hp import Constant, Piecewise, config_from_json, first_divergence
-from events.log import EmbeddedLog, append_events
+from events.log import EmbeddedLog, append_events, event_key
 from events.models import (
     COORDINATOR_RESTARTED,
     StageDispatched,
@@ -113,6 +113,42 @@ def test_the_first_study_shares_with_the_later_one_but_got_nothing_from_it(two_s
     assert a["executed_steps_since_start"] == 60  # everything on the plan after its start, "b"'s too
     assert a["k_wise_merge_rate"] == pytest.approx((50 + 70) / 60)
     assert a["merge_rate"] == pytest.approx(50 / 40)
+
+
+def test_idle_worker_seconds_subtract_only_what_stages_held_while_the_study_ran(two_studies: Simulation,
+                                                                               tmp_path: Path) -> None:
+    """A later study on a shared plan subtracted the plan's worker-seconds, the earlier study's
+    included, from its own capacity (workers x its end-to-end seconds): its idle worker-seconds
+    clamped to 0 (and an earlier study's, computed from the log, lost what a later one held).
+    They subtract the seconds stages held on the study's plans from its StudyStarted to its
+    StudyFinished, in the summary and on the dashboard alike. An instant worker's step is one
+    second: "a" held 40 (root [0, 30), child [10, 20)), "b" 20 (root [30, 40), root [0, 10))."""
+    from stagetree.dashboard import LiveProjection, open_dashboard_source, study_view
+
+    sim = two_studies
+    sim.emit(StudyFinished(study_id="b", best_trial="b1", best_metric=1.0, end_to_end_seconds=15.0))
+
+    def summary(study: str, e2e: float, events: list | None = sim.events) -> dict:
+        return build_summary(sim.state, study, mode="merged", workers=2, best_trial=None, best_metric=None,
+                             end_to_end_seconds=e2e, events=events)
+
+    a, b = summary("a", 30.0), summary("b", 15.0)
+    assert a["worker_seconds"] == b["worker_seconds"] == 60.0  # the shared plan's, both studies'
+    assert a["idle_worker_seconds"] == 2 * 30.0 - 40.0  # "b"'s 20 seconds came after "a" finished
+    assert b["idle_worker_seconds"] == 2 * 15.0 - 20.0  # "a"'s 40 seconds came before "b" started
+    assert summary("b", 15.0, None)["idle_worker_seconds"] == 0.0  # without the log: the plan's seconds
+
+    with EmbeddedLog(tmp_path / "run" / "log") as log:
+        append_events(log, topics.PLAN, [(event_key(e), e) for e in sim.events])
+    source = open_dashboard_source(str(tmp_path / "run"))
+    try:
+        projection = LiveProjection()
+        projection.fold(source.poll())
+        figures = study_view(projection, "b", source.label)["figures"]
+    finally:
+        source.close()
+    assert figures["idle_worker_seconds"] == pytest.approx(b["idle_worker_seconds"]) == 10.0
+    assert figures["worker_seconds"] == pytest.approx(60.0)
 
 
 def test_a_study_alone_has_q_equal_to_p_and_no_earlier_steps() -> None:
