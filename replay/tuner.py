@@ -39,6 +39,7 @@ from events import topics
 from events.codec import InvalidEvent, decode
 from events.log import LogError, Record
 from events.models import Event, StudyFinished, StudyStarted, TrialSubmitted, TunerDecided
+from events.settings import difference
 from gpu_worker.loader import StudyFileError
 from gpu_worker.trainer import Trainer
 from projections.partitions import PartitionedFold
@@ -48,7 +49,6 @@ from replay.audit import NOT_READ, AuditError, AuditResult, Failure, Source, ope
 from stagetree.runtime import RuntimeBase, settle
 from stagetree.study import Study
 from stagetree.tuners import Tuner
-from stagetree.tuners._settings import difference
 
 NO_DECISIONS = ("not recomputed: the log holds no tuner decisions (its tuner recorded none, e.g. one that calls "
                 "submit without decide, or the log was written before decisions were events)")

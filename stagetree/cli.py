@@ -154,7 +154,7 @@ def _same_tuner(file: str, name: str, where: str, recorded: dict[str, Any] | Non
     """``tuner``'s settings (:meth:`Tuner.settings`), after refusing (exit 2) a continuation of
     study ``name`` whose earlier run ``recorded`` other ones (None: it recorded none): another
     tuner, other arguments or another space would mix two studies' decisions in one."""
-    from stagetree.tuners._settings import difference
+    from events.settings import difference
 
     settings = tuner.settings()
     why = None if recorded is None else difference(recorded, settings)

@@ -172,6 +172,9 @@ def test_mlflow_export_reads_back_exactly(merged: RunView, wsd_runs: dict[str, P
     experiment = client.get_experiment_by_name("wsd-test")
     runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
     summary = _summary(wsd_runs["merged"])
+    # the experiment keeps the log's anchor apart from the log, and the tuner the study recorded
+    assert experiment.tags["stagetree.log_anchor"] == summary["log_anchor"] == merged.anchor
+    assert experiment.tags["stagetree.tuner"].startswith('EvaluateAt(metric="val_loss", mode="min", ')
     assert set(runs) == {t["trial_id"] for t in summary["trials"]}
     for row in summary["trials"]:
         run = runs[row["trial_id"]]

@@ -499,8 +499,8 @@ def test_settings_are_json_equal_for_equal_tuners_and_name_every_argument(name: 
 
 
 def test_settings_difference_names_the_first_changed_field() -> None:
+    from events.settings import difference
     from stagetree.tuners import PBT, SuccessiveHalving
-    from stagetree.tuners._settings import difference
 
     def sha(**kw: Any) -> dict[str, Any]:
         args: dict[str, Any] = {"min_steps": 1, "max_steps": 8, "reduction": 2} | kw

@@ -35,12 +35,12 @@ def build_report(source: Path, out: Path, audit: dict[str, Any] | None = None, s
         ReportError: the source cannot be read (see :func:`load_run`).
     """
     from events.decisions import decision_from_json
+    from events.settings import describe
     from projections import queries
     from replay.report.html import CSS, _e, _figure, _swatch, audit_html, savings_html, trials_html
     from replay.report.load import load_run, study_trials
     from replay.report.pictures import best_trial_id, curve_metric, plot_curves, plot_gantt, plot_stage_tree
     from replay.report.tree import stage_tree
-    from stagetree.tuners._settings import describe
 
     data = load_run(source, study)
     out = Path(out)

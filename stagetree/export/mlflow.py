@@ -12,6 +12,9 @@ One MLflow run per trial (run name = trial id) in the experiment named after the
   its steps other trials train too (``stagetree.shared_steps``), with whom
   (``stagetree.shared_with``) and one tag per shared stage
   (``stagetree.shared.<node>.<from>-<to>`` = the other trials' ids);
+* **experiment tags**: ``stagetree.study``, ``stagetree.source``, ``stagetree.tuner`` (the
+  tuner the study recorded) and ``stagetree.log_anchor`` (the exported log's anchor, which
+  ``stagetree replay verify --anchor`` checks later; set again by each export);
 * status FINISHED (done), FAILED (failed), KILLED (cancelled) or RUNNING (pending); start and
   end times from the log's timestamps.
 
@@ -47,6 +50,19 @@ def _clip(text: str) -> str:
     return text if len(text) <= MAX_TAG else text[: MAX_TAG - 20] + " ...(clipped)"
 
 
+def experiment_tags(view: RunView) -> dict[str, str]:
+    """The tags of the study's experiment: ``stagetree.study``, ``stagetree.source``, and when
+    known ``stagetree.tuner`` (the tuner the study recorded, in one line) and
+    ``stagetree.log_anchor`` (the anchor of the exported log: kept in the tracker, apart from
+    the log, ``stagetree replay verify --anchor`` proves later that the log still holds it)."""
+    tags = {"stagetree.study": view.study_id, "stagetree.source": view.source}
+    if view.tuner is not None:
+        tags["stagetree.tuner"] = _clip(view.tuner)
+    if view.anchor is not None:
+        tags["stagetree.log_anchor"] = view.anchor
+    return tags
+
+
 def trial_tags(view: RunView, trial: TrialView) -> dict[str, str]:
     """The tags of a trial's run (see the module doc)."""
     others = sorted({t for s in trial.shared for t in s.trials})
@@ -77,8 +93,11 @@ def export_mlflow(view: RunView, tracking_uri: str | None = None, experiment: st
     client = MlflowClient(tracking_uri=tracking_uri)
     name = experiment or view.study_id
     found = client.get_experiment_by_name(name)
-    experiment_id = found.experiment_id if found is not None else client.create_experiment(
-        name, tags={"stagetree.study": view.study_id, "stagetree.source": view.source})
+    tags = experiment_tags(view)
+    experiment_id = found.experiment_id if found is not None else client.create_experiment(name, tags=tags)
+    if found is not None:  # an export again: its tags say what was exported last
+        for key, value in tags.items():
+            client.set_experiment_tag(experiment_id, key, value)
     runs, logged, replaced = {}, 0, 0
     for trial in view.trials:
         earlier = client.search_runs(

@@ -15,6 +15,7 @@ same model state, by DESIGN.md invariant 1); its final metrics are those of ``su
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from events.codec import InvalidEvent, decode
 from events.hp import config_to_json, hp_from_json
 from events.log import Record
 from events.models import MetricsReported, StudyStarted, TrialSubmitted
+from events.settings import describe
 from projections import queries
 from projections.queries import Segment
 from projections.state import State, Trial
@@ -86,6 +88,12 @@ class RunView:
     metric: str | None
     metric_mode: str | None
     trials: list[TrialView]
+    tuner: str | None = None
+    """The tuner the study recorded, in one line (:func:`events.settings.describe`);
+    None when its StudyStarted recorded no settings."""
+    anchor: str | None = None
+    """The anchor of the source's plan stream when it was read (:mod:`replay.anchor`); None for
+    a deployment's topics and for a view made from a state alone."""
 
 
 class RunReadError(ValueError):
@@ -153,7 +161,9 @@ def study_view(state: State, study_id: str, *, source: str = "", times: dict[tup
         views.append(TrialView(t.trial_id, t.study_id, t.plan_key, t.status, t.steps, config_to_json(t.hp), metrics,
                                t.results.get(t.steps), path, shared_stages(state, t), dict(sorted(when.items())),
                                (submitted or {}).get(t.trial_id)))
-    return RunView(source, study_id, study.get("mode", "merged"), study.get("metric"), study.get("metric_mode"), views)
+    settings = study.get("tuner_settings")
+    return RunView(source, study_id, study.get("mode", "merged"), study.get("metric"), study.get("metric_mode"), views,
+                   describe(settings) if settings else None)
 
 
 def flat_hp(hp: dict[str, Any]) -> dict[str, str | int | float]:
@@ -187,6 +197,7 @@ def read_run(source: str | Path, study: str | None = None) -> RunView:
     Raises:
         RunReadError: the source cannot be read, or names no such study.
     """
+    from replay.anchor import source_anchor
     from replay.audit import AuditError, fold, open_source
 
     try:
@@ -219,4 +230,6 @@ def read_run(source: str | Path, study: str | None = None) -> RunView:
         study = study or last_started(started)
     if study is None:
         raise RunReadError(f"{str(source)!r} holds no study")
-    return study_view(state, study, source=str(source), times=times, submitted=submitted)
+    anchor = source_anchor(opened)
+    view = study_view(state, study, source=str(source), times=times, submitted=submitted)
+    return dataclasses.replace(view, anchor=None if anchor is None else str(anchor))

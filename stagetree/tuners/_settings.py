@@ -5,7 +5,8 @@ and the version of its decision rules (:attr:`Tuner.rules`), its arguments (redu
 rungs, population, ...) and its search space. The settings are recorded when a run starts so
 that a ``--resume`` with another tuner or space in the study file is refused instead of mixing
 two studies in one, and ``replay verify --study`` names a study file that differs from the one
-the run used instead of reporting the first decision that then differs.
+the run used instead of reporting the first decision that then differs. Reading them back
+(comparing, describing) is :mod:`events.settings`.
 """
 
 from __future__ import annotations
@@ -109,45 +110,3 @@ def tuner_settings(tuner: Tuner) -> dict[str, Any]:
             out[name] = jsonable(getattr(tuner, name))
     out["space"] = space_settings(tuner.space)
     return out
-
-
-def difference(recorded: Any, current: Any, path: str = "") -> str | None:
-    """Where two settings (:func:`tuner_settings`) first differ, in sorted key order, as
-    "`path`: A in the log, B now" (values quoted up to 80 characters); None when equal."""
-    if isinstance(recorded, dict) and isinstance(current, dict):
-        for key in sorted(set(recorded) | set(current)):
-            where = f"{path}.{key}" if path else key
-            if key not in recorded or key not in current:
-                return (f"`{where}`: absent in the log, {_short(current[key])} now" if key not in recorded else
-                        f"`{where}`: {_short(recorded[key])} in the log, absent now")
-            found = difference(recorded[key], current[key], where)
-            if found is not None:
-                return found
-        return None
-    if isinstance(recorded, list) and isinstance(current, list) and len(recorded) == len(current):
-        for i, (a, b) in enumerate(zip(recorded, current, strict=True)):
-            found = difference(a, b, f"{path}[{i}]")
-            if found is not None:
-                return found
-        return None
-    if type(recorded) is type(current) and recorded == current:
-        return None
-    return f"`{path}`: {_short(recorded)} in the log, {_short(current)} now"
-
-
-def _short(value: Any) -> str:
-    text = orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
-    return text if len(text) <= 80 else f"{text[:77]}..."
-
-
-def describe(settings: Mapping[str, Any]) -> str:
-    """Settings (:func:`tuner_settings`) in one line for people, e.g.
-    ``SuccessiveHalving(max_steps=160, metric="val_acc", ...) on GridSearchSpace(configurations=16),
-    rules 1`` (each value as JSON, cut to 80 characters; a space's sha256 left out)."""
-    def args(items: Mapping[str, Any], leave: set[str]) -> str:
-        return ", ".join(f"{k}={_short(v)}" for k, v in sorted(items.items()) if k not in leave)
-
-    space = settings.get("space")
-    space = space if isinstance(space, Mapping) else {}
-    return (f"{settings.get('tuner', '?')}({args(settings, {'tuner', 'rules', 'space'})}) on "
-            f"{space.get('space', '?')}({args(space, {'space', 'sha256'})}), rules {settings.get('rules', '?')}")
