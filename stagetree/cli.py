@@ -160,7 +160,8 @@ def _same_tuner(file: str, name: str, where: str, recorded: dict[str, Any] | Non
     why = None if recorded is None else difference(recorded, settings)
     if why is not None:
         raise UsageError(f"study file {file!r}: study {name!r} in {where} ran with other tuner settings ({why}): "
-                         "that is another study; give it another `name`, or restore the file")
+                         "that is another study; restore the file, or give it another `name` (run beside the first, "
+                         "without --resume, it shares the plan: steps already trained are not trained again)")
     return settings
 
 

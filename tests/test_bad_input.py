@@ -578,6 +578,10 @@ def test_cli_resume_with_other_tuner_settings_is_refused(tmp_path: Path, edit: t
     assert proc.returncode == 2 and "ran with other tuner settings" in err and named in err, err
     with EmbeddedLog(out / "log", read_only=True) as log:
         assert log.end_offset(topics.PLAN) == before
+    if edit[0] == '"lr": [0.1]':  # as the message says: under another name, beside the first, on its plan
+        write(path, VALID.replace(*edit).replace('name = "tiny"', 'name = "tiny-more"'))
+        proc = run_cli(path, out)
+        assert proc.returncode == 0 and "steps answered from earlier studies" in proc.stdout, proc.stdout
     write(path, VALID)
     proc = run_cli(path, out, "--resume")
     assert proc.returncode == 0 and "nothing to resume" in proc.stdout, proc.stdout + proc.stderr
