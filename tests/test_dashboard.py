@@ -502,6 +502,9 @@ def test_views_equal_the_summary_and_verify_passes(live: dict[str, Any]) -> None
     assert [c["name"] for c in audit["checks"]] == ["chain", "decision", "projection", "checkpoint", "tuner"], audit
     assert "recomputed" in audit["checks"][-1]["detail"], audit
     assert "stored projection" in audit["scope"]
+    # the anchor of what was verified (the run's own: its projection holds the whole log) and the tuner
+    assert audit["anchor"] == summary["log_anchor"], audit
+    assert view["study"]["tuner"].startswith("GridWithCurves(") and view["study"]["tuner"].endswith(", rules 1")
 
 
 def test_decisions_read_from_the_log_equal_the_tuners_own(tmp_path: Path) -> None:

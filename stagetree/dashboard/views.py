@@ -20,6 +20,7 @@ from typing import Any
 
 from events.log import Record, is_broadcast
 from events.models import Event, StudyStarted, TrialSubmitted
+from events.settings import describe
 from projections.partitions import merge
 from projections.queries import promotion, study_decisions, trial_path
 from projections.state import State, Trial
@@ -241,7 +242,8 @@ def study_view(live: LiveProjection, study_id: str, source: Path | str = "", now
     return {
         "study": {"id": study_id, "name": record.get("name", study_id), "mode": record.get("mode"),
                   "workers": record.get("workers"), "metric": metric, "metric_mode": mode,
-                  "finished": bool(record.get("finished")), "simulated": data.simulated},
+                  "finished": bool(record.get("finished")), "simulated": data.simulated,
+                  "tuner": describe(record["tuner_settings"]) if record.get("tuner_settings") else None},
         "figures": _figures(data, trials, stages, metric, best),
         "trials": table,
         "tree": [{"row": s.row, "plan": s.plan_key, "node": s.node_id, "from": s.from_step, "to": s.to_step,

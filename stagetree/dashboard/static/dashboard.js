@@ -101,6 +101,7 @@
       return;
     }
     $('study-name').textContent = view.study.name;
+    $('study-name').title = view.study.tuner ? 'tuner: ' + view.study.tuner : '';
     document.title = 'stagetree · ' + view.study.name;
     if (ui.selected && !view.trials.some((t) => t.id === ui.selected)) ui.selected = null;
     renderFigures(view);
@@ -176,7 +177,10 @@
     checks.replaceChildren(
       ...(audit.checks || []).map((c) => el('li', {
         text: (c.skipped ? 'skipped ' : c.ok ? 'ok ' : 'FAILED ') + c.name + ': ' + c.detail})),
-      ...(audit.scope ? [el('li', {text: 'scope: ' + audit.scope})] : []));
+      ...(audit.scope ? [el('li', {text: 'scope: ' + audit.scope})] : []),
+      ...(audit.ok && audit.anchor ? [el('li', {text: 'anchor: ' + audit.anchor +
+        ' (keep it apart from the log: `stagetree replay verify --anchor` proves later that the log still holds it)'})]
+        : []));
   }
 
   // ---------------------------------------------------------------- the trial table
