@@ -40,6 +40,14 @@ class StorageError(CheckpointError):
     Workers retry it and then hand their path back; it never fails a trial (issue 11 item 16)."""
 
 
+STORAGE_ATTEMPTS = 3
+"""Tries of a store request that raises :class:`StorageError` before a worker gives up on it: a
+stage's checkpoint read or write (:class:`~gpu_worker.executor.StageExecutor`), and the check of
+its store before it joins (``stagetree worker``)."""
+STORAGE_BACKOFF_S = 1.0
+"""Seconds before the second of those tries, doubled for each further one (1 s, then 2 s)."""
+
+
 class CheckpointMissing(CheckpointError):
     """No object is stored under ``ref``."""
 

@@ -36,6 +36,8 @@ from events.execution import (
 )
 from events.models import Event, StageDispatched, StageSpec
 from gpu_worker.checkpoint import (
+    STORAGE_ATTEMPTS,
+    STORAGE_BACKOFF_S,
     CheckpointCorrupt,
     CheckpointMissing,
     CheckpointStore,
@@ -244,7 +246,7 @@ class PathExecutor:
 
     def __init__(self, trainer: Trainer, worker_id: str, store: CheckpointStore, device: torch.device,
                  *, clock: Callable[[], float] = time.perf_counter, wall: Callable[[], float] = time.time,
-                 storage_attempts: int = 3, storage_backoff_s: float = 1.0,
+                 storage_attempts: int = STORAGE_ATTEMPTS, storage_backoff_s: float = STORAGE_BACKOFF_S,
                  sleep: Callable[[float], None] = time.sleep, write_backlog_bytes: int = 1 << 30) -> None:
         if isinstance(storage_attempts, bool) or not isinstance(storage_attempts, int) or storage_attempts < 1:
             raise ValueError(f"`storage_attempts` is {storage_attempts!r}, but must be an int >= 1")
