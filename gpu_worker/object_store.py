@@ -98,6 +98,10 @@ path's checkpoints are stored, plus single requests (an ``exists``, a ``put``) f
 threads. A connection beyond the pool is closed once its request ends (the minio client's own
 pool keeps 10: the next request then opens a new TCP, and over HTTPS TLS, connection, and
 urllib3 warns "Connection pool is full")."""
+PROBE_TIMEOUT_S = 10.0
+"""Seconds each request of :meth:`S3CheckpointStore.probe` may take to connect, and then to be
+answered: a worker's check of its store ends in bounded time (the store's own requests wait up
+to 5 minutes, and are tried 6 times)."""
 _MIN_PART_BYTES = 5 * 1024**2  # the minio client's smallest part size (an object up to it is one PUT)
 _CHECKSUM_HEADER = "x-amz-checksum-sha256"  # S3's full-object sha256: base64 of the digest
 
@@ -491,6 +495,44 @@ class S3CheckpointStore:
         self._bucket_ready = False
         self._ensure_bucket()
 
+    def probe(self, *, write: bool = True, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+        """Show that the store can be used, in bounded time: a HEAD of the bucket (as
+        :meth:`check_bucket`), with ``write`` a PUT of the empty checkpoint (the object of
+        ``sha256(b"")``, content-addressed as any other: writing it again changes nothing), and a
+        HEAD of an object (that one, else one no checkpoint is). Each request is sent once, on a
+        connection of its own (not the store's pool), and fails after ``timeout_s`` seconds to
+        connect or to be answered: at most 3 requests, so about ``3 * 2 * timeout_s`` seconds in
+        all. The caller retries what may pass later (``stagetree worker`` and ``serve`` check
+        their store with it before they join the cluster).
+
+        Raises:
+            CheckpointStoreError: code ``NoSuchBucket`` when the bucket does not exist, a
+                credential code (:data:`CREDENTIAL_CODES`) when a request is refused (a PUT too:
+                credentials that may read but not write), another code when the endpoint cannot
+                be reached or does not answer in time (the transport error's name, e.g.
+                ``NewConnectionError``, ``ConnectTimeoutError``, ``ReadTimeoutError``) or
+                answers with an error of its own (a 5xx reply's S3 code).
+            ValueError: ``timeout_s`` is not a positive number of seconds.
+        """
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
+            raise ValueError(f"timeout_s is {timeout_s!r}, but must be a positive number of seconds")
+        access_key, secret_key = self._secrets
+        pool = _http_client(timeout_s, retry=False)
+        once = S3CheckpointStore(self.endpoint, self.bucket, self.prefix, access_key=access_key,
+                                 secret_key=secret_key, secure=self.secure, region=self.region, http_client=pool)
+        try:
+            once.check_bucket()
+            ref = sha256_hex(b"") if write else "0" * 64
+            if write:
+                key = once.key(ref)
+                with once._translate("put", key):
+                    once._client.put_object(self.bucket, key, io.BytesIO(b""), 0,
+                                            content_type="application/octet-stream",
+                                            metadata={"stagetree-sha256": ref})
+            once.exists(ref)
+        finally:
+            pool.clear()
+
     def _ensure_bucket(self) -> None:
         if self._bucket_ready:
             return
@@ -588,17 +630,18 @@ def _required(env: Mapping[str, str], name: str, what: str, url: str) -> str:
     return value
 
 
-def _http_client() -> urllib3.PoolManager:
+def _http_client(timeout_s: float = 300.0, *, retry: bool = True) -> urllib3.PoolManager:
     """The minio client's default HTTP pool (minio 7.2: 5 minute timeouts, 5 retries with
     backoff on 5xx replies, certificates checked against ``$SSL_CERT_FILE`` or certifi's), keeping
-    :data:`POOL_CONNECTIONS` connections per endpoint instead of 10."""
-    timeout = 300
+    :data:`POOL_CONNECTIONS` connections per endpoint instead of 10; ``timeout_s`` seconds to
+    connect and to read instead, and without ``retry`` no request tried again (a refused
+    connection or a 5xx reply fails it at once: :meth:`S3CheckpointStore.probe`)."""
     return urllib3.PoolManager(
-        timeout=urllib3.Timeout(connect=timeout, read=timeout),
+        timeout=urllib3.Timeout(connect=timeout_s, read=timeout_s),
         maxsize=POOL_CONNECTIONS,
         cert_reqs="CERT_REQUIRED",
         ca_certs=os.environ.get("SSL_CERT_FILE") or certifi.where(),
-        retries=urllib3.Retry(total=5, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]),
+        retries=urllib3.Retry(total=5, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]) if retry else False,
     )
 
 

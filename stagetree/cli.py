@@ -801,6 +801,8 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
         raise UsageError("--checkpoint-budget needs --checkpoint-store (or $STAGETREE_CHECKPOINT_STORE): evicted "
                          "checkpoints are deleted there")
     store = open_checkpoint_store(args.checkpoint_store) if budget is not None else None
+    if store is not None:  # it deletes what it evicts there: no PUT asked of its credentials
+        _check_store(store, args.checkpoint_store, who="serve instance", write=False)
     instance = args.instance_id or default_instance()
     log = _kafka_log(args, f"stagetree-serve-{instance}")
     role_log = _kafka_log(args, f"stagetree-serve-{instance}-role")
@@ -850,25 +852,45 @@ def cmd_worker(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _check_store(store: Any, url: str) -> None:
-    """Authenticated requests to ``store`` before a worker joins: credentials it refuses, or an
-    S3 bucket that does not exist (a mistyped one: a store never creates it), end the worker here
-    (exit 2, naming the store), where they would fail every stage it ran, each path handed back
-    and dispatched again for ever. Any other failure (a store away for now) is left to the
-    stages, which retry it."""
-    from gpu_worker.object_store import CREDENTIAL_CODES, CheckpointStoreError, S3CheckpointStore
+def _check_store(store: Any, url: str, *, who: str = "worker", write: bool = True) -> None:
+    """Check that ``store`` (opened from ``--checkpoint-store`` ``url``) can be used, before a
+    ``who`` (a worker, a serve instance) joins the cluster and appends anything to its log: an
+    S3 store's bucket exists, takes these credentials and (``write``) a PUT, its endpoint answers
+    in time (:meth:`S3CheckpointStore.probe <gpu_worker.object_store.S3CheckpointStore.probe>`,
+    each request bounded by ``PROBE_TIMEOUT_S``); another store is asked for an object (a
+    HEAD). What may pass later (an endpoint that does not answer, a 5xx reply) is tried again
+    as a stage's checkpoint read or write is (``STORAGE_ATTEMPTS`` tries, ``STORAGE_BACKOFF_S``
+    seconds apart and doubling): a store away for a moment is waited for, a mistyped endpoint
+    ends it within a minute.
+
+    Raises:
+        UsageError: (exit 2) naming ``--checkpoint-store`` and ``url``, the endpoint
+            (``$STAGETREE_S3_ENDPOINT``) or the bucket, and why: credentials the store refuses,
+            a bucket that does not exist (a store never creates one), an endpoint still not
+            answering after the last try. Each would fail every stage the worker ran, its path
+            handed back and dispatched again for ever.
+    """
+    from gpu_worker.checkpoint import STORAGE_ATTEMPTS, STORAGE_BACKOFF_S
+    from gpu_worker.object_store import CREDENTIAL_CODES, ENV_S3_ENDPOINT, CheckpointStoreError, S3CheckpointStore
 
     remote = getattr(store, "store", store)  # the store of record behind a node cache
-    try:
-        if isinstance(remote, S3CheckpointStore):
-            remote.check_bucket()  # a HEAD of the bucket
-        store.exists("0" * 64)  # an object no checkpoint is: a HEAD
-    except CheckpointStoreError as exc:
-        if exc.code in CREDENTIAL_CODES:
-            raise UsageError(f"--checkpoint-store {url!r} refused this worker's credentials: {exc}") from None
-        if exc.code == "NoSuchBucket":
-            raise UsageError(f"--checkpoint-store {url!r}: bucket {exc.bucket!r} does not exist at {exc.endpoint} "
-                             "(a worker never creates one; check the URL, or create the bucket first)") from None
+    for attempt in range(STORAGE_ATTEMPTS):
+        try:
+            if isinstance(remote, S3CheckpointStore):
+                remote.probe(write=write)
+            else:
+                store.exists("0" * 64)  # an object no checkpoint is
+            return
+        except CheckpointStoreError as exc:
+            if exc.code in CREDENTIAL_CODES:
+                raise UsageError(f"--checkpoint-store {url!r} refused this {who}'s credentials: {exc}") from None
+            if exc.code == "NoSuchBucket":
+                raise UsageError(f"--checkpoint-store {url!r}: bucket {exc.bucket!r} does not exist at {exc.endpoint} "
+                                 f"(a {who} never creates one; check the URL, or create the bucket first)") from None
+            if attempt + 1 == STORAGE_ATTEMPTS:
+                raise UsageError(f"--checkpoint-store {url!r}: the object store at {exc.endpoint} "
+                                 f"(${ENV_S3_ENDPOINT}) cannot be used ({STORAGE_ATTEMPTS} tries): {exc}") from None
+        time.sleep(STORAGE_BACKOFF_S * 2**attempt)
 
 
 def run_embedded(args: argparse.Namespace, console: Console) -> dict[str, Any]:

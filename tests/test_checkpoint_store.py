@@ -22,6 +22,7 @@ import pickle
 import socket
 import sys
 import threading
+import time
 import traceback
 import uuid
 from collections import OrderedDict
@@ -553,6 +554,40 @@ def test_s3_put_never_creates_a_missing_bucket(minio_env: dict[str, str], minio_
         assert open_checkpoint_store(f"s3://{bucket}/ckpt", minio_env).get(ref) == b"first object"
     finally:
         remove_bucket(minio_client, bucket)
+
+
+def test_s3_probe_writes_the_empty_checkpoint_and_ends_in_bounded_time(
+    minio_env: dict[str, str], minio_store_factory: Callable[[], S3CheckpointStore]
+) -> None:
+    """``probe`` (a worker's check of its store before it joins) stores the empty checkpoint,
+    as often as it is asked to; an endpoint that refuses connections fails it at once, and one
+    that accepts them and never answers after ``timeout_s`` seconds, each request sent once
+    (the store's own requests are tried 6 times and wait 5 minutes: a worker with a mistyped
+    endpoint joined, and failed every stage later)."""
+    store = minio_store_factory()
+    empty = hashlib.sha256(b"").hexdigest()
+    assert not store.exists(empty)
+    store.probe()
+    store.probe()
+    assert store.get(empty) == b""
+    store.probe(write=False)
+    with pytest.raises(ValueError, match="timeout_s is 0"):
+        store.probe(timeout_s=0)
+    with socket.socket() as refusing, socket.socket() as silent:
+        refusing.bind(("127.0.0.1", 0))  # bound, not listening: a connection is refused
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # connections wait in the backlog, never accepted or answered
+        for sock, code, timeout_s, bound_s in ((refusing, "NewConnectionError", 10.0, 3.0),
+                                               (silent, "ReadTimeoutError", 0.5, 3.0)):
+            endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
+            away = open_checkpoint_store(store.url, {**minio_env, "STAGETREE_S3_ENDPOINT": endpoint})
+            assert isinstance(away, S3CheckpointStore)
+            started = time.monotonic()
+            with pytest.raises(CheckpointStoreError) as caught:
+                away.probe(timeout_s=timeout_s)
+            took = time.monotonic() - started
+            assert caught.value.code == code and caught.value.endpoint == endpoint, caught.value
+            assert caught.value.operation == "check bucket" and took < bound_s, (took, caught.value)
 
 
 def test_s3_wrong_credentials_raise_a_store_error_naming_bucket_and_key(

@@ -32,11 +32,11 @@ from kafka_cluster import (
     verify_deployment,
     wait_for,
 )
-from private_kafka import PrivateBroker, cluster_id
+from private_kafka import PrivateBroker, _free_port, cluster_id
 
 from events import topics
 from events.codec import decode
-from events.models import CheckpointSaved, DeadLettered, StageDispatched, StageFinished, WorkerLost
+from events.models import CheckpointSaved, DeadLettered, StageDispatched, StageFinished, WorkerJoined, WorkerLost
 from gpu_worker.kafka_worker import SIGTERM_HOOK_ENV
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
@@ -301,6 +301,40 @@ def test_a_kafka_run_whose_worker_refuses_its_input_ends_saying_why(deployment: 
     err = " ".join(proc.stderr.split())
     assert proc.returncode == 1 and needle in err, proc.stdout + proc.stderr
     assert "worker w0" in err and "exited with code 2" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(("command", "env", "needle"), [
+    ("worker", {"STAGETREE_S3_ENDPOINT": "closed"}, "the object store at {endpoint} ($STAGETREE_S3_ENDPOINT) "
+     "cannot be used (3 tries): check bucket s3://stagetree at {endpoint} failed: NewConnectionError"),
+    ("worker", {"STAGETREE_CHECKPOINT_STORE": "s3://stagetree-no-such-bucket/x"},
+     "bucket 'stagetree-no-such-bucket' does not exist at {endpoint}"),
+    ("worker", {"STAGETREE_S3_SECRET_KEY": "not-the-secret"}, "refused this worker's credentials"),
+    ("serve", {"STAGETREE_S3_ENDPOINT": "closed", "STAGETREE_CHECKPOINT_BUDGET": "1GB"},
+     "the object store at {endpoint} ($STAGETREE_S3_ENDPOINT) cannot be used (3 tries)"),
+], ids=["worker-endpoint-closed", "worker-missing-bucket", "worker-wrong-credentials", "serve-endpoint-closed"])
+def test_a_process_whose_checkpoint_store_cannot_be_used_exits_2_before_it_joins(
+        deployment: dict[str, str], tmp_path: Path, command: str, env: dict[str, str], needle: str) -> None:
+    """``stagetree worker`` (and ``serve`` with a checkpoint budget, which deletes there) whose
+    object store cannot be used (an endpoint nothing listens on, a bucket that does not exist,
+    credentials it refuses) exits 2 within seconds, before it joins: one line naming
+    ``--checkpoint-store``, the endpoint or bucket and why, and no WorkerJoined in the log. A
+    worker with a mistyped endpoint joined, took paths and failed each one's checkpoint."""
+    env = {**deployment, **env}
+    if env["STAGETREE_S3_ENDPOINT"] == "closed":
+        env["STAGETREE_S3_ENDPOINT"] = f"127.0.0.1:{_free_port()}"
+    needle = needle.format(endpoint=env["STAGETREE_S3_ENDPOINT"])
+    servers = ["--bootstrap-servers", env["STAGETREE_BOOTSTRAP_SERVERS"]]
+    argv = ["worker", *servers, "--worker-id", "w0", "--study", str(STUDY), "--device", "cpu"] if command == "worker" \
+        else ["serve", *servers, "--state-dir", str(tmp_path / "serve"), "--instance-id", "A"]
+    started = time.monotonic()
+    proc = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=300, env=env)
+    took = time.monotonic() - started
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and needle in err and "Traceback" not in err, proc.stdout + proc.stderr
+    assert f"--checkpoint-store '{env['STAGETREE_CHECKPOINT_STORE']}'" in err and len(proc.stderr.splitlines()) == 1
+    assert env["STAGETREE_S3_SECRET_KEY"] not in err
+    assert took < 120, took  # bounded: tries of a few seconds, not the store's 5 minute timeouts
+    assert not [e for e in kafka_state(deployment)[1] if isinstance(e, WorkerJoined)]
 
 
 def test_a_kafka_run_starts_a_worker_that_died_again_and_finishes(deployment: dict[str, str],
