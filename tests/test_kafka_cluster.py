@@ -326,14 +326,12 @@ def test_a_process_whose_checkpoint_store_cannot_be_used_exits_2_before_it_joins
     servers = ["--bootstrap-servers", env["STAGETREE_BOOTSTRAP_SERVERS"]]
     argv = ["worker", *servers, "--worker-id", "w0", "--study", str(STUDY), "--device", "cpu"] if command == "worker" \
         else ["serve", *servers, "--state-dir", str(tmp_path / "serve"), "--instance-id", "A"]
-    started = time.monotonic()
-    proc = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=300, env=env)
-    took = time.monotonic() - started
+    # (it waited for ever: a timeout the store's 5 minute requests exceed, not a timing)
+    proc = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=180, env=env)
     err = " ".join(proc.stderr.split())
     assert proc.returncode == 2 and needle in err and "Traceback" not in err, proc.stdout + proc.stderr
     assert f"--checkpoint-store '{env['STAGETREE_CHECKPOINT_STORE']}'" in err and len(proc.stderr.splitlines()) == 1
     assert env["STAGETREE_S3_SECRET_KEY"] not in err
-    assert took < 120, took  # bounded: tries of a few seconds, not the store's 5 minute timeouts
     assert not [e for e in kafka_state(deployment)[1] if isinstance(e, WorkerJoined)]
 
 
