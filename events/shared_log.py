@@ -94,6 +94,7 @@ class _Owner:
 
     def __init__(self, path: Path, secret: bytes | None, lock_fd: int, address: str | bytes) -> None:
         self.pid = os.getpid()
+        self.path = path.resolve()
         self.lock_fd = lock_fd
         self.address = address
         self.log = EmbeddedLog(path, secret=secret)  # LogLocked: held by a foreign process
@@ -220,6 +221,15 @@ class _Owner:
 
 
 _OWNERS: weakref.WeakSet[_Owner] = weakref.WeakSet()
+
+
+def owned_here(path: str | Path) -> bool:
+    """Whether this process owns the embedded log at ``path`` (a :class:`SharedEmbeddedLog`
+    opened here holds it: e.g. an Optuna journal storage a study file built on import). Such a
+    log cannot be opened again in this process, nor tested with :func:`events.log.held_elsewhere`
+    (which would drop this process's own locks on it)."""
+    where = Path(path).resolve()
+    return any(o.pid == os.getpid() and not o.closed and o.path == where for o in list(_OWNERS))
 
 
 _HANDLES: weakref.WeakSet[SharedEmbeddedLog] = weakref.WeakSet()

@@ -247,6 +247,7 @@ def replay_run(records: Sequence[Record], run: Run, tuner: Tuner, trainer: Train
                                 "(another trainer, version or seed): its decisions cannot be recomputed with it")
         return check
     study.replaying = True
+    study.writes_tuner_state = False
     study.release_script = deque((r.trial_id, r.steps) for _, e in run.decisions for r in e.released)
     recorded = run.decisions
 

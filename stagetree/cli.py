@@ -123,6 +123,14 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
     settings = _same_tuner(args.file, name, "the log", prior and prior.get("tuner_settings"), tuner)
     before = elapsed_before(log, name) if prior is not None else 0.0
     study = Study(runtime, name, trainer, seed, merge=mode == "merged", metric=tuner.metric)
+    if prior is not None:  # its tuner decides again from the start, as replay verify does: in memory
+        study.writes_tuner_state = False
+        if getattr(tuner.space, "storage", None) is not None:
+            from rich.console import Console
+
+            Console(stderr=True).print(
+                f"[yellow]note:[/yellow] study {name!r} continues: its Optuna study is kept in memory for this run; "
+                "the one in `storage` keeps the trials of the run that started it")
     runtime.append([StudyStarted(producer="cli", study_id=name, name=name, plan_key=study.plan_key, mode=mode,
                                  workers=args.workers, seed=seed, trainer=f"{trainer.name}@{trainer.version}",
                                  metric=tuner.metric, metric_mode=tuner.mode,
@@ -274,6 +282,7 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
 
     from events.keys import secret_from
     from events.log import EmbeddedLog, held_elsewhere
+    from events.shared_log import owned_here
     from replay.anchor import log_anchor
     from stagetree.embedded import EmbeddedCoordinator
 
@@ -282,6 +291,10 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
     out = _out_dir(args.out, name)
     _check_out(out)
     _check_device(args.device)
+    if owned_here(out / "log"):  # before held_elsewhere, which would drop this process's own locks on it
+        raise UsageError(f"study file {args.file!r} opens the log of --out {str(out)!r} itself (an Optuna journal "
+                         "storage on the run directory?): a run and a study file cannot both own it; keep the "
+                         "Optuna journal in another directory")
     has_log = (out / "log" / "CURRENT").is_file()
     if has_log and held_elsewhere(out / "log"):  # a run still starting holds no study yet
         raise UsageError(f"--out {str(out)!r}: the log is open in another process (a run of this directory is "

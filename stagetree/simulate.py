@@ -311,6 +311,8 @@ async def _simulate(trainer: Trainer, studies: list[SimStudy], workers: int, mer
                                splits=splits)
     try:
         sdk = [Study(cluster, s.name, trainer, s.seed, merge=merge, metric=s.tuner.metric) for s in studies]
+        for study in sdk:  # made-up results: nothing of them in a user's storage, the same draws in both modes
+            study.writes_tuner_state = False
         cluster.append([
             StudyStarted(producer="simulator", study_id=s.name, name=s.name, plan_key=study.plan_key, mode=mode,
                          workers=workers, seed=s.seed, trainer=f"{trainer.name}@{trainer.version}",

@@ -120,6 +120,13 @@ class Study:
         self.replaying = False
         """True in a replay of the log (``replay verify``): the tuner writes nothing outside it
         (an Optuna searcher keeps its Optuna study in memory)."""
+        self.writes_tuner_state = True
+        """Whether the tuner may keep state of its own outside the log (an Optuna searcher's
+        study in the user's Optuna ``storage``). False in a replay of the log, in the simulator
+        (whose results are made up, and whose two modes must see the same draws), and in a run
+        that continues a study the log holds (``--resume``: its tuner decides again from the
+        start, and a storage holding the earlier run's trials would make it decide otherwise):
+        the state is then kept in memory."""
         self.release_script: deque[tuple[str, int]] | None = None
         """Set by a replay of the log (``replay verify``): the order results were released in to
         the live tuner, which an arrival-order :class:`~stagetree.tuners.ResultInbox` follows

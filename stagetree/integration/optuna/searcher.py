@@ -37,6 +37,7 @@ Needs ``pip install 'stagetree[optuna]'``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from events.decisions import Continue, Decision, Pruned, Stop
@@ -65,6 +66,32 @@ space smaller than ``n``): a sampler proposing a configuration already asked is 
 (user attribute ``duplicate_of``) and asked again."""
 
 
+def check_storage(storage: Any) -> None:
+    """Check an Optuna ``storage`` argument without opening it (a study file is imported by
+    every worker too): None, a ``BaseStorage``, or a database URL SQLAlchemy can parse, whose
+    SQLite file, if any, is in a directory that exists.
+
+    Raises:
+        ValueError: anything else, naming ``storage`` and the value.
+    """
+    if storage is None or isinstance(storage, BaseStorage):
+        return
+    if not isinstance(storage, str):
+        raise ValueError(f"`storage` is {storage!r}, but must be a database URL, an Optuna BaseStorage or None")
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        url = make_url(storage)
+    except (ArgumentError, ValueError) as exc:
+        raise ValueError(f"`storage` is {storage!r}, but is not a database URL ({exc})") from None
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        folder = Path(url.database).parent
+        if not folder.is_dir():
+            raise ValueError(f"`storage` is {storage!r}, but its SQLite file's directory {str(folder)!r} does "
+                             "not exist")
+
+
 class OptunaSpace:
     """Configurations proposed by an Optuna sampler, for a tuner over a space (BOHB-style); see
     the module docstring.
@@ -81,7 +108,8 @@ class OptunaSpace:
 
     Raises:
         ValueError: an invalid ``hp_dict`` (naming the hyper-parameter and field), ``n``,
-            ``seed``, ``sampler`` or ``pruner``.
+            ``seed``, ``sampler`` or ``pruner``; a ``storage`` that is neither None, a
+            ``BaseStorage`` nor a database URL (:func:`check_storage`).
     """
 
     def __init__(self, hp_dict: Mapping[str, Any], n: int, *, sampler: BaseSampler | None = None,
@@ -95,6 +123,7 @@ class OptunaSpace:
             raise ValueError(f"`sampler` is {sampler!r}, but must be an BaseSampler")
         if pruner is not None and not isinstance(pruner, BasePruner):
             raise ValueError(f"`pruner` is {pruner!r}, but must be an BasePruner")
+        check_storage(storage)
         self.sampler = sampler if sampler is not None else TPESampler(seed=seed)
         self.seed = seed if seed is not None else getattr(self.sampler, "_seed", None)
         self.sampler_name = type(self.sampler).__name__
@@ -131,9 +160,13 @@ class OptunaSpace:
 
     def optuna_study(self, study: Study, tuner: Tuner) -> OptunaStudy:
         """The Optuna study of ``study`` (created at the first call: maximising when the tuner
-        maximises; in memory in a replay of the log)."""
+        maximises). In a storage of its own, in memory, in a replay of the log, and when the
+        study writes no tuner state (:attr:`Study.writes_tuner_state`: a simulation, a resumed
+        run) unless ``storage`` is itself an ``InMemoryStorage`` (one the caller made in this
+        process, to read the Optuna study back)."""
         if self._optuna is None or self._for is not study:
-            storage = InMemoryStorage() if study.replaying else self.storage
+            apart = study.replaying or not (study.writes_tuner_state or isinstance(self.storage, InMemoryStorage))
+            storage = InMemoryStorage() if apart else self.storage
             self._optuna = create_study(
                 storage=storage, sampler=self.sampler, pruner=self.pruner, study_name=self.study_name or study.name,
                 direction="maximize" if tuner.mode == "max" else "minimize", load_if_exists=True)
