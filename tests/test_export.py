@@ -227,3 +227,23 @@ def test_a_tracking_store_mlflow_refuses_is_a_one_line_error(wsd_runs: dict[str,
     assert main(["export", "mlflow", str(wsd_runs["merged"]), "--tracking-uri", uri]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert f"--tracking-uri {uri}: MLflow refused the export:" in err and "MLFLOW_ALLOW_FILE_STORE" in err, err
+
+
+def test_a_failed_trial_tells_the_tracker_why(tmp_path: Path) -> None:
+    """A failed trial's MLflow run says why it failed (``stagetree.error``), as its summary does."""
+    from mlflow.tracking import MlflowClient
+
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "run", str(REPO / "tests" / "studies" / "failing.py"),
+                           "--workers", "1", "--out", str(out), "--quiet"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # some trial failed
+    failed = [t for t in _summary(out)["trials"] if t["status"] == "failed"]
+    assert failed and "loss diverged at step 12" in failed[0]["error"]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert main(["export", "mlflow", str(out), "--tracking-uri", uri]) == 0
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name(_summary(out)["name"])
+    runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
+    run = runs[failed[0]["trial_id"]]
+    assert run.info.status == "FAILED" and run.data.tags["stagetree.error"] == failed[0]["error"]
+    assert all("stagetree.error" not in r.data.tags for name, r in runs.items() if name != failed[0]["trial_id"])

@@ -7,7 +7,8 @@ One MLflow run per trial (run name = trial id) in the experiment named after the
 * **metrics**: every evaluated metric by step (``step`` = the global step; MLflow keeps float64,
   so the values read back exactly; a non-finite value, null in the log, is left out);
 * **tags**: ``stagetree.study``, ``stagetree.trial_id``, ``stagetree.plan_key``,
-  ``stagetree.mode``, ``stagetree.steps``, ``stagetree.status``, ``stagetree.source``, the
+  ``stagetree.mode``, ``stagetree.steps``, ``stagetree.status`` (and a failed trial's
+  ``stagetree.error``: why it failed), ``stagetree.source``, the
   trial's path through the search plan (``stagetree.path``: ``n0[0,10) n2[10,20)``), how many of
   its steps other trials train too (``stagetree.shared_steps``), with whom
   (``stagetree.shared_with``) and one tag per shared stage
@@ -80,6 +81,8 @@ def trial_tags(view: RunView, trial: TrialView) -> dict[str, str]:
     }
     for s in trial.shared:
         tags[f"stagetree.shared.{s.node_id}.{s.from_step}-{s.to_step}"] = _clip(",".join(s.trials))
+    if trial.error is not None:
+        tags["stagetree.error"] = _clip(trial.error)
     return tags
 
 

@@ -71,6 +71,8 @@ class TrialView:
     shared: list[SharedStage]
     times: dict[int, float] = field(default_factory=dict)
     submitted: float | None = None
+    error: str | None = None
+    """Why a failed trial failed (the trainer's exception, as the summary gives it); else None."""
 
     @property
     def shared_steps(self) -> int:
@@ -160,7 +162,7 @@ def study_view(state: State, study_id: str, *, source: str = "", times: dict[tup
                     when[step] = times[(plan_key, node_id, step)]
         views.append(TrialView(t.trial_id, t.study_id, t.plan_key, t.status, t.steps, config_to_json(t.hp), metrics,
                                t.results.get(t.steps), path, shared_stages(state, t), dict(sorted(when.items())),
-                               (submitted or {}).get(t.trial_id)))
+                               (submitted or {}).get(t.trial_id), t.error))
     settings = study.get("tuner_settings")
     return RunView(source, study_id, study.get("mode", "merged"), study.get("metric"), study.get("metric_mode"), views,
                    describe(settings) if settings else None)
