@@ -638,7 +638,9 @@ def test_cli_resume_in_the_other_mode_is_refused_before_anything_is_written(tmp_
 def test_cli_a_tuner_metric_the_trainer_does_not_report_fails_at_the_first_answer(tmp_path: Path) -> None:
     """A typo in the tuner's ``metric``: exit 2 naming the metric and what the trainer reports, at
     the first answer rather than after every trial has trained (it was a KeyError's traceback
-    once GridSearch ranked its results), and ``--resume`` with the metric fixed finishes."""
+    once GridSearch ranked its results). With the metric fixed the tuner's settings differ, so
+    ``--resume`` is refused naming `metric`; the fixed study under another name, beside the
+    first, finishes on the same plan, its steps answered from what the first trained."""
     from events.codec import decode
     from events.models import MetricsReported, TrialSubmitted
 
@@ -655,9 +657,13 @@ def test_cli_a_tuner_metric_the_trainer_does_not_report_fails_at_the_first_answe
     assert sum(isinstance(e, TrialSubmitted) for e in events) == 6
     assert sum(isinstance(e, MetricsReported) for e in events) < 6  # it stopped at the first answer
     write(path, body)
-    resumed = run_cli(path, out, "--resume")
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert len(orjson.loads((out / "summary.json").read_bytes())["trials"]) == 6
+    refused = run_cli(path, out, "--resume")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert squash('`metric`: "val_accuracy" in the log, "val_acc" now') in squash(refused.stderr), refused.stderr
+    write(path, body.replace('name = "tiny"', 'name = "tiny-fixed"'))
+    fixed = run_cli(path, out)
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert len(orjson.loads(summary_path(out, "tiny-fixed").read_bytes())["trials"]) == 6
 
 
 def test_cli_a_pbt_mutation_the_trainer_lacks_is_refused_before_anything_is_created(tmp_path: Path) -> None:
