@@ -19,6 +19,7 @@ import re
 import sys
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
@@ -46,6 +47,26 @@ stage's checkpoint read or write (:class:`~gpu_worker.executor.StageExecutor`), 
 its store before it joins (``stagetree worker``)."""
 STORAGE_BACKOFF_S = 1.0
 """Seconds before the second of those tries, doubled for each further one (1 s, then 2 s)."""
+
+
+def retry_storage(operation: Callable[[], _T], *, attempts: int = STORAGE_ATTEMPTS,
+                  backoff_s: float = STORAGE_BACKOFF_S, sleep: Callable[[float], None] = time.sleep,
+                  final: Callable[[StorageError], bool] = lambda exc: False) -> _T:
+    """``operation()`` (a store request), tried ``attempts`` times while it raises
+    :class:`StorageError`, waiting ``backoff_s`` seconds and then twice as long each time; an
+    error for which ``final(error)`` is true is raised at once.
+
+    Raises:
+        StorageError: the last try's, or a final one.
+    """
+    for attempt in range(attempts):
+        try:
+            return operation()
+        except StorageError as exc:
+            if final(exc) or attempt + 1 == attempts:
+                raise
+            sleep(backoff_s * 2**attempt)
+    raise AssertionError("unreachable")
 
 
 class CheckpointMissing(CheckpointError):

@@ -48,6 +48,7 @@ from gpu_worker.checkpoint import (
     StorageError,
     Verification,
     encode_state,
+    retry_storage,
     write_state,
 )
 from gpu_worker.session import TrainingSession
@@ -283,14 +284,8 @@ class PathExecutor:
     def _stored(self, operation: Callable[[], T]) -> T:
         """``operation()`` (a store read or write), tried ``storage_attempts`` times while it
         raises StorageError, waiting ``storage_backoff_s`` and then twice as long each time."""
-        for attempt in range(self.storage_attempts):
-            try:
-                return operation()
-            except StorageError:
-                if attempt + 1 == self.storage_attempts:
-                    raise
-                self.sleep(self.storage_backoff_s * 2**attempt)
-        raise AssertionError("unreachable")
+        return retry_storage(operation, attempts=self.storage_attempts, backoff_s=self.storage_backoff_s,
+                             sleep=self.sleep)
 
     # ------------------------------------------------------------------ PathBackend (events.execution)
 

@@ -59,7 +59,7 @@ def cmd_import(args: argparse.Namespace, console: Console) -> int:
 def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     from replay.anchor import Anchor, check_anchors
     from replay.audit import AuditError, LogDamaged, open_source, unreadable
-    from replay.tuner import verify_all
+    from replay.tuner import later_checks, verify_all
 
     if args.json:
         check_output_file("--json", args.json)  # before the audit, not once it is done
@@ -72,7 +72,7 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
         source = open_source(args.source, secret, args.checkpoints)
         total = len(source.streams.get(topics.PLAN, []))
     except LogDamaged as exc:  # a run directory whose log cannot be read: a failed check, not bad input
-        result = unreadable(exc, also=("tuner", "anchor") if anchors else ("tuner",))
+        result = unreadable(exc, also=later_checks(anchors))
     else:
         if anchors and source.chain == "sealed":  # before the audit, not once it is done
             check_anchors(source, anchors)

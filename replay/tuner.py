@@ -455,6 +455,11 @@ def verify_decisions(source: Source, study_file: str | None = None, *,
     return None, "; ".join([detail, *notes]), studies == 0
 
 
+def later_checks(anchors: Sequence[Anchor] = ()) -> tuple[str, ...]:
+    """The checks :func:`verify_all` makes after those of :func:`replay.audit.verify`, in order."""
+    return ("tuner", "anchor") if anchors else ("tuner",)
+
+
 def verify_all(source: Source, secret: bytes | None = None, progress: Callable[[int], None] | None = None,
                study_file: str | None = None, anchors: Sequence[Anchor] = ()) -> AuditResult:
     """``stagetree replay verify``: every check of :func:`replay.audit.verify`, then the
@@ -468,7 +473,7 @@ def verify_all(source: Source, secret: bytes | None = None, progress: Callable[[
     """
     result = verify(source, secret, progress)
     if result.damaged:  # the log cannot be read: the chain check names the damage
-        for name in ("tuner", "anchor") if anchors else ("tuner",):
+        for name in later_checks(anchors):
             result.add(name, None, NOT_READ, skipped=True)
         return result
     failure, detail, skipped = verify_decisions(source, study_file, secret=secret)
@@ -482,5 +487,5 @@ def verify_all(source: Source, secret: bytes | None = None, progress: Callable[[
     return result
 
 
-__all__ = ["NO_DECISIONS", "Run", "TunerCheck", "check_study", "plan_events", "replay_run", "runs_of",
-           "verify_all", "verify_decisions"]
+__all__ = ["NO_DECISIONS", "Run", "TunerCheck", "check_study", "later_checks", "plan_events", "replay_run",
+           "runs_of", "verify_all", "verify_decisions"]

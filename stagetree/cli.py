@@ -104,8 +104,9 @@ def _warn_unshared(path: str, unshared: dict[str, tuple[Any, Any]]) -> None:
 
 
 async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tuple[Any, Any, Any, int, str],
-                   mode: str) -> dict[str, Any]:
-    """Run the tuner of a loaded study file on a ready runtime; returns the summary.
+                   settings: dict[str, Any], mode: str) -> dict[str, Any]:
+    """Run the tuner of a loaded study file on a ready runtime; returns the summary. ``settings``:
+    its tuner's (:meth:`Tuner.settings`), recorded in StudyStarted.
 
     End-to-end time runs from the ready cluster to the answer, plus earlier incarnations' of the
     same study (other studies on the same log do not count, see :func:`projections.summary.elapsed`).
@@ -120,7 +121,7 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
     prior = runtime.state.studies.get(name)
     if prior is not None and prior["mode"] != mode:
         raise UsageError(f"the log holds a {prior['mode']!r} run of {name!r}; it cannot continue as {mode!r}")
-    settings = _same_tuner(args.file, name, "the log", prior and prior.get("tuner_settings"), tuner)
+    _same_tuner(args.file, name, "the log", prior and prior.get("tuner_settings"), settings)
     before = elapsed_before(log, name) if prior is not None else 0.0
     study = Study(runtime, name, trainer, seed, merge=mode == "merged", metric=tuner.metric)
     if prior is not None:  # its tuner decides again from the start, as replay verify does: in memory
@@ -158,19 +159,18 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
                          events=plan_events(log))
 
 
-def _same_tuner(file: str, name: str, where: str, recorded: dict[str, Any] | None, tuner: Tuner) -> dict[str, Any]:
-    """``tuner``'s settings (:meth:`Tuner.settings`), after refusing (exit 2) a continuation of
-    study ``name`` whose earlier run ``recorded`` other ones (None: it recorded none): another
-    tuner, other arguments or another space would mix two studies' decisions in one."""
+def _same_tuner(file: str, name: str, where: str, recorded: dict[str, Any] | None, settings: dict[str, Any]) -> None:
+    """Refuse (exit 2) a continuation of study ``name`` with the tuner ``settings``
+    (:meth:`Tuner.settings`) when its earlier run ``recorded`` other ones (None: it recorded
+    none): another tuner, other arguments or another space would mix two studies' decisions in
+    one."""
     from events.settings import difference
 
-    settings = tuner.settings()
     why = None if recorded is None else difference(recorded, settings)
     if why is not None:
         raise UsageError(f"study file {file!r}: study {name!r} in {where} ran with other tuner settings ({why}): "
                          "that is another study; restore the file, or give it another `name` (run beside the first, "
                          "without --resume, it shares the plan: steps already trained are not trained again)")
-    return settings
 
 
 def _write_summary(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
@@ -288,6 +288,7 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
 
     loaded = _study_file(args.file)
     name = loaded[4]
+    settings = loaded[2].settings()  # once: a grid's digest reads every configuration
     out = _out_dir(args.out, name)
     _check_out(out)
     _check_device(args.device)
@@ -333,7 +334,7 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
                 f"{recorded.trainer!r}, but the file now gives seed {seed} and trainer "
                 f"{trainer.name + '@' + trainer.version!r} (or other constants or batch-size settings): that is "
                 "another study; give it another `name`, or restore the file")
-        _same_tuner(args.file, name, repr(str(out)), recorded.tuner_settings, loaded[2])
+        _same_tuner(args.file, name, repr(str(out)), recorded.tuner_settings, settings)
     if args.resume and name in finished:  # nothing to resume: its tuner's decisions are all in the log
         from projections.summary import summary_path
         from replay.report.load import load_run
@@ -364,7 +365,7 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
                 dashboard = await asyncio.get_running_loop().run_in_executor(
                     None, _start_dashboard, str(out), port, secret_from(args.log_key), console)
             await coord.ready()
-            summary = await _conduct(coord, coord.log, args, loaded, mode)
+            summary = await _conduct(coord, coord.log, args, loaded, settings, mode)
             anchor = log_anchor(coord.log)  # after its StudyFinished
             summary["log_anchor"] = None if anchor is None else str(anchor)
     finally:
@@ -438,7 +439,7 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
         async def study() -> dict[str, Any]:
             if workers:
                 await runtime.ready(workers)
-            return await _conduct(runtime, log, args, loaded, mode)
+            return await _conduct(runtime, log, args, loaded, loaded[2].settings(), mode)
 
         if workers:
             out.mkdir(parents=True, exist_ok=True)
@@ -883,27 +884,28 @@ def _check_store(store: Any, url: str, *, who: str = "worker", write: bool = Tru
             answering after the last try. Each would fail every stage the worker ran, its path
             handed back and dispatched again for ever.
     """
-    from gpu_worker.checkpoint import STORAGE_ATTEMPTS, STORAGE_BACKOFF_S
+    from gpu_worker.checkpoint import STORAGE_ATTEMPTS, retry_storage
     from gpu_worker.object_store import CREDENTIAL_CODES, ENV_S3_ENDPOINT, CheckpointStoreError, S3CheckpointStore
 
     remote = getattr(store, "store", store)  # the store of record behind a node cache
-    for attempt in range(STORAGE_ATTEMPTS):
-        try:
-            if isinstance(remote, S3CheckpointStore):
-                remote.probe(write=write)
-            else:
-                store.exists("0" * 64)  # an object no checkpoint is
-            return
-        except CheckpointStoreError as exc:
-            if exc.code in CREDENTIAL_CODES:
-                raise UsageError(f"--checkpoint-store {url!r} refused this {who}'s credentials: {exc}") from None
-            if exc.code == "NoSuchBucket":
-                raise UsageError(f"--checkpoint-store {url!r}: bucket {exc.bucket!r} does not exist at {exc.endpoint} "
-                                 f"(a {who} never creates one; check the URL, or create the bucket first)") from None
-            if attempt + 1 == STORAGE_ATTEMPTS:
-                raise UsageError(f"--checkpoint-store {url!r}: the object store at {exc.endpoint} "
-                                 f"(${ENV_S3_ENDPOINT}) cannot be used ({STORAGE_ATTEMPTS} tries): {exc}") from None
-        time.sleep(STORAGE_BACKOFF_S * 2**attempt)
+
+    def check() -> None:
+        if isinstance(remote, S3CheckpointStore):
+            remote.probe(write=write)
+        else:
+            store.exists("0" * 64)  # an object no checkpoint is
+
+    try:  # refused credentials, a missing bucket and other stores' errors are not tried again
+        retry_storage(check, final=lambda exc: not isinstance(exc, CheckpointStoreError)
+                      or exc.code in CREDENTIAL_CODES or exc.code == "NoSuchBucket")
+    except CheckpointStoreError as exc:
+        if exc.code in CREDENTIAL_CODES:
+            raise UsageError(f"--checkpoint-store {url!r} refused this {who}'s credentials: {exc}") from None
+        if exc.code == "NoSuchBucket":
+            raise UsageError(f"--checkpoint-store {url!r}: bucket {exc.bucket!r} does not exist at {exc.endpoint} "
+                             f"(a {who} never creates one; check the URL, or create the bucket first)") from None
+        raise UsageError(f"--checkpoint-store {url!r}: the object store at {exc.endpoint} "
+                         f"(${ENV_S3_ENDPOINT}) cannot be used ({STORAGE_ATTEMPTS} tries): {exc}") from None
 
 
 def run_embedded(args: argparse.Namespace, console: Console) -> dict[str, Any]:
