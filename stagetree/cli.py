@@ -125,13 +125,13 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
     before = elapsed_before(log, name) if prior is not None else 0.0
     study = Study(runtime, name, trainer, seed, merge=mode == "merged", metric=tuner.metric)
     if prior is not None:  # its tuner decides again from the start, as replay verify does: in memory
-        study.writes_tuner_state = False
+        study.writes_tuner_state, study.continues = False, True
         if getattr(tuner.space, "storage", None) is not None:
             from rich.console import Console
 
             Console(stderr=True).print(
-                f"[yellow]note:[/yellow] study {name!r} continues: its Optuna study is kept in memory for this run; "
-                "the one in `storage` keeps the trials of the run that started it")
+                f"[yellow]note:[/yellow] study {name!r} continues: its Optuna study is kept in memory for this run, "
+                "and the one in `storage` is brought up to date when the tuner ends")
     runtime.append([StudyStarted(producer="cli", study_id=name, name=name, plan_key=study.plan_key, mode=mode,
                                  workers=args.workers, seed=seed, trainer=f"{trainer.name}@{trainer.version}",
                                  metric=tuner.metric, metric_mode=tuner.mode,

@@ -127,6 +127,12 @@ class Study:
         that continues a study the log holds (``--resume``: its tuner decides again from the
         start, and a storage holding the earlier run's trials would make it decide otherwise):
         the state is then kept in memory."""
+        self.continues = False
+        """True in a run that continues a study the log holds (``--resume``, or a Kafka-mode run
+        of a study already started): its tuner decides again from the start, keeping its state in
+        memory (:attr:`writes_tuner_state` is False), and an Optuna searcher brings the user's
+        ``storage`` up to date when the tuner ends (the earlier run's trials finished, the rest
+        added)."""
         self.release_script: deque[tuple[str, int]] | None = None
         """Set by a replay of the log (``replay verify``): the order results were released in to
         the live tuner, which an arrival-order :class:`~stagetree.tuners.ResultInbox` follows

@@ -36,6 +36,7 @@ Needs ``pip install 'stagetree[optuna]'``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ from optuna import Study as OptunaStudy  # noqa: E402
 from optuna import create_study  # noqa: E402
 from optuna.pruners import BasePruner, NopPruner  # noqa: E402
 from optuna.samplers import BaseSampler, TPESampler  # noqa: E402
-from optuna.storages import BaseStorage, InMemoryStorage  # noqa: E402
+from optuna.storages import BaseStorage, InMemoryStorage, get_storage  # noqa: E402
 from optuna.trial import Trial as OptunaTrial  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
@@ -267,6 +268,53 @@ class OptunaSpace:
             self.tell(r.trial_id, value, TrialState.FAIL if r.failed else TrialState.COMPLETE)
         for trial_id in sorted(self._trials):
             self.tell(trial_id, None, TrialState.PRUNED)
+        if study.continues and not study.replaying and self.storage is not None and \
+                not isinstance(self.storage, InMemoryStorage):
+            self.bring_up_to_date(study)
+
+    def bring_up_to_date(self, study: Study) -> tuple[int, int]:
+        """Bring the Optuna study in ``storage`` up to date with the one this run kept in memory
+        (a run that continues a study, :attr:`Study.continues`): the tuner asked the same trials
+        in the same order as the run that started it, so trial ``k`` of either is the same
+        configuration. A trial the earlier run left unfinished (RUNNING: it was killed) gets the
+        reports, attributes, state and value it ended with here; the trials it never asked are
+        added, numbered as here. Finished trials are left as they are.
+
+        Returns:
+            ``(finished, added)``: how many trials were finished and added.
+
+        Warns:
+            RuntimeWarning, and writes nothing, when the stored trials' parameters are not this
+            run's in the same order (the storage holds another study under the same name).
+        """
+        assert self._optuna is not None and self._tuner is not None
+        storage = get_storage(self.storage)
+        kept = create_study(storage=storage, study_name=self.study_name or study.name, load_if_exists=True,
+                            direction="maximize" if self._tuner.mode == "max" else "minimize")
+        stored = kept.get_trials(deepcopy=False)
+        here = self._optuna.get_trials(deepcopy=False)
+        for old, new in zip(stored, here):
+            if old.params != new.params:
+                warnings.warn(f"the Optuna study {kept.study_name!r} in `storage` was not brought up to date: its "
+                              f"trial {old.number} has the parameters {old.params!r}, but this run asked "
+                              f"{new.params!r} (another study under the same name?)", RuntimeWarning, stacklevel=2)
+                return 0, 0
+        finished, study_id = 0, storage.get_study_id_from_name(kept.study_name)
+        for old, new in zip(stored, here):
+            if old.state != TrialState.RUNNING or not new.state.is_finished():
+                continue
+            trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, old.number)
+            for step, value in sorted(new.intermediate_values.items()):
+                if step not in old.intermediate_values:
+                    storage.set_trial_intermediate_value(trial_id, step, value)
+            for key, value in new.user_attrs.items():
+                if old.user_attrs.get(key) != value:
+                    storage.set_trial_user_attr(trial_id, key, value)
+            storage.set_trial_state_values(trial_id, new.state, new.values)
+            finished += 1
+        for new in here[len(stored):]:
+            kept.add_trial(new)
+        return finished, max(0, len(here) - len(stored))
 
 
 class OptunaSearch(Tuner):
