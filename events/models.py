@@ -201,6 +201,7 @@ class DecisionEvent(Event):
         decided_at_partitions: on a partitioned plan stream (Kafka), the offset of the last
             folded record of *every* partition (a global decision's prefix is this vector);
             None on an unpartitioned stream and in logs written before the field existed.
+        rules: the version of the decider's rules (see the field).
 
     Offsets may have gaps (Kafka transaction markers take offsets of their own): a prefix is
     named by the last offset applied, never by a count.
@@ -208,6 +209,12 @@ class DecisionEvent(Event):
 
     decided_at: int = Field(default=-1, ge=-1)
     decided_at_partitions: PartitionOffsets | None = None
+    rules: int | None = Field(default=None, ge=1)
+    """The version of its decider's rules (``scheduler.decide.RULES``, ``scheduler.eviction.RULES``,
+    ``scheduler.inflight.RULES``), so that ``replay verify`` tells a decision taken under other
+    rules from an edited one. None in logs written before the field (2026-11-28), and on decisions whose
+    rules are recorded elsewhere (a tuner's, in its study's ``tuner_settings``) or that follow no
+    rules but liveness (WorkerLost)."""
 
 
 class StageDispatched(DecisionEvent):

@@ -13,7 +13,10 @@ event, in order. Deciders (one entry each in :data:`DECIDERS`):
   ``scheduler.inflight.inflight_decisions``, the decisions about running paths of one pass.
 
 A group recomputed at a prefix must match the recorded group completely: a decision edited,
-dropped, added or moved is named by its offset.
+dropped, added or moved is named by its offset. Each decision records the version of its
+decider's rules (``rules``): one other than this stagetree's is named as such (verify that log
+with a stagetree of those rules), and a mismatch of a decision that records none (a log written
+before the field) says that it may be a change of rules rather than an edit.
 
 Tuner decisions (``TunerDecided``) are recomputed by :mod:`replay.tuner` instead: their decider
 is the study file's tuner, run again over the log (``replay verify --study``).
@@ -40,6 +43,9 @@ from events.models import (
 from projections.partitions import merge
 from projections.state import State
 from projections.store import READ_BATCH
+from scheduler import decide as dispatch_rules
+from scheduler import eviction as eviction_rules
+from scheduler import inflight as inflight_rules
 from scheduler.decide import decide
 from scheduler.eviction import evictions_for_dispatch
 from scheduler.inflight import inflight_decisions
@@ -50,13 +56,31 @@ Params = tuple[Any, ...]
 @dataclass(frozen=True)
 class Decider:
     """One kind of decision: its event types, what its recomputation needs beyond the state (read
-    from the recorded event), the recomputation, and a one-line description of a decision."""
+    from the recorded event), the recomputation, a one-line description of a decision, and the
+    version of its rules in this stagetree (None: it follows none, as WorkerLost)."""
 
     name: str
     types: tuple[type[Event], ...]
     params: Callable[[Any], Params]
     recompute: Callable[[State, Params], list[Event]]
     describe: Callable[[Any], str]
+    rules: int | None = None
+
+    def other_rules(self, event: DecisionEvent) -> str | None:
+        """Why ``event`` cannot be recomputed here: it records other rules than this
+        stagetree's (None: the same, or none recorded)."""
+        if event.rules is None or event.rules == self.rules:
+            return None
+        return (f"decided by the {self.name} decider's rules {event.rules}; this stagetree decides by rules "
+                f"{self.rules}: verify the log with a stagetree of those rules (a change of rules, not an edit)")
+
+    def hint(self, event: DecisionEvent) -> str:
+        """What a mismatch of ``event`` may be besides an edit: a decision that records no rules
+        (a log written before the field) may have been decided by older rules."""
+        if event.rules is not None or self.rules is None:
+            return ""
+        return (f" (the decision records no rules version: if the log predates 2026-11-28, it may have been "
+                f"decided by older {self.name} rules, not edited)")
 
 
 def _dispatch(state: State, params: Params) -> list[Event]:
@@ -80,11 +104,13 @@ def _describe_inflight(e: PathPreempted | CheckpointRequested) -> str:
 
 
 DECIDERS: tuple[Decider, ...] = (
-    Decider("dispatch", (StageDispatched,), lambda e: (e.policy,), _dispatch, _describe_dispatch),
+    Decider("dispatch", (StageDispatched,), lambda e: (e.policy,), _dispatch, _describe_dispatch,
+            dispatch_rules.RULES),
     Decider("eviction", (CheckpointEvicted,), lambda e: (e.checkpoint_budget, e.policy),
-            lambda state, p: list(evictions_for_dispatch(state, p[0], p[1])), _describe_eviction),
+            lambda state, p: list(evictions_for_dispatch(state, p[0], p[1])), _describe_eviction,
+            eviction_rules.RULES),
     Decider("in-flight", (PathPreempted, CheckpointRequested), lambda e: (e.checkpoint_budget,),
-            lambda state, p: inflight_decisions(state, p[0]), _describe_inflight),
+            lambda state, p: inflight_decisions(state, p[0]), _describe_inflight, inflight_rules.RULES),
 )
 _BY_TYPE = {t: d for d in DECIDERS for t in d.types}
 _MARKERS = tuple(f'"{t.type}"'.encode() for t in _BY_TYPE)
@@ -92,12 +118,16 @@ _MARKERS = tuple(f'"{t.type}"'.encode() for t in _BY_TYPE)
 
 def same_decision(a: Event, b: Event) -> bool:
     """Whether two decision events carry the same decision: of one type, with equal fields but
-    the header's (:data:`events.models.HEADER_FIELDS`); nested models compare by value, as
-    their payloads would (without serializing them)."""
+    the header's (:data:`events.models.HEADER_FIELDS`) and ``rules`` (checked apart, by
+    :meth:`Decider.other_rules`: a decision that records none compares with its recomputation);
+    nested models compare by value, as their payloads would (without serializing them)."""
     if type(a) is not type(b):
         return False
     mine, theirs = a.__dict__, b.__dict__
-    return all(value == theirs[name] for name, value in mine.items() if name not in HEADER_FIELDS)
+    return all(value == theirs[name] for name, value in mine.items() if name not in _NOT_COMPARED)
+
+
+_NOT_COMPARED = frozenset((*HEADER_FIELDS, "rules"))
 
 
 @dataclass
@@ -159,11 +189,15 @@ class DecisionCheck:
         self.seen[key] = index + 1
         self.where.setdefault(key, record.offset)
         again = expected[index] if index < len(expected) else None
-        if again is None or not same_decision(again, event):
+        other = decider.other_rules(event)  # type: ignore[arg-type]
+        if other is not None:
+            self.mismatch = Mismatch(record.offset, event.type, other)
+        elif again is None or not same_decision(again, event):
             what = "nothing more" if again is None else decider.describe(again)
             self.mismatch = Mismatch(record.offset, event.type,
                                      f"recorded {decider.describe(event)}; the {decider.name} decider computes {what} "
-                                     f"from the prefix up to offset {prefix} (decision {index + 1} of that prefix)")
+                                     f"from the prefix up to offset {prefix} (decision {index + 1} of that prefix)"
+                                     + decider.hint(event))  # type: ignore[arg-type]
         elif index + 1 == len(expected):  # the group is complete: keep its size only
             self.matched[key] = len(self.expected.pop(key))
             del self.seen[key], self.where[key]
@@ -292,19 +326,23 @@ def replay_partitioned(parts: Mapping[int, Iterable[Record]], fold: Callable[[St
             mismatch = Mismatch(at.offset, first.type, f"its prefix {_text(prefix)} is behind a decision checked "
                                                       f"before it in partition {behind[0]} (two deciders at once?)")
             break
+        decider = LIVENESS if name == LIVENESS.name else next(d for d in DECIDERS if d.name == name)
+        other = next((why for r, e in recorded if (why := decider.other_rules(e)) is not None), None)  # type: ignore
+        if other is not None:
+            mismatch = Mismatch(at.offset, first.type, other)
+            break
         for p, o in prefix.items():
             advance(p, o)
         view = merge({p: states[p] for p in sorted(set(states) | set(prefix))})
-        decider = LIVENESS if name == LIVENESS.name else next(d for d in DECIDERS if d.name == name)
         again = [e.model_copy(update={"decided_at_partitions": dict(prefix)})
                  for e in decider.recompute(view, params)]
-        want = sorted(repr(sorted(e.payload().items())) for e in again)
-        got = sorted(repr(sorted(e.payload().items())) for _, e in recorded)
+        want = sorted(_compared(e) for e in again)
+        got = sorted(_compared(e) for _, e in recorded)
         if got != want:
             what = "nothing" if not again else "; ".join(decider.describe(e) for e in again)
             mismatch = Mismatch(at.offset, first.type,
                                 f"recorded {'; '.join(decider.describe(e) for _, e in recorded)}; the {name} decider "
-                                f"computes {what} from the prefix {_text(prefix)}")
+                                f"computes {what} from the prefix {_text(prefix)}" + decider.hint(first))  # type: ignore
     for p in parts:
         advance(p, 2**63)  # the rest of every partition
     return mismatch, checked, states
@@ -316,6 +354,12 @@ class _At:
 
     partition: int
     offset: int
+
+
+def _compared(event: Event) -> str:
+    """A decision's payload as compared without an order (every field :func:`same_decision`
+    compares)."""
+    return repr(sorted((k, v) for k, v in event.payload().items() if k not in _NOT_COMPARED))
 
 
 def _text(prefix: dict[int, int]) -> str:

@@ -44,6 +44,11 @@ from scheduler.policies import POLICIES, Policy, check_policy  # noqa: F401 (exp
 from scheduler.stage_index import index_of
 from scheduler.stage_tree import COLD_SEC_PER_STEP, StageKey, StageTree, build_stage_tree, measured_profile
 
+RULES = 1
+"""The version of the dispatch rules (:func:`decide`), recorded in each StageDispatched
+(``rules``): a change to them that decides otherwise on the same state bumps it, so that
+``replay verify`` tells a log decided under other rules from an edited one."""
+
 _MEMO = "decide.choice"  # plan.cache key prefix: (_MEMO, policy) -> (revision, choice)
 
 
@@ -171,6 +176,7 @@ def decide(state: State, policy: str = "critical-path") -> StageDispatched | Non
         decided_at=state.offset,
         decided_at_partitions=state.offsets,
         policy=policy,
+        rules=RULES,
         source=source,
         stages=[
             StageSpec(

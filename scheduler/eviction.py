@@ -41,6 +41,11 @@ from scheduler.critical_path import Path
 from scheduler.decide import best_path, check_policy, fallback_sec_per_step
 from scheduler.stage_tree import mean_sec_per_step, sec_per_step
 
+RULES = 1
+"""The version of the eviction rules (:func:`evictions_for_dispatch`), recorded in each
+CheckpointEvicted (``rules``): a change to them that decides otherwise on the same state bumps
+it, so that ``replay verify`` tells a log decided under other rules from an edited one."""
+
 PERIPHERAL_REUSE = 0.05
 """Reuse probability of a checkpoint in the middle of a path that no request or branch uses."""
 
@@ -218,7 +223,7 @@ def plan_evictions(state: State, budget: int, need: int, pinned: set[str],
             excess -= pick.size
     return [CheckpointEvicted(producer="scheduler", plan_key=c.plan_key, node_id=c.node_id, step=c.step, ref=c.ref,
                               size=c.size, decided_at=state.offset, checkpoint_budget=budget,
-                              reason=c.reason(budget, need), policy=check_policy(policy))
+                              reason=c.reason(budget, need), policy=check_policy(policy), rules=RULES)
             for c in chosen]
 
 

@@ -33,6 +33,12 @@ from projections.state import Dispatch, Plan, State
 from scheduler.eviction import checkpoint_size, reserved_bytes
 from scheduler.stage_index import index_of
 
+RULES = 1
+"""The version of the in-flight rules (:func:`inflight_decisions`: preemptions and save
+requests), recorded in each PathPreempted and CheckpointRequested (``rules``): a change to them
+that decides otherwise on the same state bumps it, so that ``replay verify`` tells a log decided
+under other rules from an edited one."""
+
 
 def pending_needs(plan: Plan) -> Mapping[str, tuple[int, int]]:
     """``node_id -> (start, end)``: the steps of each node the plan's pending requests (waiters,
@@ -80,7 +86,7 @@ def preemptions(state: State, budget: int | None = None) -> list[PathPreempted]:
             reason = f"no pending request needs steps after {until_step} of node {node_id}"
         out.append(PathPreempted(producer="scheduler", dispatch_id=d.dispatch_id, worker_id=d.worker_id,
                                  plan_key=d.plan_key, decided_at=state.offset, until_stage=until_stage,
-                                 until_step=until_step, reason=reason, checkpoint_budget=budget))
+                                 until_step=until_step, reason=reason, checkpoint_budget=budget, rules=RULES))
     return out
 
 
@@ -130,7 +136,7 @@ def split_requests(state: State, budget: int | None = None) -> list[CheckpointRe
                 out.append(CheckpointRequested(producer="scheduler", dispatch_id=d.dispatch_id,
                                                worker_id=d.worker_id, plan_key=d.plan_key, node_id=node_id,
                                                step=step, evaluate=wanted[step], decided_at=state.offset,
-                                               checkpoint_budget=budget))
+                                               checkpoint_budget=budget, rules=RULES))
     return out
 
 

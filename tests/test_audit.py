@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -707,3 +708,69 @@ def test_a_damaged_log_fails_verify_as_a_failed_chain_check_not_as_bad_input(run
     assert main(["replay", "verify", str(tmp_path / "missing"), "--quiet"]) == 2
     assert main(["replay", "verify", str(tmp_path), "--quiet"]) == 2  # not a run directory
     assert "is not a run directory" in capsys.readouterr().err
+
+
+def _edit_decisions(rows: list[dict], edit: Callable[[dict], bool]) -> int:
+    """Apply ``edit`` to the payload of every scheduling decision, in the plan stream and in its
+    copy for workers alike (the dispatch stream holds the plan's decisions byte for byte); returns
+    how many records ``edit`` changed (it returns True for those). :func:`_reexport` re-seals."""
+    changed = 0
+    for r in rows:
+        if r.get("stream") in (topics.PLAN, topics.DISPATCH):
+            event = orjson.loads(r["value"])
+            if event["type"] in ("StageDispatched", "CheckpointEvicted", "PathPreempted", "CheckpointRequested") \
+                    and edit(event["payload"]):
+                r["value"] = orjson.dumps(event).decode()
+                changed += 1
+    return changed
+
+
+def test_a_decision_records_its_deciders_rules_and_other_rules_are_named(run_dir: Path, export: Path,
+                                                                         capsys) -> None:
+    """Every scheduling decision records the version of its decider's rules; one decided by
+    other rules than this stagetree's is named as such, not as an edit."""
+    rows = lines(export)
+    dispatches = [orjson.loads(r["value"]) for r in rows
+                  if r.get("stream") == topics.PLAN and '"StageDispatched"' in r["value"]]
+    assert dispatches and all(d["payload"]["rules"] == 1 for d in dispatches)
+    first = next(i for i, r in plan_rows(rows) if '"StageDispatched"' in r["value"])
+    at, dispatch_id = rows[first]["offset"], dispatches[0]["payload"]["dispatch_id"]
+
+    def later_rules(payload: dict) -> bool:
+        if payload.get("dispatch_id") != dispatch_id or "stages" not in payload:
+            return False
+        payload["rules"] = 2
+        return True
+
+    assert _edit_decisions(rows, later_rules) == 2  # the plan's and the workers' copy
+    _reexport(rows[1:], export)
+    msg = " ".join(first_failure(export, run_dir, capsys).split())
+    assert f"decision check failed at offset {at} (StageDispatched): decided by the dispatch decider's rules 2; " \
+           "this stagetree decides by rules 1: verify the log with a stagetree of those rules" in msg, msg
+
+
+def test_a_log_whose_decisions_record_no_rules_verifies_and_a_mismatch_there_may_be_older_rules(
+        run_dir: Path, export: Path, tmp_path: Path, capsys) -> None:
+    """A log written before decisions recorded their rules verifies as before; a decision of
+    such a log that its decider does not compute is said to be an edit or older rules."""
+    rows = lines(export)
+    assert _edit_decisions(rows, lambda p: p.pop("rules") == 1) >= 2
+    _reexport(rows[1:], export)
+    assert main(["replay", "verify", str(export), "--checkpoints", str(run_dir / "checkpoints"), "--quiet"]) == 0, \
+        capsys.readouterr().out
+    capsys.readouterr()
+    first = next(i for i, r in plan_rows(rows) if '"StageDispatched"' in r["value"])
+    original = orjson.loads(rows[first]["value"])["payload"]
+
+    def longer(payload: dict) -> bool:
+        if payload != original:
+            return False
+        payload["stages"][0]["to_step"] += 5
+        return True
+
+    assert _edit_decisions(rows, longer) == 2
+    _reexport(rows[1:], export)
+    msg = " ".join(first_failure(export, run_dir, capsys).split())
+    assert f"decision check failed at offset {rows[first]['offset']} (StageDispatched)" in msg, msg
+    assert "the decision records no rules version: if the log predates 2026-11-28, it may have been decided by " \
+           "older dispatch rules, not edited" in msg, msg

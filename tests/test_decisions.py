@@ -503,4 +503,6 @@ def test_same_decision_compares_every_field_but_the_header() -> None:
                   dispatch().model_copy(update={"policy": "critical-path"}),
                   dispatch().model_copy(update={"decided_at": 8})):
         assert not same_decision(other, recorded)
+    # the rules version is checked apart: a decision recording none compares with its recomputation
+    assert same_decision(dispatch(rules=1), recorded) and same_decision(recorded, dispatch(rules=1))
     assert not same_decision(WorkerLost(worker_id="w0", reason="gone"), WorkerJoined(worker_id="w0", device="cpu"))
