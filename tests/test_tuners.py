@@ -473,8 +473,6 @@ def _every_tuner() -> dict[str, Callable[[], Any]]:
     }
 
 
-KEPT_ELSEWHERE = {"OptunaSearch": {"hp_dict", "sampler", "seed", "storage", "study_name", "pruner"}}
-"""Arguments a tuner keeps in its space, whose own settings record them."""
 
 
 @pytest.mark.parametrize("name", sorted(_every_tuner()))
@@ -493,9 +491,37 @@ def test_settings_are_json_equal_for_equal_tuners_and_name_every_argument(name: 
     assert orjson.loads(orjson.dumps(settings)) == settings == b.settings()
     assert settings["rules"] == 1 and settings["tuner"] == type(a).__name__ and "space" in settings
     params = set(inspect.signature(type(a).__init__).parameters) - {"self", "space"}
-    assert params - set(settings) <= KEPT_ELSEWHERE.get(name, set()), params - set(settings)
+    assert params - set(settings) == type(a).recorded_elsewhere, params - set(settings)
     if name == "OptunaSearch":
         assert settings["space"]["seed"] == 3 and settings["space"]["sampler"] == "TPESampler"
+
+
+def test_a_user_tuners_argument_kept_under_another_name_is_recorded() -> None:
+    """A user's tuner that keeps an argument under another name (``self._threshold``) recorded
+    nothing of it, so a resume with it changed was not refused: the settings now take it as it
+    was passed (its default when not passed), through copies too."""
+    import copy
+
+    from events.settings import difference
+    from stagetree.tuners import GridSearch
+
+    class Mine(GridSearch):
+        def __init__(self, space: Any, steps: int, metric: str, threshold: float = 0.5, *,
+                     extra: Any = None) -> None:
+            super().__init__(space, steps, metric)
+            self._threshold, self._extra = threshold, extra
+
+    def mine(*args: Any, **kwargs: Any) -> Mine:
+        return Mine(GridSearchSpace({"lr": [0.1, 0.01]}), 5, "acc", *args, **kwargs)
+
+    settings = mine(0.7, extra={"b": (1, 2)}).settings()
+    assert settings["threshold"] == 0.7 and settings["extra"] == {"b": [1, 2]}
+    assert difference(settings, mine(threshold=0.8, extra={"b": (1, 2)}).settings()) == \
+        "`threshold`: 0.7 in the log, 0.8 now"
+    assert mine(0.5).settings() == mine().settings() and mine().settings()["extra"] is None
+    assert copy.deepcopy(mine(0.7)).settings() == mine(0.7).settings()
+    with pytest.raises(TypeError):  # a wrong call fails as it did
+        mine(0.5, 1, 2)
 
 
 def test_settings_difference_names_the_first_changed_field() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import itertools
 import math
 from abc import ABC, abstractmethod
@@ -80,6 +81,22 @@ class Tuner(ABC):
     selectable by an argument where it can be, as PBT's ``synch=False``), so that a log decided
     under other rules is told apart from one whose decisions were edited."""
 
+    _arguments: dict[str, Any]
+    """The ``__init__`` arguments the tuner was built with, by name (as passed)."""
+
+    recorded_elsewhere: ClassVar[frozenset[str]] = frozenset()
+    """``__init__`` arguments that :meth:`settings` leaves out because another part of them
+    records them (OptunaSearch's sampler, seed and storage: its space's settings)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Tuner:
+        self = super().__new__(cls)
+        try:
+            bound = inspect.signature(cls.__init__).bind(self, *args, **kwargs)
+        except TypeError:  # __init__ raises its own error; copies and unpickling pass no arguments
+            bound = None
+        self._arguments = {} if bound is None else dict(list(bound.arguments.items())[1:])
+        return self
+
     def __init__(self, space: Iterable[HPConfig], metric: str, mode: Mode = "max") -> None:
         if mode not in ("max", "min"):
             raise ValueError(f"`mode` is {mode!r}, but must be 'max' or 'min'")
@@ -109,9 +126,9 @@ class Tuner(ABC):
         """What the tuner's decisions depend on besides the results, as JSON data (recorded in
         the study's StudyStarted as ``tuner_settings``): ``tuner`` (the class name), ``rules``
         (:attr:`rules`), ``space`` (a digest of its configurations, or an adaptive space's own
-        settings) and every ``__init__`` argument the tuner keeps as an attribute of the same
-        name (:func:`stagetree.tuners._settings.tuner_settings`). A tuner with arguments it keeps
-        under other names overrides this to add them."""
+        settings) and every other ``__init__`` argument: as the attribute of the same name where
+        the tuner keeps one, else as it was passed (or its default), but those in
+        :attr:`recorded_elsewhere` (:func:`stagetree.tuners._settings.tuner_settings`)."""
         return tuner_settings(self)
 
     # ------------------------------------------------------------------ decisions

@@ -100,13 +100,22 @@ def _config_bytes(config: Any) -> bytes:
 
 def tuner_settings(tuner: Tuner) -> dict[str, Any]:
     """:meth:`Tuner.settings`: ``tuner`` (the class name), ``rules`` (:attr:`Tuner.rules`),
-    ``space`` (:func:`space_settings`), and every argument of the class's ``__init__`` that the
-    tuner keeps as an attribute of the same name (:func:`jsonable`)."""
+    ``space`` (:func:`space_settings`), and every other argument of the class's ``__init__``
+    (:func:`jsonable`) but those in :attr:`Tuner.recorded_elsewhere`: the attribute of the same
+    name where the tuner keeps one (its value as the tuner uses it), else the value it was built
+    with (as passed, or the default), so a tuner that keeps an argument under another name (a
+    user's ``self._lr = lr``) still records it."""
     out: dict[str, Any] = {"tuner": tuner.name, "rules": tuner.rules}
+    passed = getattr(tuner, "_arguments", {})
     for name, param in inspect.signature(type(tuner).__init__).parameters.items():
-        if name in ("self", "space") or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+        if name in ("self", "space") or name in tuner.recorded_elsewhere or \
+                param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
         if hasattr(tuner, name):
             out[name] = jsonable(getattr(tuner, name))
+        elif name in passed:
+            out[name] = jsonable(passed[name])
+        elif param.default is not param.empty:
+            out[name] = jsonable(param.default)
     out["space"] = space_settings(tuner.space)
     return out

@@ -333,6 +333,10 @@ class OptunaSearch(Tuner):
             without ``report_every``.
     """
 
+    recorded_elsewhere = frozenset({"hp_dict", "sampler", "seed", "storage", "study_name", "pruner"})
+    """Its space (an :class:`OptunaSpace`) records these in its own settings (the storage, where
+    the Optuna study is kept, in none)."""
+
     def __init__(self, hp_dict: Mapping[str, Any], metric: str, mode: Mode = "max", *, n_trials: int, steps: int,
                  batch: int = 1, sampler: BaseSampler | None = None, seed: int | None = None,
                  storage: str | BaseStorage | None = None, study_name: str | None = None,
