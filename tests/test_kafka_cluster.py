@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -309,19 +310,57 @@ def test_a_kafka_run_whose_worker_refuses_its_input_ends_saying_why(deployment: 
     ("worker", {"STAGETREE_CHECKPOINT_STORE": "s3://stagetree-no-such-bucket/x"},
      "bucket 'stagetree-no-such-bucket' does not exist at {endpoint}"),
     ("worker", {"STAGETREE_S3_SECRET_KEY": "not-the-secret"}, "refused this worker's credentials"),
+    ("worker", {"STAGETREE_S3_ACCESS_KEY": "read-only"}, "refused this worker's credentials: put s3://"),
     ("serve", {"STAGETREE_S3_ENDPOINT": "closed", "STAGETREE_CHECKPOINT_BUDGET": "1GB"},
      "the object store at {endpoint} ($STAGETREE_S3_ENDPOINT) cannot be used (3 tries)"),
-], ids=["worker-endpoint-closed", "worker-missing-bucket", "worker-wrong-credentials", "serve-endpoint-closed"])
+], ids=["worker-endpoint-closed", "worker-missing-bucket", "worker-wrong-credentials", "worker-read-only-credentials",
+        "serve-endpoint-closed"])
 def test_a_process_whose_checkpoint_store_cannot_be_used_exits_2_before_it_joins(
         deployment: dict[str, str], tmp_path: Path, command: str, env: dict[str, str], needle: str) -> None:
     """``stagetree worker`` (and ``serve`` with a checkpoint budget, which deletes there) whose
     object store cannot be used (an endpoint nothing listens on, a bucket that does not exist,
-    credentials it refuses) exits 2 within seconds, before it joins: one line naming
-    ``--checkpoint-store``, the endpoint or bucket and why, and no WorkerJoined in the log. A
-    worker with a mistyped endpoint joined, took paths and failed each one's checkpoint."""
+    credentials it refuses, or credentials that may read but not write) exits 2 within seconds,
+    before it joins: one line naming ``--checkpoint-store``, the endpoint or bucket and why, and
+    no WorkerJoined in the log. A worker with a mistyped endpoint joined, took paths and failed
+    each one's checkpoint."""
     env = {**deployment, **env}
     if env["STAGETREE_S3_ENDPOINT"] == "closed":
         env["STAGETREE_S3_ENDPOINT"] = f"127.0.0.1:{_free_port()}"
+    if env["STAGETREE_S3_ACCESS_KEY"] == "read-only":
+        with read_only_user(deployment) as (access_key, secret_key):
+            env |= {"STAGETREE_S3_ACCESS_KEY": access_key, "STAGETREE_S3_SECRET_KEY": secret_key}
+            _exits_2_before_it_joins(deployment, tmp_path, command, env, needle)
+        return
+    _exits_2_before_it_joins(deployment, tmp_path, command, env, needle)
+
+
+@contextmanager
+def read_only_user(deployment: dict[str, str]) -> Iterator[tuple[str, str]]:
+    """A MinIO user (its access and secret key) allowed to read the deployment's bucket and list
+    it, not to write: made with MinIO's admin API, removed after."""
+    from minio import MinioAdmin
+    from minio.credentials import StaticProvider
+
+    admin = MinioAdmin(endpoint=deployment["STAGETREE_S3_ENDPOINT"], secure=False, credentials=StaticProvider(
+        deployment["STAGETREE_S3_ACCESS_KEY"], deployment["STAGETREE_S3_SECRET_KEY"]))
+    bucket = deployment["STAGETREE_CHECKPOINT_STORE"].removeprefix("s3://").split("/")[0]
+    name = f"stagetree-read-only-{uuid.uuid4().hex[:8]}"
+    admin.policy_add(name, policy={"Version": "2012-10-17", "Statement": [{
+        "Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket", "s3:GetBucketLocation"],
+        "Resource": [f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"]}]})
+    try:
+        admin.user_add(name, secret := uuid.uuid4().hex)
+        try:
+            admin.policy_set(name, user=name)
+            yield name, secret
+        finally:
+            admin.user_remove(name)
+    finally:
+        admin.policy_remove(name)
+
+
+def _exits_2_before_it_joins(deployment: dict[str, str], tmp_path: Path, command: str, env: dict[str, str],
+                             needle: str) -> None:
     needle = needle.format(endpoint=env["STAGETREE_S3_ENDPOINT"])
     servers = ["--bootstrap-servers", env["STAGETREE_BOOTSTRAP_SERVERS"]]
     argv = ["worker", *servers, "--worker-id", "w0", "--study", str(STUDY), "--device", "cpu"] if command == "worker" \
