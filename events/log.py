@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
@@ -311,7 +311,13 @@ class EmbeddedLog:
         self._heads: dict[str, bytes] = {}
         self.secret = secret or None
         algo = chain_algorithm(self.secret).encode()
-        stored = self._db.get(_CHAIN_META)
+        try:
+            stored = self._db.get(_CHAIN_META)
+        except Exception as exc:  # rocksdict's bare Exception: a block it cannot read
+            if type(exc) is not Exception:
+                raise
+            self.close()
+            raise LogError(f"the log at {self.path} cannot be read (damaged?): {self._named(exc)}") from None
         if self.read_only:
             self._chain = bytes(stored).decode() if stored is not None else chain_algorithm(None)
             return
@@ -374,6 +380,8 @@ class EmbeddedLog:
                 k = it.key()
                 if k.startswith(prefix) and len(k) == len(prefix) + 8:
                     end = _OFFSET.unpack(k[len(prefix):])[0] + 1
+            else:  # no record before it, or a block RocksDB cannot read (which it says only here)
+                self._check(it, f"the end of stream {stream!r}")
             del it
             self._ends[stream] = end
         return end
@@ -480,11 +488,30 @@ class EmbeddedLog:
     def streams(self) -> list[str]:
         """Names of the streams that hold records, sorted."""
         names = set()
-        for raw_key in self._db.keys(from_key=b"r"):
+        it = self._db.iter()
+        it.seek(b"r")
+        while it.valid():
+            raw_key = it.key()
             if not raw_key.startswith(b"r"):
                 break
             names.add(bytes(raw_key[1:-9]).decode())
+            it.next()
+        else:  # the end, or a block RocksDB cannot read
+            self._check(it, "its streams")
+        del it
         return sorted(names)
+
+    def _check(self, it: Any, what: str) -> None:
+        """Raise LogError naming ``what`` was read when the iterator ``it`` stopped at a block
+        RocksDB cannot read (its status; an iterator says nothing else)."""
+        try:
+            it.status()
+        except Exception as exc:  # rocksdict raises a bare Exception with RocksDB's status
+            raise LogError(f"the log at {self.path} cannot be read ({what}): the store reports "
+                           f"{self._named(exc)}") from None
+
+    def _named(self, error: Exception) -> str:
+        return self._read_only.named(error) if self._read_only is not None else str(error)
 
     def read(self, stream: str, start: int = 0, stop: int | None = None, partition: int = 0) -> Iterator[Record]:
         """Yield records of ``stream`` with ``start <= offset < stop`` (stop: current end).
@@ -516,7 +543,7 @@ class EmbeddedLog:
         try:
             it.status()
         except Exception as exc:  # rocksdict raises a bare Exception with RocksDB's status
-            return f"the store reports {self._read_only.named(exc) if self._read_only is not None else exc}"
+            return f"the store reports {self._named(exc)}"
         finally:
             del it
         return f"the record at offset {offset} is missing"

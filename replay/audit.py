@@ -214,6 +214,8 @@ def open_run(path: Path, secret: bytes | None, *, as_of_projection: bool = False
     try:
         ends = {name: log.end_offset(name) for name in log.streams()}  # later appends are not read
         chain = log.chain
+    except LogError as exc:  # a block of the log that cannot be read
+        raise LogDamaged(str(exc)) from None
     finally:
         log.close()
     left_out = 0

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -438,6 +440,7 @@ class TestSingleWriter:
 
 WRITER = """
 import sys
+import tempfile
 kind, where, stream = sys.argv[1:4]
 if kind == "embedded":
     from events.log import EmbeddedLog
@@ -529,6 +532,7 @@ class TestDurability:
 
 STREAMS_WRITER = """
 import sys
+import tempfile
 from events.log import EmbeddedLog
 log = EmbeddedLog(sys.argv[1])
 i = 0
@@ -906,6 +910,46 @@ def test_kafka_records_carry_the_events_trace_context_in_headers(kafka: KafkaBac
             consumer.close()
     assert msgs[0].headers() == [("traceparent", parent.encode())]
     assert msgs[1].headers() is None
+
+
+def test_a_byte_flipped_anywhere_in_a_table_file_is_an_error_never_a_shorter_log(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    """A flipped byte in the block holding a stream's last records made its end offset 0 (the
+    iterator that looks for it stopped there without raising): ``replay verify`` said "ok
+    chain" over an empty plan stream and ``log export`` wrote none of it, exit 0; one in the
+    first block was a traceback naming a scratch copy, which stayed behind (the bug bash of
+    2026-11-28, evening). Wherever the byte is, reading the log back (open, streams, their
+    ends, their records) gives every record or raises LogError, and leaves no scratch copy."""
+    src = tmp_path / "log"
+    with EmbeddedLog(src) as log:
+        for i in range(40):
+            log.append(topics.PLAN, f"k{i}", orjson.dumps({"i": i, "pad": "x" * 2000}))
+        log.append(topics.DISPATCH, "d", b"{}")
+        log._db.flush()
+    (table,) = src.glob("*.sst")
+    good = table.read_bytes()
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    outcomes = set()
+    for at in range(0, len(good), 509):
+        damaged = tmp_path / f"at{at}"
+        shutil.copytree(src, damaged)
+        data = bytearray(good)
+        data[at] ^= 0xFF
+        (damaged / table.name).write_bytes(bytes(data))
+        try:
+            with EmbeddedLog(damaged, read_only=True) as log:
+                read = {name: list(log.read(name)) for name in log.streams()}
+        except LogError as exc:
+            assert str(damaged) in str(exc) and "stagetree-read-" not in str(exc), exc
+            outcomes.add("error")
+        else:
+            assert {name: len(records) for name, records in read.items()} == {topics.PLAN: 40, topics.DISPATCH: 1}, at
+            outcomes.add("whole")
+        assert not list(scratch.iterdir()), at
+        shutil.rmtree(damaged)
+    assert "error" in outcomes  # (a byte that nothing read covers would change nothing read)
 
 
 def test_a_damaged_table_file_is_an_error_naming_the_stream_not_a_shorter_log(tmp_path: Path) -> None:
