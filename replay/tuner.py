@@ -49,6 +49,7 @@ from replay.audit import NOT_READ, AuditError, AuditResult, Failure, Source, ope
 from stagetree.runtime import RuntimeBase, settle
 from stagetree.study import Study
 from stagetree.tuners import Tuner
+from stagetree.tuners._settings import recorded_settings
 
 NO_DECISIONS = ("not recomputed: the log holds no tuner decisions (its tuner recorded none, e.g. one that calls "
                 "submit without decide, or the log was written before decisions were events)")
@@ -348,7 +349,11 @@ def _check_runs(records: Sequence[Record], study: str, runs: Sequence[Run],
     total = TunerCheck(study)
     for i, run in enumerate(runs):
         tuner, trainer = make(i)
-        why = None if run.study.tuner_settings is None else difference(run.study.tuner_settings, tuner.settings())
+        recorded = run.study.tuner_settings
+        try:
+            why = None if recorded is None else difference(recorded, recorded_settings(tuner))
+        except ValueError as exc:  # settings that cannot be recorded: not the ones the run recorded
+            why = str(exc)
         if why is not None:  # another tuner, other arguments or another space: not the run's study file
             total.failure = Failure("tuner", run.start, run.study.type, (
                 f"study {study!r}: the run that starts here recorded other tuner settings than the study file's "

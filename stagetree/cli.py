@@ -89,6 +89,21 @@ def _study_file(path: str) -> tuple[Any, Any, Tuner, int, str]:
     return module, trainer, tuner, seed, name
 
 
+def _settings_of(path: str, tuner: Tuner) -> dict[str, Any]:
+    """The tuner's settings as its StudyStarted records them
+    (:func:`stagetree.tuners._settings.recorded_settings`).
+
+    Raises:
+        UsageError: they cannot be recorded (naming the study file), before anything is created.
+    """
+    from stagetree.tuners._settings import recorded_settings
+
+    try:
+        return recorded_settings(tuner)
+    except ValueError as exc:
+        raise UsageError(f"study file {path!r}: {exc}") from None
+
+
 def _warn_unshared(path: str, unshared: dict[str, tuple[Any, Any]]) -> None:
     """A warning on stderr per hyper-parameter that starts at one number written as two types."""
     if not unshared:
@@ -288,7 +303,7 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
 
     loaded = _study_file(args.file)
     name = loaded[4]
-    settings = loaded[2].settings()  # once: a grid's digest reads every configuration
+    settings = _settings_of(args.file, loaded[2])  # once: a grid's digest reads every configuration
     out = _out_dir(args.out, name)
     _check_out(out)
     _check_device(args.device)
@@ -410,6 +425,7 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
     from stagetree.worker_processes import Spawned, watch
 
     loaded = _study_file(args.file)
+    settings = _settings_of(args.file, loaded[2])
     out = _out_dir(args.out, loaded[4])
     _check_out(out)
     if args.checkpoint_store is None:
@@ -439,7 +455,7 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
         async def study() -> dict[str, Any]:
             if workers:
                 await runtime.ready(workers)
-            return await _conduct(runtime, log, args, loaded, loaded[2].settings(), mode)
+            return await _conduct(runtime, log, args, loaded, settings, mode)
 
         if workers:
             out.mkdir(parents=True, exist_ok=True)

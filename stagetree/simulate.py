@@ -46,6 +46,7 @@ from scheduler.service import SchedulerService
 from stagetree.runtime import RuntimeBase, RuntimeError_, settle
 from stagetree.study import Study
 from stagetree.tuners import Tuner, TunerResult
+from stagetree.tuners._settings import recorded_settings
 
 EPOCH = 1.0e9
 """Virtual time 0 as an event timestamp (seconds since the Unix epoch; any fixed value works)."""
@@ -317,7 +318,7 @@ async def _simulate(trainer: Trainer, studies: list[SimStudy], workers: int, mer
             StudyStarted(producer="simulator", study_id=s.name, name=s.name, plan_key=study.plan_key, mode=mode,
                          workers=workers, seed=s.seed, trainer=f"{trainer.name}@{trainer.version}",
                          metric=s.tuner.metric, metric_mode=s.tuner.mode, study_file=study_file,
-                         tuner_settings=s.tuner.settings())
+                         tuner_settings=recorded_settings(s.tuner))
             for s, study in zip(studies, sdk)
         ])
         done_at: dict[int, float] = {}

@@ -203,3 +203,29 @@ def test_hyperband_tells_a_trial_dealt_to_several_brackets_by_its_last_bracket(t
     assert study.best_trial.user_attrs["stagetree_trial"] == result.summaries[0]["best_trial"]
     check = check_study(tmp_path, "o", tuner, TRAINER)
     assert check.ok, check.failure
+
+
+def test_the_samplers_seed_and_arguments_and_the_pruners_are_recorded() -> None:
+    """Optuna 5's samplers keep no ``_seed``: the settings recorded ``seed: null`` for every
+    sampler, and only the sampler's and pruner's class, so a ``--resume`` with another sampler
+    seed or ``n_startup_trials`` was accepted and decided otherwise. Their attributes and the
+    random state the seed made are recorded now, read before any draw."""
+    from events.settings import difference
+    from stagetree.tuners._settings import recorded_settings
+
+    def settings(seed: int = 4, startup: int = 2, pruner: Any = None) -> dict[str, Any]:
+        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup)
+        return recorded_settings(OptunaSearch({"lr": Uniform(0.01, 0.1)}, "acc", n_trials=4, steps=5,
+                                              sampler=sampler, pruner=pruner, report_every=1 if pruner else None))
+
+    base = settings()
+    assert difference(base, settings()) is None
+    assert "seed_state_sha256" in str(difference(base, settings(seed=5)))
+    assert difference(base, settings(startup=1)) == "`space.sampler_settings.n_startup_trials`: 2 in the log, 1 now"
+    median = settings(pruner=optuna.pruners.MedianPruner(n_startup_trials=3))
+    assert difference(median, settings(pruner=optuna.pruners.MedianPruner(n_startup_trials=4))) == \
+        "`space.pruner_settings.n_startup_trials`: 3 in the log, 4 now"
+    space = OptunaSpace({"lr": Uniform(0.01, 0.1)}, 4, sampler=optuna.samplers.RandomSampler(seed=1))
+    before = space.settings()
+    space.sampler.sample_independent(None, None, "lr", optuna.distributions.FloatDistribution(0, 1))  # a draw
+    assert space.settings() == before  # (read when it was built)

@@ -524,6 +524,70 @@ def test_a_user_tuners_argument_kept_under_another_name_is_recorded() -> None:
         mine(0.5, 1, 2)
 
 
+def test_settings_read_back_equal_to_themselves_whatever_types_made_them() -> None:
+    """Settings that never equalled themselves read back (an IntEnum or a str Enum argument, a
+    numpy string, a tuple from a user's ``settings()`` override: the log's plain int, str or list
+    against the live value's type) refused every resume of an unchanged file; a numpy array, or an
+    int beyond 64 bits, was an error naming nothing, the latter after the run directory was made.
+    Recording goes through JSON now, enums by name, and they compare equal to themselves."""
+    import enum
+    import functools
+    from pathlib import Path as P
+
+    import numpy as np
+
+    from events.settings import difference
+    from stagetree.tuners import GridSearch
+    from stagetree.tuners._settings import recorded_settings
+
+    class Level(enum.IntEnum):
+        LOW = 1
+        HIGH = 2
+
+    class Colour(enum.StrEnum):
+        RED = "red"
+        BLUE = "blue"
+
+    class Mine(GridSearch):
+        def __init__(self, space: Any, steps: int, metric: str, *, level: Any = None, extra: Any = None) -> None:
+            super().__init__(space, steps, metric)
+            self.level, self.extra = level, extra
+
+        def settings(self) -> dict[str, Any]:
+            return {**super().settings(), "milestones": (10, 15)}  # a tuple, as users write them
+
+    def mine(level: Any = Level.LOW, **extra: Any) -> dict[str, Any]:
+        return recorded_settings(Mine(GridSearchSpace({"lr": [0.1, 0.01]}), 5, "acc", level=level,
+                                      extra={"colour": Colour.RED, "name": np.str_("a"), "n": np.int64(3),
+                                             "array": np.array([0.1, 0.2]), "big": 2**70, "path": P("/x"),
+                                             "f": functools.partial(max, 1), **extra}))
+
+    settings = mine()
+    assert settings["level"] == "Level.LOW" and settings["milestones"] == [10, 15]
+    assert settings["extra"] == {"colour": "Colour.RED", "name": "a", "n": 3, "array": [0.1, 0.2],
+                                 "big": str(2**70), "path": "/x", "f": {"partial": "max", "args": [1], "keywords": {}}}
+    assert difference(settings, mine()) is None
+    assert difference(settings, mine(Level.HIGH)) == '`level`: "Level.LOW" in the log, "Level.HIGH" now'
+    assert difference(settings, mine(colour=Colour.BLUE)) == \
+        '`extra.colour`: "Colour.RED" in the log, "Colour.BLUE" now'
+
+
+def test_a_space_read_once_is_read_by_the_tuner_and_a_tuple_records_as_a_list() -> None:
+    """A generator as the space: checking the study file read it, and the run had 0 trials,
+    exit 0. A tuple of the same configurations as a list refused ``--resume``."""
+    from events.settings import difference
+    from stagetree.tuners import GridSearch
+    from stagetree.tuners._settings import recorded_settings
+
+    configs = [{"lr": 0.1}, {"lr": 0.01}]
+    once = GridSearch(iter(configs), 5, "acc")
+    assert list(once.space) == list(once.space) == configs
+    as_list = recorded_settings(GridSearch(configs, 5, "acc"))
+    assert difference(as_list, recorded_settings(GridSearch(tuple(configs), 5, "acc"))) is None
+    assert difference(as_list, recorded_settings(once)) is None
+    assert as_list["space"]["configurations"] == 2
+
+
 def test_settings_difference_names_the_first_changed_field() -> None:
     from events.settings import difference
     from stagetree.tuners import PBT, SuccessiveHalving

@@ -15,7 +15,7 @@ import inspect
 import itertools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sized
+from collections.abc import Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -102,6 +102,8 @@ class Tuner(ABC):
             raise ValueError(f"`mode` is {mode!r}, but must be 'max' or 'min'")
         if not metric:
             raise ValueError(f"`metric` is {metric!r}, but must name a metric")
+        if isinstance(space, Iterator):  # read once (a generator): read here, so that checking the
+            space = list(space)  # study file (which reads every configuration) leaves it to the tuner
         if isinstance(space, Sized) and len(space) == 0:  # a grid or random space, or a list
             dropped = " (its filter drops every configuration)" if getattr(space, "filter", None) else ""
             raise ValueError(f"`space` holds no configuration{dropped}, but must hold at least one")

@@ -36,10 +36,13 @@ Needs ``pip install 'stagetree[optuna]'``.
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from events.decisions import Continue, Decision, Pruned, Stop
 from events.hp import HPConfig
@@ -65,6 +68,28 @@ MAX_ASKS = 10
 """How many asks per configuration wanted before a space is taken as exhausted (a categorical
 space smaller than ``n``): a sampler proposing a configuration already asked is told it failed
 (user attribute ``duplicate_of``) and asked again."""
+
+
+def component_settings(component: Any) -> dict[str, Any]:
+    """An Optuna sampler's or pruner's settings as JSON data: its class and every attribute
+    (:func:`~stagetree.tuners._settings.jsonable`; Optuna keeps its constructor's arguments as
+    ``_name`` attributes, named here without the underscore), a sampler or pruner inside it in
+    the same way, and its random state as a sha256 (``seed_state_sha256``: Optuna 5's samplers keep no
+    seed, only a generator made from it; a sampler given no seed has a new one in every
+    process). Read it before the component is used: its random state moves on."""
+    out: dict[str, Any] = {"class": type(component).__qualname__}
+    for key, value in sorted(vars(component).items()):
+        name = key.lstrip("_")
+        if isinstance(value, (BaseSampler, BasePruner)):
+            out[name] = component_settings(value)
+        elif key == "_rng":
+            rng = getattr(value, "rng", value)  # Optuna's LazyRandomState, or a numpy RandomState
+            state = rng.get_state() if callable(getattr(rng, "get_state", None)) else None
+            out["seed_state_sha256"] = None if state is None else hashlib.sha256(
+                orjson.dumps(jsonable(state), option=orjson.OPT_SERIALIZE_NUMPY)).hexdigest()
+        else:
+            out[name] = jsonable(value)
+    return out
 
 
 def check_storage(storage: Any) -> None:
@@ -131,6 +156,8 @@ class OptunaSpace:
         self.storage = storage
         self.study_name = study_name
         self.pruner = pruner if pruner is not None else NopPruner()
+        # read now, before the sampler draws (its random state moves on with every draw)
+        self._components = {"sampler": component_settings(self.sampler), "pruner": component_settings(self.pruner)}
         self._optuna: OptunaStudy | None = None
         self._for: Study | None = None
         self._tuner: Tuner | None = None
@@ -148,11 +175,15 @@ class OptunaSpace:
 
     def settings(self) -> dict[str, Any]:
         """The space as JSON data, recorded with its tuner's settings (:meth:`Tuner.settings`):
-        its hyper-parameters' samplers, ``n``, the Optuna sampler's class and seed, the pruner's
-        class and the Optuna study's name (not the storage: where that study is kept)."""
+        its hyper-parameters' samplers, ``n``, the Optuna sampler's class and ``seed``, the
+        pruner's class, the Optuna study's name (not the storage: where that study is kept), and
+        the sampler's and pruner's own settings as they were built (``sampler_settings``,
+        ``pruner_settings``: :func:`component_settings`, so a sampler's seed or
+        ``n_startup_trials`` changed is a change)."""
         return {"space": type(self).__name__, "hp_dict": jsonable(self.specs), "n": self.n,
                 "sampler": self.sampler_name, "seed": self.seed, "pruner": type(self.pruner).__name__,
-                "study_name": self.study_name}
+                "study_name": self.study_name, "sampler_settings": self._components["sampler"],
+                "pruner_settings": self._components["pruner"]}
 
     def __repr__(self) -> str:
         return f"OptunaSpace({self.specs!r}, n={self.n}, sampler={self.sampler_name}, seed={self.seed})"
