@@ -205,6 +205,13 @@ def plan_evictions(state: State, budget: int, need: int, pinned: set[str],
     kept and reserved: greedy, cheapest first, the figures recomputed after each pick (evicting
     one checkpoint makes its neighbours costlier to lose). Empty when they fit already; as many
     as exist when they cannot fit. Pure: a replay recomputes it from the same state."""
+    return _plan(state, budget, need, pinned, policy)[0]
+
+
+def _plan(state: State, budget: int, need: int, pinned: set[str],
+          policy: str) -> tuple[list[CheckpointEvicted], int, bool]:
+    """:func:`plan_evictions`, the bytes still missing after them (> 0: ``need`` cannot fit),
+    and whether they evict a pending request's source."""
     excess = state.stats.checkpoint_bytes + reserved_bytes(state) + need - budget
     chosen: list[Candidate] = []
     gone: set[tuple[str, int]] = set()
@@ -224,7 +231,7 @@ def plan_evictions(state: State, budget: int, need: int, pinned: set[str],
     return [CheckpointEvicted(producer="scheduler", plan_key=c.plan_key, node_id=c.node_id, step=c.step, ref=c.ref,
                               size=c.size, decided_at=state.offset, checkpoint_budget=budget,
                               reason=c.reason(budget, need), policy=check_policy(policy), rules=RULES)
-            for c in chosen]
+            for c in chosen], excess, any(c.reuse >= 1.0 for c in chosen)
 
 
 def fits(state: State, budget: int, path: Path) -> bool:
@@ -243,10 +250,20 @@ def fits(state: State, budget: int, path: Path) -> bool:
 def evictions_for_dispatch(state: State, budget: int, policy: str = "critical-path") -> list[CheckpointEvicted]:
     """The evictions to decide before the next dispatch (the one ``decide`` makes now under
     ``policy``): room for the bytes its path writes. Empty when no worker is idle, nothing is
-    ready, or it fits."""
+    ready, or it fits; and, while a path runs, when the path would not fit even after them (its
+    checkpoints' size still unknown, or too little to evict) or they would evict a pending
+    request's source: the path waits for a running path to end (:func:`fits`), whose end may
+    leave other candidates (a finished trial's checkpoint). Evicting then lost a source that the
+    path dispatched next retrained (the evictions made another path the critical one; the bug
+    bash of 2026-11-28)."""
     if not state.idle_workers():
         return []
     path = best_path(state, policy)
     if path is None:
         return []
-    return plan_evictions(state, budget, path_bytes(state, path), pinned_refs(state, path), policy)
+    if not running_dispatches(state):  # nothing would free room: the path goes ahead whatever is left
+        return plan_evictions(state, budget, path_bytes(state, path), pinned_refs(state, path), policy)
+    if checkpoint_size(state, path.plan_key) == 0:
+        return []
+    evictions, missing, sources = _plan(state, budget, path_bytes(state, path), pinned_refs(state, path), policy)
+    return [] if missing > 0 or sources else evictions

@@ -142,14 +142,18 @@ class SchedulerService:
             self._append(control, to_workers=True)
         out: list[StageDispatched] = []
         rejections = 0
+        evicted: set[tuple[str, str, int]] = set()  # (plan, node, step) evicted in this pass
         while True:
             if self.checkpoint_budget is not None:
                 evictions = evictions_for_dispatch(self.projector.state, self.checkpoint_budget, self.policy)
-                if evictions:
+                places = {(e.plan_key, e.node_id, e.step) for e in evictions}
+                if evictions and not places <= evicted:  # (the same again: the log refused them; go on)
+                    evicted |= places
                     fault_point("before-eviction-event")
                     self._append(list(evictions))
                     fault_point("after-eviction-event")
                     self._delete_garbage([e.ref for e in evictions])
+                    continue  # asked again of the state they made (new records may have come with it)
             state = self.projector.state
             started_ns = time.time_ns()
             decision = decide(state, self.policy)

@@ -434,6 +434,10 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
         raise UsageError("--checkpoint-store (or $STAGETREE_CHECKPOINT_STORE) is required to start workers")
     if args.workers:
         _check_device(args.device)
+    elif args.checkpoint_budget is not None:
+        raise UsageError(f"--checkpoint-budget {args.checkpoint_budget!r} is applied by the serve that `run "
+                         "--workers N` starts; with --workers 0 give it to the deployment's `stagetree serve` (or "
+                         "$STAGETREE_CHECKPOINT_BUDGET there)")
     mode = "trial" if args.no_merge else "merged"
     port = reserve(args.dashboard) if args.dashboard is not None else None
     log = _kafka_log(args)
@@ -459,8 +463,11 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
 
         if workers:
             out.mkdir(parents=True, exist_ok=True)
+            # the serve applies the budget (it decides evictions and deletes them from the store)
+            budget = [] if args.checkpoint_budget is None else ["--checkpoint-budget", str(args.checkpoint_budget)]
             procs.append(Spawned("serve", functools.partial(
-                _spawn, ["serve", *common, "--state-dir", str(out / "serve-state"), "--app-id", app_id])))
+                _spawn, ["serve", *common, "--state-dir", str(out / "serve-state"), "--app-id", app_id,
+                         "--checkpoint-store", args.checkpoint_store, *budget])))
             procs += [Spawned(f"worker {w}", functools.partial(
                 _spawn, ["worker", *common, "--checkpoint-store", args.checkpoint_store, "--worker-id", w,
                          "--study", str(args.file), "--device", args.device])) for w in workers]

@@ -169,10 +169,13 @@ def _check_outputs(out: str | None, json_path: str | None, modes: list[str]) -> 
 
 
 def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
+    from stagetree.cli import _budget_default
+
     modes = _modes(args)
+    budget = args.checkpoint_budget if args.checkpoint_budget is not None else _budget_default()
     _check_outputs(args.out, args.json, modes)
     report = run_simulation(args.file, workers=args.workers, policy=args.policy, modes=modes, out=args.out,
-                            checkpoint_budget=args.checkpoint_budget)
+                            checkpoint_budget=budget)
     print_report(report, console)
     if args.json:
         Path(args.json).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
@@ -191,5 +194,6 @@ def register(sub: argparse._SubParsersAction, positive: Any) -> None:  # type: i
     sim.add_argument("--out", help="keep each mode's log, projection and summaries under OUT/<mode>")
     sim.add_argument("--json", help="also write the report as JSON to this file")
     sim.add_argument("--checkpoint-budget", type=parse_size, default=None, metavar="SIZE",
-                     help="bytes of checkpoints to keep at most (sizes from the trainer's cost model)")
+                     help="bytes of checkpoints to keep at most (sizes from the trainer's cost model; default: "
+                          "$STAGETREE_CHECKPOINT_BUDGET)")
     sim.set_defaults(func=cmd_simulate)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -19,7 +20,7 @@ def parse_size(value: str) -> int:
         amount = float(number)
     except ValueError:
         amount = -1.0
-    if unit not in _SIZE_UNITS or not amount > 0 or amount != amount:
+    if unit not in _SIZE_UNITS or not 0 < amount < math.inf:  # (nan compares false)
         raise argparse.ArgumentTypeError(f"must be a size in bytes such as 500MB, 2GiB or 1000000, got {value!r}")
     size = int(amount * _SIZE_UNITS[unit])
     if size < 1:

@@ -818,3 +818,21 @@ def test_cli_a_long_study_name_still_gets_its_summary(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert orjson.loads(summary_path(tmp_path / "out", long).read_bytes())["name"] == long
     assert orjson.loads((tmp_path / "out" / "summary.json").read_bytes())["name"] == long
+
+
+@pytest.mark.parametrize("value", ["inf", "1e999", "Infinity", "nan", "-1", "abc", "10XB"])
+def test_a_size_that_is_not_a_finite_positive_number_of_bytes_is_bad_input(value: str, tmp_path: Path,
+                                                                           monkeypatch, capsys) -> None:
+    """``--checkpoint-budget inf`` (and through ``$STAGETREE_CHECKPOINT_BUDGET``, in ``run`` and
+    ``simulate``) was an OverflowError traceback, exit 1; ``simulate`` read no variable at all."""
+    study = REPO / "tests" / "studies" / "tiny_grid.py"
+    out = tmp_path / "out"
+    assert cli(["run", str(study), "--out", str(out), "--checkpoint-budget", value]) == 2
+    err = squash(capsys.readouterr().err)
+    assert "--checkpoint-budget" in err and f"'{value}'" in err and "Traceback" not in err, err
+    monkeypatch.setenv("STAGETREE_CHECKPOINT_BUDGET", value)
+    for argv in (["run", str(study), "--out", str(out)], ["simulate", str(study), "--out", str(out)]):
+        assert cli(argv) == 2, argv
+        err = squash(capsys.readouterr().err)
+        assert "$STAGETREE_CHECKPOINT_BUDGET" in err and f"'{value}'" in err and "Traceback" not in err, (argv, err)
+    assert not out.exists()

@@ -366,3 +366,20 @@ def test_cancelling_a_trial_preempts_its_running_path(tmp_path: Path) -> None:
     assert stopped.to_step == 400 and 0 <= stopped.step < 400
     assert summary(out)["executed_steps"] == 10 + stopped.step < 410
     assert main(["replay", "verify", str(out), "--quiet"]) == 0
+
+
+@pytest.mark.e2e
+def test_no_pending_source_is_evicted_for_a_path_that_waits_anyway(tmp_path: Path) -> None:
+    """tiny_grid's tree (n0 trained 0 to 90; n1 branches at 60, n2 at 30; checkpoints of 100,921
+    bytes) needs no retraining under a budget of 350,000 bytes. It retrained 30 steps: the
+    eviction before the second path, decided while the first was still writing its last
+    checkpoint, took n1's source (n0@60, the only candidate then), which made n1's branch the
+    critical path, dispatched once the write ended, retraining 30 to 60. While a path runs, a
+    pending request's source is no longer evicted: the path waits, and the running path's end
+    leaves a finished trial's checkpoint to evict instead (the bug bash of 2026-11-28)."""
+    out = tmp_path / "run"
+    stagetree_run(out, "tiny_grid.py", "--workers", "1", "--checkpoint-budget", "350000")
+    s = summary(out)
+    assert s["executed_steps"] == s["unique_steps"] == 180 and s["checkpoints_evicted"] > 0, s
+    assert s["peak_checkpoint_bytes"] <= 350000
+    assert main(["replay", "verify", str(out), "--quiet"]) == 0

@@ -434,3 +434,25 @@ def test_a_run_with_no_deployment_to_run_it_says_what_it_waits_for(deployment: d
     finally:
         run.kill()
         run.wait()
+
+
+def test_a_kafka_runs_checkpoint_budget_flag_reaches_the_serve_it_starts(deployment: dict[str, str],
+                                                                        tmp_path: Path) -> None:
+    """``run --workers N --checkpoint-budget SIZE`` on Kafka started its serve without the flag
+    (nor ``--checkpoint-store``): the budget was ignored without a word, and with the budget in
+    the serve's environment the serve refused to start for want of a store. The serve it starts
+    gets both now; with ``--workers 0`` nothing would apply the flag, so it is refused."""
+    study = STUDY.parent / "tiny_grid.py"  # checkpoints of 100,921 bytes: 150,000 holds one
+    out = tmp_path / "run"
+    proc = subprocess.run([*CLI, "run", str(study), "--workers", "1", "--out", str(out), "--quiet",
+                           "--checkpoint-budget", "150000"], capture_output=True, text=True, timeout=600,
+                          env=deployment)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = summary_of(out)
+    # the first path writes 3 checkpoints, alone; evictions asked again after each group kept it to that
+    # (a dispatch decided from the state the evictions made, not asked again, let it reach 4)
+    assert summary["checkpoints_evicted"] > 0 and summary["peak_checkpoint_bytes"] <= 3 * 100921, summary
+    proc = subprocess.run([*CLI, "run", str(study), "--workers", "0", "--out", str(tmp_path / "zero"), "--quiet",
+                           "--checkpoint-budget", "1GB"], capture_output=True, text=True, timeout=300, env=deployment)
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "--checkpoint-budget 1000000000 is applied by the serve" in err, err
