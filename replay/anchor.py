@@ -82,7 +82,7 @@ def check_anchors(source: Source, anchors: Sequence[Anchor]) -> Failure | None:
     """
     if anchors and source.chain == "sealed":
         raise AuditError("--anchor: a deployment's topics carry their chain in their seals, not in each record; "
-                         "anchor a run directory or an export")
+                         "anchor an embedded run directory or its export (a deployment's exports keep its seals too)")
     for anchor in anchors:
         found, last, beyond = _record_at(source.streams.get(anchor.stream, []), anchor.offset)
         if found is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from rich.markup import escape
@@ -40,10 +40,37 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
     from replay.audit import export_log, open_source
 
     out = check_output_file("--out", args.out)  # before a Kafka source's whole read
-    source = open_source(args.source, secret_from(args.log_key))
-    n = export_log(source, out, secret_from(args.log_key))
+    secret = secret_from(args.log_key)
+    source = open_source(args.source, secret)
+    _check_key(source, secret)
+    n = export_log(source, out, secret)
     console.print(f"exported {n} records ({source.chain} chain) to {escape(args.out)}")
     return 0
+
+
+def _check_key(source: Any, secret: bytes | None) -> None:
+    """Refuse to export a keyed log without its key, or with another one (the export's header
+    carries a projection digest computed with it: the file would never verify).
+
+    Raises:
+        AuditError: naming ``--log-key`` (exit 2), before anything is written.
+    """
+    from events.log import CHAIN_START, chain_algorithm, chain_next
+    from replay.audit import AuditError
+
+    if source.chain not in ("sha256", "hmac-sha256"):  # a deployment's sealed topics
+        return
+    if source.chain != chain_algorithm(secret):
+        raise AuditError(f"--log-key: the log is chained with {source.chain}, but "
+                         + ("no key was given (--log-key or $STAGETREE_LOG_KEY)" if not secret else
+                            "a key was given: export it without --log-key"))
+    if secret:
+        for stream in sorted(source.streams):
+            first = next(iter(source.streams[stream]), None)
+            if first is not None and first.offset == 0 and \
+                    chain_next(CHAIN_START, stream, 0, first.key, first.value, secret) != first.chain:
+                raise AuditError(f"--log-key: not the key the log was chained with (stream {stream} offset 0 "
+                                 "does not chain with it)")
 
 
 def cmd_import(args: argparse.Namespace, console: Console) -> int:
