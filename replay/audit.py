@@ -864,6 +864,10 @@ def _verify(source: Source, secret: bytes | None, progress: Callable[[int], None
                 failure = Failure("checkpoint", offset, etype,
                                   f"checkpoint {ref} of node {node_id} at step {step} {why}")
                 break
+        left = sorted(ref for ref in gone if failure is None and store.exists(ref))
         result.add("checkpoint", failure, f"{len(seen)} checkpoint objects exist and match their sha256"
-                                          + (f"; {len(gone)} evicted ones are expected missing" if gone else ""))
+                   + (f"; {len(gone)} no plan references any more (evicted, or dropped as corrupt) are expected "
+                      "missing" if gone else "")
+                   + (f", but {len(left)} of them are still stored (not deleted: space the budget does not "
+                      f"count), e.g. {left[0]}" if left else ""))
     return result

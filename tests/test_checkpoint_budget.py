@@ -8,6 +8,8 @@ a tampered one is caught.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -267,6 +269,27 @@ def test_a_third_of_keep_all_gives_the_same_metrics_and_never_more_bytes(unbound
                                                                                  "CheckpointEvicted"))
     assert disk_bytes(out) <= budget
     assert main(["replay", "verify", str(out), "--quiet"]) == 0
+
+
+@pytest.mark.e2e
+def test_verify_says_which_evicted_checkpoints_are_still_stored(unbounded: Path, tmp_path: Path, capsys) -> None:
+    """Evicted objects left in the store (a deletion a crash or an outage cut off) were called
+    "expected missing" though present: space no budget counts. Verify names them (and passes:
+    the log is intact)."""
+    out = tmp_path / "run"
+    stagetree_run(out, "tiny_sha.py", "--checkpoint-budget", str(summary(unbounded)["peak_checkpoint_bytes"] // 3))
+    capsys.readouterr()
+    assert main(["replay", "verify", str(out), "--quiet"]) == 0
+    assert "still stored" not in capsys.readouterr().out
+    for f in (unbounded / "checkpoints").rglob("*"):  # the same objects (bit for bit), evicted ones among them
+        target = out / "checkpoints" / f.relative_to(unbounded / "checkpoints")
+        if f.is_file() and not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, target)
+    assert main(["replay", "verify", str(out), "--quiet"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"\d+ no plan references any more \(evicted, or dropped as corrupt\) are expected missing, but "
+                     r"\d+ of them are still stored", text), text
 
 
 @pytest.mark.e2e
