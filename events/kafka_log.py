@@ -242,8 +242,8 @@ class KafkaLog:
             raise ValueError(f"`client_id` is {client_id!r}, but must be a non-empty string")
         if isinstance(plan_partitions, bool) or not isinstance(plan_partitions, int) or plan_partitions < 1:
             raise ValueError(f"`plan_partitions` is {plan_partitions!r}, but must be an int >= 1")
-        if topic_prefix:
-            _check_topic(topic_prefix)
+        if topic_prefix:  # it begins every topic name ('.' alone is no topic, but '.stagetree.plan' is)
+            _check_topic(topic_prefix + topics.HEARTBEAT)
         self.topic_prefix = topic_prefix
         self.partitions: dict[str, int] = {self.topic(topics.PLAN): plan_partitions}
         for topic, count in (partitions or {}).items():

@@ -694,8 +694,8 @@ def _seconds_below(limit: float | None = None):  # type: ignore[no-untyped-def]
 def _topic_prefix(value: str) -> str:
     """An argparse type: a topic prefix (empty, or up to 200 characters of a Kafka topic name)."""
     if value and not topics.TOPIC_PART.fullmatch(value):
-        raise argparse.ArgumentTypeError(f"must be empty or characters of A-Z a-z 0-9 . _ - (it begins every topic "
-                                         f"name), got {value!r}")
+        raise argparse.ArgumentTypeError(f"must be empty or at most 200 characters of A-Z a-z 0-9 . _ - (it begins "
+                                         f"every topic name), got {value!r}")
     return value
 
 
@@ -894,7 +894,8 @@ def _check_store(store: Any, url: str, *, who: str = "worker", write: bool = Tru
     ``who`` (a worker, a serve instance) joins the cluster and appends anything to its log: an
     S3 store's bucket exists, takes these credentials and (``write``) a PUT, its endpoint answers
     in time (:meth:`S3CheckpointStore.probe <gpu_worker.object_store.S3CheckpointStore.probe>`,
-    each request bounded by ``PROBE_TIMEOUT_S``); another store is asked for an object (a
+    each request bounded by ``PROBE_TIMEOUT_S``); a local directory is made if need be and
+    (``write``) gets the empty checkpoint written; another store is asked for an object (a
     HEAD). What may pass later (an endpoint that does not answer, a 5xx reply) is tried again
     as a stage's checkpoint read or write is (``STORAGE_ATTEMPTS`` tries, ``STORAGE_BACKOFF_S``
     seconds apart and doubling): a store away for a moment is waited for, a mistyped endpoint
@@ -904,10 +905,10 @@ def _check_store(store: Any, url: str, *, who: str = "worker", write: bool = Tru
         UsageError: (exit 2) naming ``--checkpoint-store`` and ``url``, the endpoint
             (``$STAGETREE_S3_ENDPOINT``) or the bucket, and why: credentials the store refuses,
             a bucket that does not exist (a store never creates one), an endpoint still not
-            answering after the last try. Each would fail every stage the worker ran, its path
+            answering after the last try, a directory that cannot be made or written. Each would fail every stage the worker ran, its path
             handed back and dispatched again for ever.
     """
-    from gpu_worker.checkpoint import STORAGE_ATTEMPTS, retry_storage
+    from gpu_worker.checkpoint import STORAGE_ATTEMPTS, LocalCheckpointStore, StorageError, retry_storage
     from gpu_worker.object_store import CREDENTIAL_CODES, ENV_S3_ENDPOINT, CheckpointStoreError, S3CheckpointStore
 
     remote = getattr(store, "store", store)  # the store of record behind a node cache
@@ -915,6 +916,8 @@ def _check_store(store: Any, url: str, *, who: str = "worker", write: bool = Tru
     def check() -> None:
         if isinstance(remote, S3CheckpointStore):
             remote.probe(write=write)
+        elif write and isinstance(remote, LocalCheckpointStore):  # the empty checkpoint, as the S3 probe
+            remote.put(b"")
         else:
             store.exists("0" * 64)  # an object no checkpoint is
 
@@ -929,6 +932,8 @@ def _check_store(store: Any, url: str, *, who: str = "worker", write: bool = Tru
                              f"(a {who} never creates one; check the URL, or create the bucket first)") from None
         raise UsageError(f"--checkpoint-store {url!r}: the object store at {exc.endpoint} "
                          f"(${ENV_S3_ENDPOINT}) cannot be used ({STORAGE_ATTEMPTS} tries): {exc}") from None
+    except StorageError as exc:  # a directory that cannot be made or written (a file, a read-only place)
+        raise UsageError(f"--checkpoint-store {url!r}: this {who} cannot write checkpoints there: {exc}") from None
 
 
 def run_embedded(args: argparse.Namespace, console: Console) -> dict[str, Any]:

@@ -753,10 +753,11 @@ def test_cli_worker_checkpoint_cache_flags(tmp_path: Path, capsys: pytest.Captur
     (["serve"], {"STAGETREE_SESSION_TIMEOUT": "abc"}, ["--session-timeout", "'abc'"]),
     (["worker"], {"STAGETREE_PLAN_PARTITIONS": "zero"}, ["--plan-partitions", "'zero'"]),
     (["worker", "--topic-prefix", "bad prefix/"], {}, ["--topic-prefix", "'badprefix/'"]),
+    (["worker", "--topic-prefix", "p" * 201], {}, ["--topic-prefix", "atmost200characters"]),
     (["worker", "--worker-id", "", "--checkpoint-store", "/nonexistent"], {}, ["--worker-idis''"]),
     (["worker", "--device", "gpu0", "--checkpoint-store", "/nonexistent"], {}, ["--deviceis'gpu0'"]),
 ], ids=["heartbeat-0", "heartbeat-nan", "heartbeat-timeout", "session-0", "session-over-faust", "app-id",
-        "session-env", "partitions-env", "topic-prefix", "worker-id", "device"])
+        "session-env", "partitions-env", "topic-prefix", "topic-prefix-long", "worker-id", "device"])
 def test_cli_kafka_flags_and_their_variables_are_checked(argv: list[str], env: dict[str, str], needles: list[str],
                                                          capsys: pytest.CaptureFixture[str],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:

@@ -311,10 +311,12 @@ def test_a_kafka_run_whose_worker_refuses_its_input_ends_saying_why(deployment: 
      "bucket 'stagetree-no-such-bucket' does not exist at {endpoint}"),
     ("worker", {"STAGETREE_S3_SECRET_KEY": "not-the-secret"}, "refused this worker's credentials"),
     ("worker", {"STAGETREE_S3_ACCESS_KEY": "read-only"}, "refused this worker's credentials: put s3://"),
+    ("worker", {"STAGETREE_CHECKPOINT_STORE": "/proc/stagetree-checkpoints"}, "this worker cannot write checkpoints "
+     "there: writing 1 checkpoint(s)"),
     ("serve", {"STAGETREE_S3_ENDPOINT": "closed", "STAGETREE_CHECKPOINT_BUDGET": "1GB"},
      "the object store at {endpoint} ($STAGETREE_S3_ENDPOINT) cannot be used (3 tries)"),
 ], ids=["worker-endpoint-closed", "worker-missing-bucket", "worker-wrong-credentials", "worker-read-only-credentials",
-        "serve-endpoint-closed"])
+        "worker-unwritable-directory", "serve-endpoint-closed"])
 def test_a_process_whose_checkpoint_store_cannot_be_used_exits_2_before_it_joins(
         deployment: dict[str, str], tmp_path: Path, command: str, env: dict[str, str], needle: str) -> None:
     """``stagetree worker`` (and ``serve`` with a checkpoint budget, which deletes there) whose

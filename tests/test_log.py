@@ -883,6 +883,9 @@ def test_kafka_topic_prefix_maps_streams_to_topics(kafka: KafkaBackend) -> None:
                                                                     ("stagetree.plan", 1, b"b")]
     with KafkaLog(kafka_bootstrap) as plain:
         assert plain.end_offset(prefix + "stagetree.plan") == 2
+    # a prefix that is no topic name itself but begins valid ones ('.' was refused as a topic, naming no flag)
+    with KafkaLog(kafka_bootstrap, topic_prefix=".") as dot:
+        assert dot.topic("stagetree.plan") == ".stagetree.plan"
 
 
 def test_kafka_records_carry_the_events_trace_context_in_headers(kafka: KafkaBackend) -> None:
