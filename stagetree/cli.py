@@ -905,8 +905,8 @@ def _check_store(store: Any, url: str, *, who: str = "worker", write: bool = Tru
         UsageError: (exit 2) naming ``--checkpoint-store`` and ``url``, the endpoint
             (``$STAGETREE_S3_ENDPOINT``) or the bucket, and why: credentials the store refuses,
             a bucket that does not exist (a store never creates one), an endpoint still not
-            answering after the last try, a directory that cannot be made or written. Each would fail every stage the worker ran, its path
-            handed back and dispatched again for ever.
+            answering after the last try, a directory that cannot be made or written. Each would
+            fail every stage the worker ran, its path handed back and dispatched again for ever.
     """
     from gpu_worker.checkpoint import STORAGE_ATTEMPTS, LocalCheckpointStore, StorageError, retry_storage
     from gpu_worker.object_store import CREDENTIAL_CODES, ENV_S3_ENDPOINT, CheckpointStoreError, S3CheckpointStore
