@@ -412,6 +412,14 @@ def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "stagetree.cli", *args], start_new_session=False)
 
 
+class Stopped(Exception):
+    """``stagetree run`` was stopped by SIGTERM (exit 143, as a shell reports a process it ended)."""
+
+
+def _cancel(task: Any) -> None:
+    task.cancel()
+
+
 async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     """Kafka mode: submit through the SDK; with --workers N > 0 also run `stagetree serve` and N
     workers for the duration (a one-machine deployment on real Kafka)."""
@@ -424,6 +432,10 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
     from stagetree.kafka_runtime import KafkaRuntime
     from stagetree.worker_processes import Spawned, watch
 
+    # SIGTERM (kill, systemd, a batch scheduler) stops the run as Ctrl-C does: the study task is
+    # cancelled, so the processes it started are stopped and its serve app's topics deleted
+    # (Python's default for SIGTERM ended the client alone, its serve and workers left running)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, _cancel, asyncio.current_task())
     loaded = _study_file(args.file)
     settings = _settings_of(args.file, loaded[2])
     out = _out_dir(args.out, loaded[4])
@@ -966,7 +978,11 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     if args.bootstrap_servers:
         if args.resume or args.log_key:
             raise UsageError("--resume and --log-key are for embedded mode; on Kafka the log is the topics")
-        summary = asyncio.run(_run_kafka(args, console))
+        try:
+            summary = asyncio.run(_run_kafka(args, console))
+        except asyncio.CancelledError:  # (only SIGTERM cancels the study task)
+            raise Stopped("stopped by SIGTERM: the serve and workers this run started were stopped; run it again "
+                          "to continue the study") from None
     else:
         summary = run_embedded(args, console)
     _print_summary(summary, console)
@@ -992,6 +1008,9 @@ def main(argv: list[str] | None = None) -> int:
     except (LogError, ValueError) as exc:  # UsageError, StudyFileError, AuditError, ... (exit 2)
         err.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
+    except Stopped as exc:
+        err.print(f"[yellow]{escape(str(exc))}[/yellow]")
+        return 143
     except (TrialFailed, TrialsFailed, RuntimeError_) as exc:  # the study ran; something failed (exit 1)
         err.print(f"[red]error:[/red] {escape(str(exc))}")
         return 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -458,3 +459,39 @@ def test_a_kafka_runs_checkpoint_budget_flag_reaches_the_serve_it_starts(deploym
                            "--checkpoint-budget", "1GB"], capture_output=True, text=True, timeout=300, env=deployment)
     err = " ".join(proc.stderr.split())
     assert proc.returncode == 2 and "--checkpoint-budget 1000000000 is applied by the serve" in err, err
+
+
+def test_sigterm_stops_a_kafka_run_and_the_processes_it_started(deployment: dict[str, str], tmp_path: Path) -> None:
+    """SIGTERM (how kill, systemd and batch schedulers stop a process) ended ``run --workers N``
+    on Kafka alone: its serve and worker kept running, re-parented, for ever, and a rerun's serve
+    crashed on their state's lock. It stops them now, as Ctrl-C does, and exits 143."""
+    out = tmp_path / "run"
+    run = subprocess.Popen([*CLI, "run", str(STUDY), "--workers", "1", "--out", str(out), "--quiet"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=deployment)
+
+    def children() -> list[int]:
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == run.pid and (b"worker" in argv or b"serve" in argv):
+                found.append(int(entry.name))
+        return found
+
+    try:
+        wait_for(lambda: len(children()) == 2 and any(isinstance(e, WorkerJoined) for e in kafka_state(deployment)[1]),
+                 "the serve and the worker to start", timeout=180)
+        started = children()
+        run.send_signal(signal.SIGTERM)
+        stdout, stderr = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    err = " ".join(stderr.split())
+    assert run.returncode == 143 and "stopped by SIGTERM" in err and "Traceback" not in err, stdout + stderr
+    for pid in started:  # terminated and reaped by the run, not left behind
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower(), pid
