@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -377,6 +377,20 @@ def _exits_2_before_it_joins(deployment: dict[str, str], tmp_path: Path, command
     assert not [e for e in kafka_state(deployment)[1] if isinstance(e, WorkerJoined)]
 
 
+def children_of(parent: int, wanted: Callable[[list[bytes]], bool]) -> list[int]:
+    """The pids of ``parent``'s child processes whose argv ``wanted`` accepts (read from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and wanted(argv):
+            found.append(int(entry.name))
+    return found
+
+
 def test_a_kafka_run_starts_a_worker_that_died_again_and_finishes(deployment: dict[str, str],
                                                                  tmp_path: Path) -> None:
     """A worker process of ``run --workers N`` on Kafka killed with SIGKILL (here in its start-up,
@@ -387,15 +401,7 @@ def test_a_kafka_run_starts_a_worker_that_died_again_and_finishes(deployment: di
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=deployment)
 
     def worker_w1() -> int | None:
-        for entry in Path("/proc").iterdir():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == run.pid and b"worker" in argv and b"w1" in argv:
-                return int(entry.name)
-        return None
+        return next(iter(children_of(run.pid, lambda argv: b"worker" in argv and b"w1" in argv)), None)
 
     try:
         wait_for(lambda: worker_w1() is not None, "worker w1 to start", timeout=120)
@@ -470,16 +476,7 @@ def test_sigterm_stops_a_kafka_run_and_the_processes_it_started(deployment: dict
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=deployment)
 
     def children() -> list[int]:
-        found = []
-        for entry in Path("/proc").iterdir():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == run.pid and (b"worker" in argv or b"serve" in argv):
-                found.append(int(entry.name))
-        return found
+        return children_of(run.pid, lambda argv: b"worker" in argv or b"serve" in argv)
 
     try:
         wait_for(lambda: len(children()) == 2 and any(isinstance(e, WorkerJoined) for e in kafka_state(deployment)[1]),
