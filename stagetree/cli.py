@@ -407,9 +407,22 @@ def _start_dashboard(where: str, port: int, secret: bytes | None, console: Conso
 
 
 def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
+    """A ``stagetree`` process that ``run`` starts (its serve, a worker): it is sent SIGTERM
+    (a worker drains, a serve leaves) when the run dies, even by SIGKILL, rather than going on
+    re-parented for ever (Linux's ``PR_SET_PDEATHSIG``; run's main thread starts every one)."""
     import subprocess
 
-    return subprocess.Popen([sys.executable, "-m", "stagetree.cli", *args], start_new_session=False)
+    return subprocess.Popen([sys.executable, "-m", "stagetree.cli", *args], start_new_session=False,
+                            preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (1): Linux only
+    except (OSError, AttributeError):  # another system: the run's own stop still stops them
+        pass
 
 
 class Stopped(Exception):

@@ -492,3 +492,27 @@ def test_sigterm_stops_a_kafka_run_and_the_processes_it_started(deployment: dict
     assert run.returncode == 143 and "stopped by SIGTERM" in err and "Traceback" not in err, stdout + stderr
     for pid in started:  # terminated and reaped by the run, not left behind
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower(), pid
+
+
+def test_the_processes_a_kafka_run_started_leave_when_it_is_killed(deployment: dict[str, str],
+                                                                   tmp_path: Path) -> None:
+    """kill -9 of ``run --workers N`` on Kafka (it cannot clean up) left its serve and worker
+    running, re-parented, for ever: they are now sent SIGTERM when it dies, and leave (the
+    worker drains its stage first). Bounded by the wait, not timed."""
+    run = subprocess.Popen([*CLI, "run", str(STUDY), "--workers", "1", "--out", str(tmp_path / "run"), "--quiet"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=deployment)
+    try:
+        wait_for(lambda: len(children_of(run.pid, lambda argv: b"worker" in argv or b"serve" in argv)) == 2,
+                 "the serve and the worker to start", timeout=180)
+        started = children_of(run.pid, lambda argv: b"worker" in argv or b"serve" in argv)
+    finally:
+        run.kill()
+        run.wait()
+
+    def gone(pid: int) -> bool:
+        try:
+            return "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+        except OSError:
+            return True
+
+    wait_for(lambda: all(gone(pid) for pid in started), "the serve and the worker to leave", timeout=120)
