@@ -40,7 +40,7 @@ import hashlib
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -86,10 +86,15 @@ def component_settings(component: Any) -> dict[str, Any]:
             rng = getattr(value, "rng", value)  # Optuna's LazyRandomState, or a numpy RandomState
             state = rng.get_state() if callable(getattr(rng, "get_state", None)) else None
             out["seed_state_sha256"] = None if state is None else hashlib.sha256(
-                orjson.dumps(jsonable(state), option=orjson.OPT_SERIALIZE_NUMPY)).hexdigest()
+                orjson.dumps(jsonable(state))).hexdigest()  # (jsonable: the key array as a list)
         else:
             out[name] = jsonable(value)
     return out
+
+
+def _direction(tuner: Tuner) -> Literal["maximize", "minimize"]:
+    """The Optuna study's direction for ``tuner``'s mode."""
+    return "maximize" if tuner.mode == "max" else "minimize"
 
 
 def check_storage(storage: Any) -> None:
@@ -201,7 +206,7 @@ class OptunaSpace:
             storage = InMemoryStorage() if apart else self.storage
             self._optuna = create_study(
                 storage=storage, sampler=self.sampler, pruner=self.pruner, study_name=self.study_name or study.name,
-                direction="maximize" if tuner.mode == "max" else "minimize", load_if_exists=True)
+                direction=_direction(tuner), load_if_exists=True)
             self._for, self._tuner, self._configs = study, tuner, []
             self._trials.clear()
             self._held.clear()
@@ -321,7 +326,7 @@ class OptunaSpace:
         assert self._optuna is not None and self._tuner is not None
         storage = get_storage(self.storage)
         kept = create_study(storage=storage, study_name=self.study_name or study.name, load_if_exists=True,
-                            direction="maximize" if self._tuner.mode == "max" else "minimize")
+                            direction=_direction(self._tuner))
         stored = kept.get_trials(deepcopy=False)
         here = self._optuna.get_trials(deepcopy=False)
         for old, new in zip(stored, here):
