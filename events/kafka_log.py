@@ -366,6 +366,20 @@ class KafkaLog:
             self._producer = Producer(self._producer_conf)
         return self._producer
 
+    def _discard_producer(self, producer: Producer) -> None:
+        """Drop ``producer`` after a failed append: what is left in its queue is purged (never
+        sent later, where a retry could duplicate it) and the next append makes a new producer,
+        with a new producer id (a client that cannot get its id back after a broker's restart
+        stays stuck; a new one asks afresh)."""
+        try:
+            producer.purge(in_queue=True, in_flight=True)
+            producer.flush(0)
+        except KafkaException as exc:  # a producer in a fatal state: it is dropped all the same
+            log.debug("kafka producer %s: purge failed: %s", self.client_id, exc)
+        if self._producer is producer:
+            self._producer = None
+            self._producer_fatal = None
+
     def new_consumer(self, **settings: Any) -> Consumer:
         """A fresh ``read_committed`` consumer that never joins a group nor commits."""
         return Consumer({**self._consumer_conf, "group.id": f"{self.client_id}-reader-{uuid.uuid4().hex}",
@@ -584,6 +598,9 @@ class KafkaLog:
             if time.monotonic() > deadline:
                 break
         offsets: list[tuple[int, int]] = []
+        if enqueue_error is not None or not all(done[: len(records)]) \
+                or any(err is not None for err, _ in reports[: len(records)]):
+            self._discard_producer(producer)
         for i in range(len(records)):
             err, offset = reports[i]
             if not done[i] or err is not None:

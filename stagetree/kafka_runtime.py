@@ -5,26 +5,45 @@ same reducer as everywhere, :class:`projections.partitions.PartitionedFold`), fo
 partitions as records arrive; futures resolve when the merged view shows a trial's metrics. It
 writes nothing but its own submissions (to the partition of their plan key): the serve
 instances project and schedule, workers train.
+
+An append rides out a broker that is away (restarting, unreachable) for up to ``retry_s``
+seconds, as a worker does: the records a failed attempt did not get into the log (found by
+reading the plan partitions to their end, record by record) are appended again, so none is
+written twice and none is lost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections import Counter
 from typing import Any
 
 from events import topics
-from events.kafka_log import Follower, KafkaLog, KafkaLogError, partition_for
-from events.log import Record, append_events, event_key
+from events.codec import encode
+from events.kafka_log import DeliveryFailed, Follower, KafkaLog, KafkaLogError, partition_for
+from events.log import Record, event_key
 from events.models import Event, LogSealed
 from projections.partitions import PartitionedFold
 from stagetree.runtime import RuntimeBase, RuntimeError_
 
+log = logging.getLogger(__name__)
+
+RETRY_S = 300.0
+"""Seconds an append of the SDK keeps trying through a broker outage (a worker's ``retry_s``)."""
+
 
 class KafkaRuntime(RuntimeBase):
-    """A Study's runtime over ``log`` (a KafkaLog). Start :meth:`run` as a task."""
+    """A Study's runtime over ``log`` (a KafkaLog). Start :meth:`run` as a task.
 
-    def __init__(self, log: KafkaLog, poll_s: float = 0.02) -> None:
+    Args:
+        log: the transport (its ``timeout_s`` bounds one attempt of an append).
+        poll_s: seconds between folds of new records.
+        retry_s: seconds an append keeps trying while the broker is away, before it raises.
+    """
+
+    def __init__(self, log: KafkaLog, poll_s: float = 0.02, retry_s: float = RETRY_S) -> None:
         log.ensure_topic(topics.PLAN)
         self.partitions = log.partition_count(topics.PLAN)
         fold = PartitionedFold(log, self.partitions)
@@ -32,6 +51,10 @@ class KafkaRuntime(RuntimeBase):
         self.fold_all = fold
         self.log = log
         self.poll_s = poll_s
+        self.retry_s = retry_s
+        self.retries = 0
+        """Appends attempted again after a failed attempt (a broker away), since the start."""
+        self._unconfirmed: Counter[bytes] | None = None  # values of a failed attempt, looked for while folding
         self.follower = Follower(log, {(topics.PLAN, p): 0 for p in range(self.partitions)}, wait_ms=100)
         self.last_record: dict[int, int] = {}
         """Partition -> offset of the last record folded that is not a seal."""
@@ -42,6 +65,10 @@ class KafkaRuntime(RuntimeBase):
             self._fold(self.follower.poll(0.1))
 
     def _fold(self, records: list[Record]) -> None:
+        if self._unconfirmed is not None:
+            for record in records:
+                if self._unconfirmed[record.value] > 0:
+                    self._unconfirmed[record.value] -= 1
         for partition, offset, event in self.fold_all.fold(records):
             if isinstance(event, LogSealed):
                 self.sealed_to[partition] = max(self.sealed_to.get(partition, -1), event.offset)
@@ -49,16 +76,42 @@ class KafkaRuntime(RuntimeBase):
                 self.last_record[partition] = offset
 
     def append(self, events: list[Event]) -> None:
-        """Append events to their plans' partitions, then fold up to them."""
+        """Append events to their plans' partitions, then fold up to them.
+
+        While the broker is away, a failed attempt is retried every second for up to
+        :attr:`retry_s` seconds: what it got into the log is found by folding to the end of the
+        plan partitions, and only the rest is appended again (an idempotent producer keeps a
+        partition's records in order and without gaps, so that rest is a suffix per partition).
+
+        Raises:
+            RuntimeError_: the runtime failed earlier.
+            DeliveryFailed: the broker did not take the records within :attr:`retry_s` seconds.
+            KafkaLogError: the records were not readable back within that time, or a record
+                is too large (nothing is appended then).
+        """
         if self.failure is not None:
             raise RuntimeError_(f"the runtime failed: {self.failure}")
-        stamped = self.stamp(events)
-        offsets = append_events(self.log, topics.PLAN, [(event_key(e), e) for e in stamped])
-        mine = {}
-        for event, offset in zip(stamped, offsets):
-            p = partition_for(event_key(event), self.partitions)
+        items = [(event_key(e), encode(e)) for e in self.stamp(events)]
+        deadline = time.monotonic() + self.retry_s
+        while True:
+            try:
+                offsets = self.log.append_many(topics.PLAN, items)
+                break
+            except DeliveryFailed as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("kafka: the SDK's append failed (retrying for up to %g s more): %s",
+                            max(0.0, deadline - time.monotonic()), exc)
+                self.retries += 1
+                items = self._not_in_log(items, deadline)
+                if not items:
+                    offsets = []
+                    break
+        mine: dict[int, int] = {}
+        for (key, _), offset in zip(items, offsets):
+            p = partition_for(key, self.partitions)
             mine[p] = max(mine.get(p, -1), offset)
-        deadline = time.monotonic() + self.log.timeout_s
+        deadline = max(deadline, time.monotonic() + self.log.timeout_s)
         projectors = self.fold_all.projectors
         while any(projectors[p].state.offset < o for p, o in mine.items()):
             if time.monotonic() > deadline:
@@ -66,6 +119,39 @@ class KafkaRuntime(RuntimeBase):
                                     f"{self.log.timeout_s:g} s")
             self._fold(self.follower.poll(0.05))
         self._notify()
+
+    def _not_in_log(self, items: list[tuple[str, bytes]], deadline: float) -> list[tuple[str, bytes]]:
+        """The ``(key, value)`` items of a failed attempt that are not in the log: fold every plan
+        partition to its end now (asked of the broker once it answers, a second apart, until
+        ``deadline``) and strike each record met whose value is one of the items'.
+
+        Raises:
+            KafkaLogError: the broker did not answer before ``deadline``.
+        """
+        self._unconfirmed = Counter(value for _, value in items)
+        try:
+            while True:
+                time.sleep(1.0)
+                try:
+                    ends = self.follower.end_offsets(timeout_s=5)
+                    while not self.follower.reached(ends):
+                        if time.monotonic() > deadline:
+                            raise KafkaLogError("kafka: the plan partitions were not readable to their end "
+                                                f"within {self.retry_s:g} s of the SDK's append")
+                        self._fold(self.follower.poll(0.1))
+                    break
+                except KafkaLogError:
+                    if time.monotonic() > deadline:
+                        raise
+            left = self._unconfirmed
+            out = []
+            for key, value in items:
+                if left[value] > 0:
+                    left[value] -= 1
+                    out.append((key, value))
+            return out
+        finally:
+            self._unconfirmed = None
 
     def fold(self) -> None:
         self._fold(self.follower.poll(0))

@@ -260,7 +260,12 @@ class Study:
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        self.flush()
+        try:
+            self.flush()
+        except Exception as exc:
+            # An append that failed in a loop callback fails the runtime: every waiting future
+            # (and every later one) gets the error, so the study ends with it.
+            self.runtime.fail(exc)
 
     def flush(self) -> None:
         """Append what is queued now (submissions are otherwise batched per loop turn); call it

@@ -5,11 +5,13 @@ trial."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -37,9 +39,13 @@ from kafka_cluster import (
 from private_kafka import PrivateBroker, _free_port, cluster_id
 
 from events import topics
-from events.codec import decode
+from events.codec import decode, encode
+from events.kafka_log import KafkaLog, KafkaLogError
 from events.models import CheckpointSaved, DeadLettered, StageDispatched, StageFinished, WorkerJoined, WorkerLost
 from gpu_worker.kafka_worker import SIGTERM_HOOK_ENV
+from gpu_worker.loader import load_module, trainer_of
+from stagetree.kafka_runtime import KafkaRuntime
+from stagetree.study import Study
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 
@@ -203,6 +209,73 @@ def test_a_broker_restart_mid_study(embedded: Path, infra_env: dict[str, str], p
     verify_deployment(env)
     judged = [e for e in events if isinstance(e, WorkerLost) and e.producer.startswith("serve:")]
     assert not judged, [(e.worker_id, e.reason) for e in judged]
+
+
+def _plan_values(log: KafkaLog) -> list[bytes]:
+    """The values of every record of every plan partition."""
+    return [r.value for part in range(log.partition_count(topics.PLAN)) for r in log.read(topics.PLAN, partition=part)]
+
+
+def test_the_sdk_rides_out_a_broker_away_longer_than_one_append(private_broker: PrivateBroker) -> None:
+    """The SDK's append meets a broker that is away for longer than one attempt may take (3 s
+    here): it keeps trying, and once the broker is back its records are in the log exactly once
+    (what an attempt got in is found by reading, not appended again) and folded."""
+    log = KafkaLog(private_broker.bootstrap, timeout_s=3, topic_prefix=f"away-{uuid.uuid4().hex[:8]}.")
+    runtime = KafkaRuntime(log, retry_s=600)
+    joined = [WorkerJoined(producer="test", ts=1.0, worker_id=f"w{i}", device="cpu") for i in range(4)]
+    errors: list[BaseException] = []
+
+    def append() -> None:
+        try:
+            runtime.append(joined)
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        private_broker.stop()
+        appender = threading.Thread(target=append)
+        appender.start()
+        wait_for(lambda: runtime.retries >= 1 or not appender.is_alive(), "an attempt of the append to fail", 120)
+        private_broker.start()
+        appender.join(timeout=600)
+        assert not appender.is_alive() and not errors, errors
+        assert sorted(runtime.state.workers) == ["w0", "w1", "w2", "w3"]
+        values = _plan_values(log)
+        assert sorted(values) == sorted(encode(e) for e in joined), "each record once"
+        # what a failed attempt did get into the log (here: records this runtime has not folded
+        # yet, appended by another client) is found by reading, and is not appended again
+        landed = WorkerJoined(producer="test", ts=2.0, worker_id="w9", device="cpu")
+        with KafkaLog(private_broker.bootstrap, topic_prefix=log.topic_prefix) as other:
+            other.append(topics.PLAN, "w9", encode(landed))
+        missing = ("w8", encode(landed.model_copy(update={"worker_id": "w8"})))
+        assert runtime._not_in_log([("w9", encode(landed)), missing], time.monotonic() + 60) == [missing]
+    finally:
+        runtime.close()
+        log.close()
+
+
+def test_a_study_whose_append_fails_ends_with_the_error_rather_than_waiting(private_broker: PrivateBroker) -> None:
+    """A submission is appended by a callback of the event loop (one batch per loop turn); when
+    that append fails for good (the broker away beyond the runtime's ``retry_s``), the study's
+    futures get the error, rather than the study waiting for ever for trials never recorded."""
+    log = KafkaLog(private_broker.bootstrap, timeout_s=2, topic_prefix=f"fails-{uuid.uuid4().hex[:8]}.")
+    runtime = KafkaRuntime(log, retry_s=0)
+    module = load_module(STUDY)
+    trainer = trainer_of(module, STUDY)
+
+    async def main() -> None:
+        study = Study(runtime, "fails", trainer, module.seed)
+        future = study.submit(next(iter(module.space)), 20)
+        with pytest.raises(KafkaLogError, match="append"):
+            await asyncio.wait_for(future, 120)
+
+    try:
+        private_broker.stop()
+        asyncio.run(main())
+        assert runtime.failure is not None
+    finally:
+        runtime.close()
+        log.close()
 
 
 REPO = Path(__file__).resolve().parents[1]
