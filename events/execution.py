@@ -31,7 +31,12 @@ boundaries (``scheduler.inflight``):
   inside the stage the weights are stored and ``[MetricsReported?, CheckpointSaved]`` goes out;
   a step already passed is ignored;
 * PathPreempted: training goes on to its ``until`` point (if not passed), then the weights are
-  stored (if not stored yet) and ``[CheckpointSaved?, StageStopped]`` ends the path.
+  stored (if not stored yet) and ``[CheckpointSaved?, StageStopped]`` ends the path;
+* WorkerLost about the worker running the path (it was declared lost while it ran: paused, cut
+  off): the dispatch is void, its stages are dispatched again elsewhere, so the path ends at the
+  next step boundary and nothing more about it goes out but the end batches of the stages it
+  finished before (what those record is true); the stage in training is dropped, as a kill -9
+  drops it.
 
 ``StageFinished.seconds`` is the time the worker was held by the stage (loading the source counts
 to the first stage), ``train_seconds`` the part spent training; both are read from the backend's
@@ -59,6 +64,7 @@ from events.models import (
     StageSpec,
     StageStarted,
     StageStopped,
+    WorkerLost,
 )
 
 FaultKind = Literal["error", "checkpoint_corrupt", "checkpoint_missing", "storage"]
@@ -161,7 +167,7 @@ class Saved:
 
 class Control(Protocol):
     """Decisions about the running path that arrive while it runs (PathPreempted,
-    CheckpointRequested for its dispatch)."""
+    CheckpointRequested for its dispatch; WorkerLost about its worker)."""
 
     def poll(self) -> list[Event]:
         """The control events that arrived since the last poll."""
@@ -190,9 +196,12 @@ class _Steering:
         self.d, self.control = d, control
         self.saves: dict[tuple[str, int], bool] = {}
         self.until: tuple[int, int] | None = None  # (stage, step); (-1, -1): stop at once
+        self.lost = False  # the worker was declared lost: the dispatch is void
 
     def update(self) -> None:
         for event in self.control.poll():
+            if isinstance(event, WorkerLost) and event.worker_id == self.d.worker_id:
+                self.lost = True
             if getattr(event, "dispatch_id", None) != self.d.dispatch_id:
                 continue
             if isinstance(event, CheckpointRequested):
@@ -367,6 +376,15 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
     def interrupt() -> bool:
         return steering.control.waiting() or pending.ready()
 
+    def void() -> bool:
+        """Whether the worker was declared lost (asked at stage starts and step boundaries): if
+        so, the end batches of the stages it finished go out, and the path ends there."""
+        steering.update()
+        if steering.lost:
+            release(True)
+            backend.abandon()
+        return steering.lost
+
     started = backend.now()
     try:
         with tracing.span("checkpoint.load", attributes={"stagetree.ref": d.source.ref if d.source else "fresh"}):
@@ -381,6 +399,8 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
     for i, spec in enumerate(d.stages):
         if i and should_stop is not None and should_stop():
             return not release(True)  # a write that failed ended the path with its StageFailed
+        if void():
+            return True
         stage = {"node_id": spec.node_id, "from_step": spec.from_step, "to_step": spec.to_step}
         attrs = {f"stagetree.{k}": v for k, v in stage.items()}
         with tracing.span("stage", attributes=attrs):
@@ -391,9 +411,8 @@ def run_path(d: StageDispatched, backend: PathBackend, emit: Emit, worker_id: st
                                        f"but the weights are at {backend.step()}")
                 train_seconds = 0.0
                 while True:
-                    if not release(False):
+                    if not release(False) or void():
                         return True
-                    steering.update()
                     at = backend.step()
                     stop = steering.stop_in(i, spec)
                     if stop is not None and at >= stop:

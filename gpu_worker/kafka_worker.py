@@ -6,7 +6,9 @@ The worker shares the path executor with embedded mode; only the transport diffe
   (:func:`events.topics.dispatch_stream`), which it creates at start; it reads nothing else
   (``read_committed``, long-polling: an idle worker costs the broker one open fetch). When
   ``stagetree serve`` declares it lost (it was silent too long: paused, cut off), a copy of the
-  WorkerLost arrives there too, and the worker joins again.
+  WorkerLost arrives there too: the path it is running ends at its next step boundary (its
+  dispatch went to another worker; :func:`events.execution.run_path`), a dispatch sent before
+  the notice is not run, and the worker joins again.
 * **Atomic, fenced appends.** Every batch the path executor emits (``events.execution``: a
   stage's end is ONE batch, MetricsReported, CheckpointSaved and StageFinished) is one Kafka
   transaction of a :class:`~events.kafka_log.TransactionalAppender` with ``transactional.id``
@@ -77,6 +79,10 @@ SIGTERM_HOOK_ENV = "STAGETREE_TEST_SIGTERM_IN_A_PATH"
 """Fault injection for tests: when set, the worker sends itself SIGTERM (once) as it starts the
 first stage of a dispatch that has more stages after it, so the drain hands a path back."""
 
+CATCH_UP_AFTER_S = 1.0
+"""Seconds without a look at its stream after which a worker reads the stream to its end (one
+query of the broker) rather than take what happened to arrive (:meth:`KafkaWorker.poll`)."""
+
 HOLD_HOOK_ENV = "STAGETREE_TEST_HOLD_IN_PATH"
 """Fault injection for tests: ``N:DIR``. When the worker has started the first stage of its N-th
 dispatch (counting from 1; its StageStarted is on the log), it creates ``DIR/<worker id>.held``
@@ -115,8 +121,9 @@ def worker_transactional_id(log: KafkaLog, worker_id: str) -> str:
 class StreamControl:
     """The :class:`~events.execution.Control` of a path on a Kafka worker: decisions about it
     (PathPreempted, CheckpointRequested) arrive on the worker's own stream while it runs; the
-    stream is polled at most every ``every_s`` seconds, without waiting. Records that are not
-    about the path (a notice that the worker was declared lost) are kept for the worker's loop."""
+    stream is polled at most every ``every_s`` seconds, without waiting. A notice that the worker
+    was declared lost (WorkerLost) ends the path and is kept for the worker's loop (which joins
+    again), as are records not about the path."""
 
     def __init__(self, worker: KafkaWorker, every_s: float = 0.2) -> None:
         self.worker, self.every_s = worker, every_s
@@ -125,12 +132,14 @@ class StreamControl:
 
     def _read(self) -> None:
         self.checked = time.monotonic()
-        for record in self.worker.follower.poll(0):
+        for record in self.worker.poll(0):
             event = self.worker.decoded(record)
-            if isinstance(event, (PathPreempted, CheckpointRequested)):
-                self.arrived.append(event)
-            elif event is not None:
-                self.worker.pending.append((record, event))
+            if event is None:
+                continue
+            if isinstance(event, (PathPreempted, CheckpointRequested, WorkerLost)):
+                self.arrived.append(event)  # a WorkerLost ends the path (its dispatch is void) ...
+            if not isinstance(event, (PathPreempted, CheckpointRequested)):
+                self.worker.pending.append((record, event))  # ... and the worker's loop joins again
 
     def waiting(self) -> bool:
         if not self.arrived and time.monotonic() - self.checked >= self.every_s:
@@ -184,6 +193,7 @@ class KafkaWorker:
         self._sigterm_hook: StageDispatched | None = None
         self._dispatches = 0  # dispatches run so far (the hold hook counts them)
         self._hold: Path | None = None
+        self._looked = time.monotonic()  # when the stream was last read (:meth:`poll`)
 
     def drain(self) -> None:
         """Finish the stage in flight, hand back the rest of the path, and leave (SIGTERM)."""
@@ -258,6 +268,36 @@ class KafkaWorker:
             return None
         return event
 
+    def poll(self, wait: float) -> list[Record]:
+        """The records of the worker's stream that arrived, waiting up to ``wait`` seconds for
+        one. When the stream was not looked at for :data:`CATCH_UP_AFTER_S` seconds (the process
+        was paused, or a step took that long), the stream is read to its end as the broker has it
+        now (at most 5 s more): a notice written meanwhile, that the worker was declared lost, is
+        among the records, not left for a later look while a void path trains on."""
+        since = time.monotonic() - self._looked
+        records = self.follower.poll(wait)
+        if since > CATCH_UP_AFTER_S:
+            deadline = time.monotonic() + 5
+            try:
+                ends = self.follower.end_offsets(timeout_s=5)
+                while not self.follower.reached(ends) and time.monotonic() < deadline:
+                    records += self.follower.poll(0.05)
+            except KafkaLogError as exc:  # the broker away: what arrived is seen at a later look
+                log.debug("worker %s: stream end not read: %s", self.worker_id, exc)
+        self._looked = time.monotonic()
+        return records
+
+    def _void(self, dispatch: StageDispatched) -> bool:
+        """Whether ``dispatch`` is void: a WorkerLost follows it on the stream (the worker was
+        declared lost after it was sent, e.g. while paused: it went to another worker). The
+        stream is read first, without waiting, so a notice already there is seen."""
+        self.pending += [(r, e) for r in self.poll(0) if (e := self.decoded(r)) is not None]
+        if any(isinstance(e, WorkerLost) for _, e in self.pending):
+            log.warning("worker %s: dispatch %s is void (the worker was declared lost after it was sent): "
+                        "not run", self.worker_id, dispatch.dispatch_id)
+            return True
+        return False
+
     def _beat(self) -> None:
         beats = self.log_factory()
         try:
@@ -299,11 +339,13 @@ class KafkaWorker:
                 if not self.pending:
                     # while end batches wait for their writes, look at them every END_POLL_S
                     wait = END_POLL_S if ends else 0.2
-                    self.pending += [(r, e) for r in self.follower.poll(wait) if (e := self.decoded(r)) is not None]
+                    self.pending += [(r, e) for r in self.poll(wait) if (e := self.decoded(r)) is not None]
                     ends.release(False)
                 while self.pending and not self.stop.is_set():
                     record, event = self.pending.pop(0)
                     if isinstance(event, StageDispatched):
+                        if self._void(event):
+                            continue
                         self._dispatches += 1
                         self._hold = self._hold_hook()
                         if os.environ.get(SIGTERM_HOOK_ENV) and len(event.stages) > 1 and not self._hooked:

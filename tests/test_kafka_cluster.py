@@ -26,6 +26,7 @@ from kafka_cluster import (
     Deployment,
     assert_no_duplicate_or_conflicting_decisions,
     assert_what_must_hold_after_faults,
+    decisions,
     forget_deployment,
     kafka_log,
     kafka_state,
@@ -209,6 +210,49 @@ def test_a_broker_restart_mid_study(embedded: Path, infra_env: dict[str, str], p
     verify_deployment(env)
     judged = [e for e in events if isinstance(e, WorkerLost) and e.producer.startswith("serve:")]
     assert not judged, [(e.worker_id, e.reason) for e in judged]
+
+
+def test_a_worker_paused_until_declared_lost_drops_its_path_and_joins_again(embedded: Path,
+                                                                            deployment: dict[str, str],
+                                                                            tmp_path: Path) -> None:
+    """A worker paused (SIGSTOP: a frozen host, a long stall) in the middle of a path is declared
+    lost, and its path goes to the other worker. When it wakes up, it does not train the void
+    path on (it did, to its end, counting its steps twice): it publishes nothing more about that
+    dispatch, joins again and takes work. The study ends as embedded mode's, trial by trial."""
+    env = deployment
+    cluster = Deployment(env, tmp_path)
+    try:
+        cluster.serve("A", heartbeat_timeout=3)
+        cluster.worker("w0", hold_in_path=2)
+        cluster.worker("w1")
+        cluster.joined("w0", "w1")
+        run = cluster.run()
+        cluster.held("w0")  # the first stage of its second path has started
+        w0 = cluster.workers["w0"]
+        os.killpg(w0.pid, signal.SIGSTOP)  # every thread: its beats stop too
+        try:
+            with kafka_log(env) as log:
+                wait_for(lambda: any(isinstance(decode(r.value), WorkerLost)
+                                     for r in log.read(topics.dispatch_stream("w0"))),
+                         "w0 to be declared lost", 120)
+        finally:
+            os.killpg(w0.pid, signal.SIGCONT)
+        cluster.release("w0")
+        cluster.finish(run)
+    finally:
+        cluster.close()
+    state, events = kafka_state(env)
+    void = [d for d in decisions(events) if d.worker_id == "w0"][1]  # the path it was held in
+    assert state.dispatches[void.dispatch_id].status == "lost"
+    about_void = [type(e).__name__ for e in events if getattr(e, "dispatch_id", None) == void.dispatch_id]
+    assert about_void == ["StageDispatched", "StageStarted"], about_void
+    lost = [i for i, e in enumerate(events) if isinstance(e, WorkerLost) and e.worker_id == "w0"
+            and e.producer.startswith("serve:")]
+    assert lost and any(isinstance(e, WorkerJoined) and e.worker_id == "w0" for e in events[lost[0]:]), \
+        "w0 joined again"
+    assert per_trial(summary_of(tmp_path / "run")) == per_trial(summary_of(embedded))
+    assert_no_duplicate_or_conflicting_decisions(state, events)
+    verify_deployment(env)
 
 
 def _plan_values(log: KafkaLog) -> list[bytes]:
