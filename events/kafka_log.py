@@ -67,6 +67,16 @@ aborts it (at the broker's next ``transaction.abort.timed.out.transaction.cleanu
 unless a successor with the same ``transactional.id`` aborts it at once by starting."""
 
 
+PROBE_DEADLINE_S = 15.0
+"""Seconds :meth:`KafkaLog.probe` waits for a first answer from the cluster by default: long
+enough for a broker that is starting or slowed down (a loaded machine), short enough that a
+mistyped address is reported at once rather than after the operations' ``timeout_s``."""
+
+PROBE_ATTEMPT_S = 5.0
+"""Seconds each metadata request of :meth:`KafkaLog.probe` waits at most (the client reconnects
+meanwhile); it asks again until the deadline."""
+
+
 def partition_for(key: str, partitions: int) -> int:
     """The partition of a record keyed ``key`` among ``partitions``: Kafka's default
     partitioner (murmur2 of the UTF-8 key, as the Java client and faust's aiokafka compute it),
@@ -348,6 +358,35 @@ class KafkaLog:
         if self._admin is None:
             self._admin = AdminClient(self._admin_conf)
         return self._admin
+
+    def probe(self, deadline_s: float = PROBE_DEADLINE_S) -> None:
+        """Ask the cluster for its metadata (the list of topics) until it answers, for up to
+        ``deadline_s`` seconds (each request waits :data:`PROBE_ATTEMPT_S` at most): the first
+        contact of a command, so that an address where nothing answers is reported within
+        ``deadline_s`` rather than by the first operation, after ``timeout_s``.
+
+        Raises:
+            ValueError: ``deadline_s`` is not > 0.
+            LogError: the log is closed.
+            KafkaLogError: no answer within ``deadline_s`` seconds; the message names
+                ``bootstrap_servers`` and the client's last error (``error``).
+        """
+        self._check_open()
+        if not deadline_s > 0:
+            raise ValueError(f"`deadline_s` is {deadline_s!r}, but must be > 0")
+        deadline = time.monotonic() + deadline_s
+        while True:
+            asked = time.monotonic()
+            try:
+                self._get_admin().list_topics(timeout=max(0.1, min(PROBE_ATTEMPT_S, deadline - asked)))
+                return
+            except KafkaException as exc:
+                err = exc.args[0]
+                if time.monotonic() >= deadline:
+                    raise KafkaLogError(f"no Kafka broker at {self.bootstrap_servers} answered within "
+                                        f"{deadline_s:g} s ({err.str() if isinstance(err, KafkaError) else err})",
+                                        error=err) from None
+                time.sleep(max(0.0, min(0.5 - (time.monotonic() - asked), deadline - time.monotonic())))
 
     def _on_producer_error(self, err: KafkaError) -> None:
         if err.fatal():

@@ -359,14 +359,19 @@ def open_kafka(url: str, checkpoints: str | Path | None = None) -> Source:
     partition's chain is carried by LogSealed events (``chain`` = "sealed").
 
     Raises:
-        AuditError: the URL is not one, or the cluster has no plan topic there (a mistyped
-            prefix or topic: an audit of nothing never passes).
+        AuditError: the URL is not one, no broker answers there within
+            :data:`~events.kafka_log.PROBE_DEADLINE_S` seconds, or the cluster has no plan topic
+            there (a mistyped prefix or topic: an audit of nothing never passes).
     """
-    from events.kafka_log import KafkaLog, security_from_env
+    from events.kafka_log import KafkaLog, KafkaLogError, security_from_env
 
     servers, prefix = kafka_location(url)
     security = security_from_env()
     with KafkaLog(servers, topic_prefix=prefix, security=security, read_only=True) as log:
+        try:
+            log.probe()
+        except KafkaLogError as exc:
+            raise AuditError(f"source {url!r}: {exc}; check the address, and that Kafka is running there") from None
         if not log.has_stream(topics.PLAN):
             raise AuditError(f"{url!r}: the cluster at {servers} has no topic {log.topic(topics.PLAN)!r} (no "
                              "deployment's plan stream there: check the address and the topic prefix)")

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from events.log import EmbeddedLog
     from events.models import StudyStarted
     from stagetree.dashboard.cli import Beside
+    from stagetree.state_lock import StateDirLock
     from stagetree.tuners import Tuner, TunerResult
     from stagetree.worker_processes import PrestartedWorkers
 
@@ -465,7 +466,9 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
                          "$STAGETREE_CHECKPOINT_BUDGET there)")
     mode = "trial" if args.no_merge else "merged"
     port = reserve(args.dashboard) if args.dashboard is not None else None
-    log = _kafka_log(args)
+    if args.workers:  # the serve it starts: refused (exit 2) while an earlier run's still holds the directory
+        _check_serve_state(out)
+    log = _kafka_log(args, probe=True)
     procs: list[Spawned] = []
     # this run's own serve app (its id names topics: the study's name, made fit for one)
     app_id = f"stagetree-{re.sub(r'[^A-Za-z0-9._-]', '_', loaded[4])[:100]}-{uuid.uuid4().hex[:8]}"
@@ -528,6 +531,21 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
             _forget_serve_app(log, app_id, console)
         log.close()
     return _write_summary(out, summary)
+
+
+def _check_serve_state(out: Path) -> None:
+    """Refuse (exit 2) a ``run --workers N`` on Kafka whose ``--out`` holds the state directory
+    (``serve-state``) of a serve that is still running: an earlier run's, still going or still
+    stopping (the serve this run starts would be refused there)."""
+    from stagetree.state_lock import StateDirInUse, check_free
+
+    try:
+        check_free(out / "serve-state")
+    except StateDirInUse as exc:
+        who = "another serve process" + (f" (pid {exc.pid})" if exc.pid is not None else "")
+        raise UsageError(f"--out {str(out)!r}: the serve state directory {str(exc.state_dir)!r} is in use by {who}, "
+                         "the serve of an earlier run of this directory that is still going (or still stopping); "
+                         "wait for it to end, or choose another --out") from None
 
 
 HINT_AFTER_S = 15.0
@@ -831,10 +849,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+class _BootstrapServersFlag(argparse.Action):
+    """``--bootstrap-servers``: its value, and ``bootstrap_servers_from`` set to the flag (the
+    value came from the command line, not from ``$STAGETREE_BOOTSTRAP_SERVERS``)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.bootstrap_servers_from = "--bootstrap-servers"  # as spelled in full, not abbreviated
+
+
 def _kafka_flags(p: argparse.ArgumentParser, required: bool = False) -> None:
     servers = os.environ.get("STAGETREE_BOOTSTRAP_SERVERS")
+    p.set_defaults(bootstrap_servers_from="$STAGETREE_BOOTSTRAP_SERVERS")
     p.add_argument("--bootstrap-servers", type=_bootstrap_servers, default=servers,  # a string: checked too
-                   required=required and not servers,
+                   required=required and not servers, action=_BootstrapServersFlag,
                    help="Kafka HOST:PORT[,HOST:PORT...] (default: $STAGETREE_BOOTSTRAP_SERVERS)"
                         + ("" if required else "; embedded mode when unset"))
     p.add_argument("--topic-prefix", type=_topic_prefix, default=os.environ.get("STAGETREE_TOPIC_PREFIX", ""),
@@ -846,11 +875,30 @@ def _kafka_flags(p: argparse.ArgumentParser, required: bool = False) -> None:
                         "keeps its count")
 
 
-def _kafka_log(args: argparse.Namespace, client_id: str = "stagetree") -> KafkaLog:
-    from events.kafka_log import KafkaLog, security_from_env
+def _kafka_log(args: argparse.Namespace, client_id: str = "stagetree", *, probe: bool = False) -> KafkaLog:
+    """A KafkaLog on ``--bootstrap-servers``; with ``probe`` (a command's first contact) the
+    cluster must answer first (:meth:`KafkaLog.probe <events.kafka_log.KafkaLog.probe>`, within
+    :data:`~events.kafka_log.PROBE_DEADLINE_S` seconds).
 
-    return KafkaLog(args.bootstrap_servers, client_id=client_id, topic_prefix=args.topic_prefix,
-                    plan_partitions=args.plan_partitions, security=security_from_env())
+    Raises:
+        UsageError: (exit 2) nothing answered there: naming ``--bootstrap-servers`` or
+            ``$STAGETREE_BOOTSTRAP_SERVERS`` (where the value came from) and the value.
+    """
+    from events.kafka_log import PROBE_DEADLINE_S, KafkaLog, KafkaLogError, security_from_env
+
+    log = KafkaLog(args.bootstrap_servers, client_id=client_id, topic_prefix=args.topic_prefix,
+                   plan_partitions=args.plan_partitions, security=security_from_env())
+    if probe:
+        try:
+            log.probe(PROBE_DEADLINE_S)
+        except KafkaLogError as exc:
+            log.close()
+            flag = getattr(args, "bootstrap_servers_from", "--bootstrap-servers")
+            why = exc.error.str() if hasattr(exc.error, "str") else exc.error
+            raise UsageError(f"{flag} {args.bootstrap_servers!r}: no Kafka broker answered there within "
+                             f"{PROBE_DEADLINE_S:g} s ({why}); check the address, and that Kafka is running "
+                             "there") from None
+    return log
 
 
 def cmd_serve(args: argparse.Namespace, console: Console) -> int:
@@ -862,20 +910,44 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
     if budget is not None and not args.checkpoint_store:
         raise UsageError("--checkpoint-budget needs --checkpoint-store (or $STAGETREE_CHECKPOINT_STORE): evicted "
                          "checkpoints are deleted there")
-    store = open_checkpoint_store(args.checkpoint_store) if budget is not None else None
-    if store is not None:  # it deletes what it evicts there: no PUT asked of its credentials
-        _check_store(store, args.checkpoint_store, who="serve instance", write=False)
-    instance = args.instance_id or default_instance()
-    log = _kafka_log(args, f"stagetree-serve-{instance}")
-    role_log = _kafka_log(args, f"stagetree-serve-{instance}-role")
-    try:
-        serve(log, role_log, Path(args.state_dir), app_id=args.app_id, instance=instance,
-              heartbeat_timeout_s=args.heartbeat_timeout, secret=secret_from(args.log_key),
-              session_timeout_s=args.session_timeout, checkpoint_budget=budget, store=store)
-    finally:
-        log.close()
-        role_log.close()
+    # held until the serve ends, or its process dies: first, so that a second serve on the
+    # directory is refused before it contacts anything
+    with _state_dir_lock(args.state_dir):
+        store = open_checkpoint_store(args.checkpoint_store) if budget is not None else None
+        if store is not None:  # it deletes what it evicts there: no PUT asked of its credentials
+            _check_store(store, args.checkpoint_store, who="serve instance", write=False)
+        instance = args.instance_id or default_instance()
+        log = _kafka_log(args, f"stagetree-serve-{instance}", probe=True)
+        role_log = _kafka_log(args, f"stagetree-serve-{instance}-role")
+        try:
+            serve(log, role_log, Path(args.state_dir), app_id=args.app_id, instance=instance,
+                  heartbeat_timeout_s=args.heartbeat_timeout, secret=secret_from(args.log_key),
+                  session_timeout_s=args.session_timeout, checkpoint_budget=budget, store=store)
+        finally:
+            log.close()
+            role_log.close()
     return 0
+
+
+def _state_dir_lock(state_dir: str) -> StateDirLock:
+    """The lock of serve's ``--state-dir`` (:class:`stagetree.state_lock.StateDirLock`), taken
+    before the serve contacts Kafka or opens a store there.
+
+    Raises:
+        UsageError: (exit 2) naming ``--state-dir`` and the directory: another live serve
+            process holds it (with its pid when it wrote one), or it cannot be made or locked.
+    """
+    from stagetree.state_lock import StateDirError, StateDirInUse, StateDirLock
+
+    try:
+        return StateDirLock(state_dir)
+    except StateDirInUse as exc:
+        who = "another serve process" + (f" (pid {exc.pid})" if exc.pid is not None else "")
+        raise UsageError(f"--state-dir {state_dir!r} is in use by {who}: one serve instance per state directory; "
+                         "stop that one first, or give this one its own --state-dir (every serve instance needs "
+                         "its own)") from None
+    except StateDirError as exc:
+        raise UsageError(f"--state-dir: {exc}") from None
 
 
 def cmd_worker(args: argparse.Namespace, console: Console) -> int:
@@ -905,9 +977,10 @@ def cmd_worker(args: argparse.Namespace, console: Console) -> int:
         return _kafka_log(args, f"stagetree-worker-{worker_id}")
 
     tracing.configure(args.otel_exporter, f"stagetree-worker-{worker_id}")
+    first = _kafka_log(args, f"stagetree-worker-{worker_id}", probe=True)  # nothing answers there: exit 2
     store = cached(open_checkpoint_store(args.checkpoint_store), args.checkpoint_cache, cache_bytes)
     _check_store(store, args.checkpoint_store)
-    runner = TrainingRunner(make_log(), worker_id, store, args.device, study_file=args.study)
+    runner = TrainingRunner(first, worker_id, store, args.device, study_file=args.study)
     worker = KafkaWorker(make_log, worker_id, runner, heartbeat_s=args.heartbeat)
     signal.signal(signal.SIGTERM, lambda *_: worker.drain())
     worker.run()
@@ -990,7 +1063,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
     if args.bootstrap_servers:
         if args.resume or args.log_key:
-            raise UsageError("--resume and --log-key are for embedded mode; on Kafka the log is the topics")
+            raise UsageError("--resume and --log-key are for embedded mode; on Kafka the log is the topics: run the "
+                             "study again without --resume to continue it (a study is its name)")
         try:
             summary = asyncio.run(_run_kafka(args, console))
         except asyncio.CancelledError:  # (only SIGTERM cancels the study task)

@@ -23,6 +23,11 @@ faust's consumer is made ``read_committed`` (:class:`ServeApp`): records of an a
 transaction, e.g. a fenced zombie's decision, are never folded. Offsets then have gaps; every
 fold tracks the last offset it applied.
 
+One instance per state directory: ``stagetree serve`` holds an exclusive lock on
+``STATE_DIR/serve.lock`` for its lifetime (:mod:`stagetree.state_lock`), so a second serve on it
+is refused (exit 2) before it starts, rather than crashing in faust on a store's RocksDB lock
+once the group assigns it a partition; a killed holder's lock is gone with it.
+
 Restart: the stores in ``--state-dir`` are reloaded and each folds the log from its own offset
 (DESIGN.md: state is a fold over the log), so the projections are byte-identical after a
 restart; faust's committed group offsets only say where its consumer resumes, and a record

@@ -633,3 +633,95 @@ def test_the_processes_a_kafka_run_started_leave_when_it_is_killed(deployment: d
             return True
 
     wait_for(lambda: all(gone(pid) for pid in started), "the serve and the worker to leave", timeout=120)
+
+
+def _serve_on(cluster: Deployment, state_dir: Path, name: str) -> subprocess.Popen[bytes]:
+    """A serve instance of ``cluster``'s app named ``name`` (its output in ``name.log``) on
+    ``state_dir``."""
+    proc = spawn([*CLI, "serve", *cluster.kafka, "--state-dir", str(state_dir), "--app-id", cluster.app_id,
+                  "--instance-id", name, "--heartbeat-timeout", "3"], cluster.env, cluster.log_path(name))
+    cluster.procs.append(proc)
+    cluster.serves[name] = proc
+    return proc
+
+
+def _holds_the_role(cluster: Deployment, name: str) -> Callable[[], bool]:
+    def holds() -> bool:
+        assert cluster.serves[name].poll() is None, cluster.output(name)
+        return "scheduler role taken over" in cluster.output(name)
+    return holds
+
+
+def test_a_serve_on_a_state_dir_another_serve_holds_exits_2_and_a_killed_ones_is_free(
+        embedded: Path, deployment: dict[str, str], tmp_path: Path) -> None:
+    """A second ``serve`` (or a ``run --workers N`` whose ``--out`` holds the state directory)
+    while a live serve holds the state directory exits 2 before it contacts anything, one line
+    naming ``--state-dir`` (or ``--out``), the directory and the other serve's pid, and the first
+    serve runs a study on; it crashed in faust with a traceback (RocksDB's LOCK of a
+    ``plan-<p>`` store) once the group gave it a partition. After kill -9 of the holder, a serve
+    starts on the directory at once (the kernel dropped the lock)."""
+    cluster = Deployment(deployment, tmp_path)
+    earlier = tmp_path / "earlier"  # as an earlier `run --out earlier` left its serve running
+    state_dir = earlier / "serve-state"
+    try:
+        first = _serve_on(cluster, state_dir, "A")
+        wait_for(_holds_the_role(cluster, "A"), "serve A to take the scheduler role")
+        in_use = f"is in use by another serve process (pid {first.pid})"
+        for app in (f"{cluster.app_id}-other", cluster.app_id):  # another app, or another instance of its app
+            second = subprocess.run([*CLI, "serve", *cluster.kafka, "--state-dir", str(state_dir), "--app-id", app,
+                                     "--instance-id", "B"], capture_output=True, text=True, timeout=300,
+                                    env=deployment)
+            err = " ".join(second.stderr.split())
+            assert second.returncode == 2 and f"--state-dir '{state_dir}' {in_use}" in err, second.stderr
+            assert "Traceback" not in err and len(second.stderr.splitlines()) == 1, second.stderr
+        run = subprocess.run([*CLI, "run", str(STUDY), "--workers", "1", "--out", str(earlier), "--quiet"],
+                             capture_output=True, text=True, timeout=300, env=deployment)
+        err = " ".join(run.stderr.split())
+        assert run.returncode == 2 and f"--out '{earlier}': the serve state directory '{state_dir}' {in_use}" in err, \
+            run.stdout + run.stderr
+        assert len(run.stderr.splitlines()) == 1 and not list(earlier.glob("summary*.json")), run.stderr
+        resumed = subprocess.run([*CLI, "run", str(STUDY), "--workers", "1", "--out", str(earlier), "--resume",
+                                  "--quiet"], capture_output=True, text=True, timeout=300, env=deployment)
+        err = " ".join(resumed.stderr.split())
+        assert resumed.returncode == 2 and "run the study again without --resume to continue it" in err, err
+
+        assert first.poll() is None  # the first serve works on: a study through it
+        cluster.worker("w0")
+        cluster.joined("w0")
+        cluster.finish(cluster.run())
+        assert per_trial(summary_of(tmp_path / "run")) == per_trial(summary_of(embedded))
+
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        again = _serve_on(cluster, state_dir, "A2")  # its lock file is still there, its lock gone
+        wait_for(_holds_the_role(cluster, "A2"), "serve A2 to take the scheduler role on A's state directory")
+        assert (state_dir / "serve.lock").read_text().split() == [str(again.pid)]
+    finally:
+        cluster.close()
+
+
+@pytest.mark.timeout(300)  # it waited 60 s per command: a bound of the wait, not a timing
+@pytest.mark.parametrize("command", ["run", "serve", "worker", "worker-env", "replay"])
+def test_a_kafka_command_where_no_broker_answers_exits_2_naming_the_flag(command: str, tmp_path: Path) -> None:
+    """``run``, ``serve`` and ``worker`` on ``--bootstrap-servers`` (or
+    ``$STAGETREE_BOOTSTRAP_SERVERS``) where nothing listens, and ``replay verify`` of such a
+    ``kafka://`` address, exit 2 with one error naming the flag, the variable or the source, and
+    the address. They waited a minute and named the address alone."""
+    address = f"127.0.0.1:{_free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STAGETREE_")}
+    flag = ["--bootstrap-servers", address]
+    if command == "worker-env":
+        env["STAGETREE_BOOTSTRAP_SERVERS"] = address
+        flag = []
+    argv = {"run": ["run", str(STUDY), "--workers", "0", "--out", str(tmp_path / "run"), "--quiet", *flag],
+            "serve": ["serve", "--state-dir", str(tmp_path / "serve"), *flag],
+            "worker": ["worker", "--checkpoint-store", str(tmp_path / "store"), "--device", "cpu", *flag],
+            "replay": ["replay", "verify", f"kafka://{address}/x.", "--quiet"]}[command.removesuffix("-env")]
+    proc = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=240, env=env)
+    named = {"run": "--bootstrap-servers", "serve": "--bootstrap-servers", "worker": "--bootstrap-servers",
+             "worker-env": "$STAGETREE_BOOTSTRAP_SERVERS", "replay": f"source 'kafka://{address}/x.'"}[command]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stdout + proc.stderr
+    said = errors[0]
+    assert said.startswith(f"error: {named}") and address in said and "no Kafka broker" in said, said
+    assert "Traceback" not in proc.stderr, proc.stderr
