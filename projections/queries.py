@@ -76,6 +76,28 @@ def handed_on(state: State, d: Dispatch) -> bool:
     return worker is not None and d.dispatch_id in worker.writing
 
 
+def writable_steps(state: State) -> list[tuple[int, int]]:
+    """The global steps ``[first, last]`` (inclusive, sorted, merged) at which a worker may still
+    store a checkpoint for a dispatch of ``state``: the stages its worker has not reported
+    finished (``Dispatch.finished`` on: a worker's end batches come in stage order, each naming
+    its checkpoint only once it is written) of every dispatch that is running, or was lost (its
+    worker declared lost, or joined again, may be a live process that trains the path on: the
+    fold accepts the CheckpointSaved events it writes then). A dispatch done, failed or
+    preempted wrote its last checkpoint before the event that ended it.
+
+    A stage's range includes its first step: a path that starts fresh stores the weights it
+    starts from when it is stopped before training a step."""
+    ranges = sorted((a, b) for d in state.dispatches.values() if d.status in ("running", "lost")
+                    for _, a, b in d.stages[d.finished:])
+    merged: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
 def ancestors(plan: Plan, node: Node) -> Iterator[Node]:
     """``node``, its parent, ..., the root."""
     current: Node | None = node

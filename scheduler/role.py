@@ -11,7 +11,12 @@ Taking the role over (:meth:`DecisionAppender.take_over`): start the role's tran
 producer (``<prefix>stagetree.scheduler``), which fences every earlier holder (a transaction it
 left open is aborted, its next one fails with :class:`~events.kafka_log.Fenced`), then fold every
 partition up to its end. Only then is anything decided, so the successor's fold includes every
-decision its predecessor committed, and the prefixes decisions record never go backwards.
+decision its predecessor committed, and the prefixes decisions record never go backwards. With a
+checkpoint store (a budget), the new holder then deletes, before its first decision, the objects
+no plan place references that no worker may be writing
+(:meth:`~scheduler.service.SchedulerService.collect_garbage` with ``except_in_flight``): a holder
+killed between an eviction's commit and its deletion left them. Those it spared are asked about
+again every second while it holds the role, and as it leaves.
 
 Every decision of the role goes through :class:`DecisionAppender`: one transaction per call, the
 decision(s) on the plan stream (broadcast types to every partition) with their copies (a
@@ -247,6 +252,7 @@ class SchedulerRole:
         self.acquired_at: float | None = None  # epoch seconds of the latest take-over
         self.judging_from = 0.0
         self._fresh = False
+        self._spared: set[str] = set()  # unreferenced objects a collection left (a worker may write them)
         self.ready = threading.Event()  # set once the standby fold has caught up the first time
 
     # ------------------------------------------------------------------ called from faust's thread
@@ -291,7 +297,7 @@ class SchedulerRole:
                                           producer=self.producer, checkpoint_budget=self.checkpoint_budget,
                                           delete=self._delete if self.store is not None else None)
         ends = self.follower.end_offsets()
-        last_seal = last_pass = 0.0
+        last_seal = last_pass = last_collect = 0.0
         try:
             while not self.stop.is_set():
                 try:
@@ -312,6 +318,9 @@ class SchedulerRole:
                         self._fresh = False
                         last_pass = now
                         self.scheduler.run_pass()
+                    if self._spared and now - last_collect >= 1.0:
+                        last_collect = now
+                        self._collect_garbage(self._spared)
                     if now - last_seal >= self.seal_interval_s:
                         last_seal = now
                         self._seal()
@@ -347,6 +356,8 @@ class SchedulerRole:
             deadline = time.monotonic() + 5
             while not self.follower.reached(ends) and time.monotonic() < deadline:
                 self.fold.fold(self.follower.poll(0.05))
+            if self._spared:
+                self._collect_garbage(self._spared)
             self._seal()
         except KafkaLogError as exc:
             log.warning("serve %s: the last seal was not appended: %s", self.instance, exc)
@@ -372,6 +383,7 @@ class SchedulerRole:
         if self._held == granted:
             return True
         seconds = self.decisions.take_over()
+        self._collect_garbage()  # before the first decision: see the module docstring
         self._held = granted
         self._fresh = True
         self.acquired_at = time.time()
@@ -408,6 +420,26 @@ class SchedulerRole:
     def _delete(self, refs: list[str]) -> None:
         for ref in refs:
             self.store.delete(ref)
+
+    def _collect_garbage(self, refs: set[str] | None = None) -> None:
+        """Delete the unreferenced objects (of ``refs``; default: all) that no worker may be
+        writing (:meth:`SchedulerService.collect_garbage` with ``except_in_flight``, after a
+        take-over: the fold holds every dispatch a worker may be executing); remember the rest
+        in ``_spared``, and everything asked about when the store failed (asked again later)."""
+        if self.store is None:
+            return
+        asked = set(self.fold.state.objects) if refs is None else set(refs)
+        try:
+            spared = self.scheduler.collect_garbage(asked, except_in_flight=True)
+        except Exception as exc:  # the store failed: the objects stay, and are asked about again
+            log.warning("serve %s: unreferenced checkpoint objects were not deleted (tried again): %s",
+                        self.instance, exc)
+            objects = self.fold.state.objects
+            spared = {r for r in asked if r in objects and objects[r].references == 0}
+        if refs is None and spared:
+            log.info("serve %s: %d unreferenced checkpoint objects are kept while a worker may write them",
+                     self.instance, len(spared))
+        self._spared = spared
 
     def _unreachable(self) -> list[str]:
         """Alive workers whose id cannot name a dispatch stream (no ``stagetree worker`` joins

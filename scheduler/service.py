@@ -14,14 +14,16 @@ dead-lettered and simply decided again.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from bisect import bisect_right
+from collections.abc import Callable, Iterable
 
 from opentelemetry.trace import SpanKind
 
 from events import topics, tracing
 from events.faults import fault_point
 from events.log import EmbeddedLog, append_event_streams, event_key
-from events.models import CheckpointRequested, Event, StageDispatched, TrialSubmitted
+from events.models import CheckpointRequested, CheckpointSaved, Event, StageDispatched, TrialSubmitted
+from projections.queries import writable_steps
 from projections.store import Projector
 from scheduler.decide import best_path, check_policy, decide
 from scheduler.eviction import evictions_for_dispatch, fits
@@ -95,11 +97,17 @@ class SchedulerService:
         self.commit = commit if commit is not None else self._append_and_fold
         self.producer = producer
         self.trial_traces: dict[str, dict[str, str]] = {}  # trial id -> trace header of its latest submission
-        projector.listeners.append(self._remember_trace)
+        self.saved_steps: dict[str, set[int]] = {}
+        """ref -> the steps the CheckpointSaved events this service saw folded name it at (complete
+        only when the projector folded the log from its start after this service was made, as the
+        scheduler role's does): :meth:`collect_garbage` with ``except_in_flight``."""
+        projector.listeners.append(self._remember)
 
-    def _remember_trace(self, offset: int, event: object) -> None:
+    def _remember(self, offset: int, event: object) -> None:
         if isinstance(event, TrialSubmitted) and event.trace:
             self.trial_traces[event.trial_id] = event.trace
+        elif isinstance(event, CheckpointSaved):
+            self.saved_steps.setdefault(event.ref, set()).add(event.step)
 
     def _append_and_fold(self, decisions: list[Event], to_workers: bool) -> list[bool]:
         """Embedded: append decisions to the plan stream and, for workers, to the dispatch stream
@@ -177,21 +185,82 @@ class SchedulerService:
             if self.deliver is not None:
                 self.deliver(decision)
 
-    def _delete_garbage(self, refs: list[str]) -> None:
+    def _delete_garbage(self, refs: Iterable[str], except_in_flight: bool = False) -> set[str]:
         """Delete the objects among ``refs`` that no plan place references any more (evicted, and
-        not saved again since), now that the decisions that released them are durable."""
-        objects = self.projector.state.objects
+        not saved again since), now that the decisions that released them are durable; with
+        ``except_in_flight``, not those a worker may be writing now (see :meth:`collect_garbage`).
+        Returns the unreferenced objects it spared for that reason (none without it).
+
+        Raises what ``delete`` raises (the objects before the one that failed are gone)."""
+        state = self.projector.state
+        objects = state.objects
         garbage = sorted({r for r in refs if r in objects and objects[r].references == 0})
+        spared: set[str] = set()
+        if except_in_flight and garbage:
+            writable = writable_steps(state)
+            firsts = [a for a, _ in writable]
+
+            def written(step: int) -> bool:
+                i = bisect_right(firsts, step) - 1
+                return i >= 0 and step <= writable[i][1]
+
+            spared = {r for r in garbage if not self.saved_steps.get(r) or any(map(written, self.saved_steps[r]))}
+            garbage = [r for r in garbage if r not in spared]
         if garbage and self.delete is not None:
             if self.log is not None:
                 self.log.sync()  # the evictions are durable before their objects are gone
             self.delete(garbage)
+        return spared
 
-    def collect_garbage(self) -> None:
-        """Delete every object no plan place references (at start: a run killed between an
-        eviction event and its deletion leaves its objects behind). Safe only while no worker of
-        this run is writing: call it before workers start."""
-        self._delete_garbage(list(self.projector.state.objects))
+    def collect_garbage(self, refs: Iterable[str] | None = None, *, except_in_flight: bool = False) -> set[str]:
+        """Delete every object (of ``refs``; default: every object the state knows) that no plan
+        place references: a process killed between an eviction event and its deletion leaves
+        its objects behind. Returns the ones spared (``except_in_flight``).
+
+        Without ``except_in_flight`` it is safe only while no worker writes: the embedded
+        coordinator calls it at start, before it starts workers.
+
+        With ``except_in_flight`` (the scheduler role on Kafka, when it takes the role over:
+        workers of the deployment go on meanwhile), it spares what a worker may be writing.
+        The danger is deleting an object that a CheckpointSaved folded after the deletion names
+        as stored: a worker's ``put`` of an object that is stored already is a no-op, so its
+        CheckpointSaved may follow our ``delete``, and the log would name a missing object. The
+        acceptable failure is leaving garbage behind (``replay verify`` names it). The argument:
+
+        * only a worker executing a dispatch writes an object and then a CheckpointSaved that the
+          fold accepts (the reducer checks the node and the step, not the dispatch: a worker
+          declared lost that is alive after all, paused or cut off, trains its path on and its
+          CheckpointSaved events are accepted, as are its end batches that wait for their
+          writes after it joined again);
+        * every dispatch a worker may be executing is in the state: the caller has fenced every
+          earlier holder of the role (a dispatch of an open transaction is aborted with its copy
+          on the worker's stream, so no worker sees it) and folded every partition to its end;
+          dispatches decided after this call are written to the store after the deletion ended;
+        * such a worker can write only at the steps of its dispatch's stages it has not reported
+          finished (:func:`projections.queries.writable_steps`: running and lost dispatches);
+        * an object's bytes encode its global step (``TrainingSession.save``'s ``"step"``; a
+          simulated checkpoint's ref hashes it), and nothing else about its place: the same bytes
+          can be saved at another node (a branch at its first step) or in another plan
+          (``--no-merge`` plans of one trainer and seed; a new trainer version that trains the
+          same). So an object is spared when any step a CheckpointSaved named it at lies in
+          those ranges, on any plan, and when this service has seen no CheckpointSaved of it
+          (:attr:`saved_steps` is incomplete when the projector was restored from a store).
+
+        A lost dispatch is never known to have ended: the objects at the steps of its unfinished
+        stages are spared at every collection, garbage left behind (the accepted failure). Those
+        of a running dispatch can go once it has ended (the role asks again: ``scheduler.role``).
+
+        Not covered (as before): an eviction's own deletion in :meth:`run_pass` spares nothing
+        (sparing would let the store outgrow the budget while paths run), and a holder fenced
+        without knowing it yet (a paused serve) deletes what it evicted when it resumes; a worker
+        writing the same bytes then (a lost one, or one of another plan) can make the log name
+        a missing object.
+
+        Raises:
+            Exception: what ``delete`` raises (the store failed; the objects before the one
+                that failed are gone, the others stay).
+        """
+        return self._delete_garbage(self.projector.state.objects if refs is None else refs, except_in_flight)
 
     def _traced(self, decision: StageDispatched, started_ns: int) -> StageDispatched:
         """Record the pass and the dispatch in the trace of the first trial the path serves

@@ -45,6 +45,7 @@ from events.kafka_log import KafkaLog, KafkaLogError
 from events.models import CheckpointSaved, DeadLettered, StageDispatched, StageFinished, WorkerJoined, WorkerLost
 from gpu_worker.kafka_worker import SIGTERM_HOOK_ENV
 from gpu_worker.loader import load_module, trainer_of
+from gpu_worker.object_store import open_checkpoint_store
 from stagetree.kafka_runtime import KafkaRuntime
 from stagetree.study import Study
 
@@ -116,6 +117,35 @@ def test_a_draining_worker_hands_its_path_back_and_bad_records_are_dead_lettered
     assert_no_duplicate_or_conflicting_decisions(state, events)
     assert_what_must_hold_after_faults(env, tmp_path / "run", embedded_others["tiny_grid"], [cluster.state_dir("A")])
     verify_deployment(env)
+
+
+def test_a_serve_killed_between_an_eviction_and_its_deletion_leaves_no_garbage(
+        embedded_others: dict[str, Path], deployment: dict[str, str], tmp_path: Path) -> None:
+    """Two serves under a checkpoint budget; the one holding the scheduler role is killed (-9)
+    right after it committed its first eviction, before it deleted the object. The other takes
+    the role over and deletes what no plan references (no worker is writing at that step): at
+    the end no unreferenced object is left in the store, the log verifies without naming one,
+    and every trial equals embedded mode's."""
+    env = deployment
+    cluster = Deployment(env, tmp_path)
+    faults = {"STAGETREE_CHECKPOINT_BUDGET": "150000",  # tiny_grid's checkpoints: 100,921 bytes
+              "STAGETREE_FAULT": f"after-eviction-event@{tmp_path / 'killed-once'}"}
+    try:
+        serves = [cluster.serve(instance, extra_env=faults) for instance in ("A", "B")]
+        cluster.worker("w1", STUDIES / "tiny_grid.py")
+        cluster.joined("w1")
+        cluster.finish(cluster.run(STUDIES / "tiny_grid.py"))
+    finally:
+        cluster.close()
+    assert sorted(p.returncode for p in serves)[0] == -signal.SIGKILL, [cluster.output(i) for i in ("A", "B")]
+    state, events = kafka_state(env)
+    assert state.stats.evictions > 0
+    store = open_checkpoint_store(env["STAGETREE_CHECKPOINT_STORE"], env)
+    unreferenced = sorted(ref for ref, obj in state.objects.items() if obj.references == 0)
+    assert unreferenced and [ref for ref in unreferenced if store.exists(ref)] == []
+    said = " ".join(verify_deployment(env).split())
+    assert "are expected missing" in said and "still stored" not in said, said
+    assert per_trial(summary_of(tmp_path / "run")) == per_trial(summary_of(embedded_others["tiny_grid"]))
 
 
 def test_studies_run_at_once_on_one_deployment(embedded: Path, embedded_others: dict[str, Path],

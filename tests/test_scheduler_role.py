@@ -20,14 +20,28 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
-from kafka_cluster import kafka_log, plan_records, wait_for
+from kafka_cluster import kafka_log, kafka_state, plan_records, wait_for
 
 from events import topics
 from events.codec import decode
+from events.hp import Constant
 from events.kafka_log import KafkaLog, TransactionalAppender, event_writes
-from events.models import LogSealed, WorkerJoined
+from events.models import (
+    CheckpointEvicted,
+    CheckpointSaved,
+    Event,
+    LogSealed,
+    MetricsReported,
+    StageDispatched,
+    StageFinished,
+    StageSpec,
+    TrialSubmitted,
+    WorkerJoined,
+    WorkerLost,
+)
 from scheduler.role import SchedulerRole, role_transactional_id
 from stagetree.serve import ensure_topics
 
@@ -40,14 +54,14 @@ def _seals_by(log, producer: str, after: float) -> list[LogSealed]:  # type: ign
 
 
 @contextmanager
-def _holding_the_role(deployment: dict[str, str], instance: str, regrant_after_s: float
+def _holding_the_role(deployment: dict[str, str], instance: str, regrant_after_s: float, **options: Any
                       ) -> Iterator[tuple[SchedulerRole, KafkaLog]]:
     """A scheduler role running in a thread, granted the role and holding it, and a transport
-    of the deployment; the role is stopped on leaving."""
+    of the deployment; the role is stopped on leaving. ``options``: more SchedulerRole arguments."""
     log = kafka_log(deployment)
     ensure_topics(log)
     role = SchedulerRole(kafka_log(deployment), instance=instance, heartbeat_timeout_s=600, seal_interval_s=0.2,
-                         regrant_after_s=regrant_after_s)
+                         regrant_after_s=regrant_after_s, **options)
     thread = threading.Thread(target=role.run, name="scheduler-role", daemon=True)
     thread.start()
     try:
@@ -104,6 +118,71 @@ def test_a_fenced_role_the_group_revoked_stays_out(deployment: dict[str, str],
         assert role.acquired_at == first
         assert "still grants this instance" not in caplog.text
         successor.close()
+
+
+def _write(log: KafkaLog, events: list[Event]) -> None:
+    """Append ``events`` to the deployment's plan stream, in one transaction, as a worker would."""
+    writer = TransactionalAppender(log, log.topic("test-writer"))
+    try:
+        writer.append(event_writes(topics.PLAN, events, log.partition_count(topics.PLAN)))
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("status", ["running", "lost"])
+def test_a_take_over_deletes_garbage_but_what_a_running_or_lost_path_may_write(
+        deployment: dict[str, str], minio_store_factory: Any, status: str) -> None:
+    """Two checkpoints of n0 were evicted (by a holder killed before it deleted them): the one at
+    step 40 is deleted when the role is taken over; the one at step 20 is kept, since dispatch d2
+    trains n0 over steps 0 to 20 (or was lost: its worker may be alive and train on, and the fold
+    accepts the CheckpointSaved it would write). d2's end lets it go."""
+    store = minio_store_factory()
+    at_20, at_40 = (store.put(f"checkpoint at step {step}".encode()) for step in (20, 40))
+    hp = {"lr": Constant(0.1)}
+
+    def stage(to_step: int) -> list[StageSpec]:
+        return [StageSpec(node_id="n0", hp=hp, from_step=0, to_step=to_step, evaluate=True)]
+
+    plan = {"plan_key": "p1"}
+    history: list[Event] = [
+        WorkerJoined(worker_id="w1", device="cpu"), WorkerJoined(worker_id="w2", device="cpu"),
+        TrialSubmitted(study_id="s1", trial_id="t1", **plan, seed=1, hp=hp, steps=40),
+        StageDispatched(dispatch_id="d1", worker_id="w1", **plan, seed=1, decided_at=-1, source=None,
+                        stages=stage(40)),
+        CheckpointSaved(dispatch_id="d1", **plan, node_id="n0", step=20, ref=at_20.ref, size=at_20.size),
+        CheckpointSaved(dispatch_id="d1", **plan, node_id="n0", step=40, ref=at_40.ref, size=at_40.size),
+        MetricsReported(dispatch_id="d1", **plan, node_id="n0", step=40, metrics={"loss": 1.0}),
+        StageFinished(dispatch_id="d1", worker_id="w1", **plan, node_id="n0", from_step=0, to_step=40, seconds=1,
+                      train_seconds=1),
+        *(CheckpointEvicted(**plan, node_id="n0", step=step, ref=c.ref, size=c.size, decided_at=-1,
+                            checkpoint_budget=1)
+          for step, c in ((20, at_20), (40, at_40))),
+        StageDispatched(dispatch_id="d2", worker_id="w2", **plan, seed=1, decided_at=-1, source=None,
+                        stages=stage(20)),
+        *([WorkerLost(worker_id="w2", reason="no heartbeat")] if status == "lost" else []),
+    ]
+    log = kafka_log(deployment)
+    try:
+        ensure_topics(log)
+        _write(log, history)
+        with _holding_the_role(deployment, "G", regrant_after_s=60, checkpoint_budget=10**9, store=store) as (role, _):
+            state = role.fold.state
+            assert state.dispatches["d2"].status == status
+            assert {r for r, o in state.objects.items() if o.references == 0} == {at_20.ref, at_40.ref}
+            assert not store.exists(at_40.ref)  # deleted before the role's first decision
+            assert store.exists(at_20.ref)
+            if status == "running":
+                _write(log, [StageFinished(dispatch_id="d2", worker_id="w2", **plan, node_id="n0", from_step=0,
+                                           to_step=20, seconds=1, train_seconds=1)])
+                wait_for(lambda: not store.exists(at_20.ref), "the role to delete what d2 no longer may write", 60)
+            else:  # w2 was only paused: it writes at_20 again (a no-op: it is stored), and the fold accepts it
+                _write(log, [CheckpointSaved(dispatch_id="d2", **plan, node_id="n0", step=20, ref=at_20.ref,
+                                             size=at_20.size)])
+                assert kafka_state(deployment)[0].objects[at_20.ref].references == 1
+        if status == "lost":
+            assert store.exists(at_20.ref)  # what the log names is stored
+    finally:
+        log.close()
 
 
 STALLING_CHILD = """
