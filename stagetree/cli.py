@@ -542,9 +542,9 @@ def _check_serve_state(out: Path) -> None:
     try:
         check_free(out / "serve-state")
     except StateDirInUse as exc:
-        who = "another serve process" + (f" (pid {exc.pid})" if exc.pid is not None else "")
-        raise UsageError(f"--out {str(out)!r}: the serve state directory {str(exc.state_dir)!r} is in use by {who}, "
-                         "the serve of an earlier run of this directory that is still going (or still stopping); "
+        raise UsageError(f"--out {str(out)!r}: the serve state directory {str(exc.state_dir)!r} is in use by "
+                         f"{exc.holder}, the serve of an earlier run of this directory that is still going (or still "
+                         "stopping); "
                          "wait for it to end, or choose another --out") from None
 
 
@@ -942,10 +942,9 @@ def _state_dir_lock(state_dir: str) -> StateDirLock:
     try:
         return StateDirLock(state_dir)
     except StateDirInUse as exc:
-        who = "another serve process" + (f" (pid {exc.pid})" if exc.pid is not None else "")
-        raise UsageError(f"--state-dir {state_dir!r} is in use by {who}: one serve instance per state directory; "
-                         "stop that one first, or give this one its own --state-dir (every serve instance needs "
-                         "its own)") from None
+        raise UsageError(f"--state-dir {state_dir!r} is in use by {exc.holder}: one serve instance per state "
+                         "directory; stop that one first, or give this one its own --state-dir (every serve instance "
+                         "needs its own)") from None
     except StateDirError as exc:
         raise UsageError(f"--state-dir: {exc}") from None
 

@@ -32,8 +32,9 @@ class StateDirInUse(StateDirError):
     def __init__(self, state_dir: Path, pid: int | None) -> None:
         self.state_dir = state_dir
         self.pid = pid
-        who = "another serve process" + (f" (pid {pid})" if pid is not None else "")
-        super().__init__(f"state directory {str(state_dir)!r} is in use by {who}")
+        self.holder = "another serve process" + (f" (pid {pid})" if pid is not None else "")
+        """Who holds it, in words: "another serve process (pid N)"."""
+        super().__init__(f"state directory {str(state_dir)!r} is in use by {self.holder}")
 
 
 class StateDirLock:
