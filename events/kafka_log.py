@@ -77,6 +77,30 @@ PROBE_ATTEMPT_S = 5.0
 meanwhile); it asks again until the deadline."""
 
 
+_BROKER = re.compile(r"(?:(?i:plaintext|ssl|sasl_plaintext|sasl_ssl)://)?(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)"
+                     r"(?::(\d{1,5}))?")
+"""One address of Kafka's ``bootstrap.servers``: ``[PROTOCOL://]HOST[:PORT]``, PROTOCOL one
+librdkafka knows (librdkafka's default port when none is given)."""
+
+
+def check_bootstrap_servers(value: str, *, port: bool = False) -> str:
+    """``value`` when it is Kafka's ``HOST:PORT[,HOST:PORT...]`` (``port``: every address must
+    give its port), checked before librdkafka tries a mistyped address for a minute.
+
+    Raises:
+        ValueError: an address is not one (the address and the value are named).
+    """
+    for address in value.split(","):
+        address = address.strip()
+        match = _BROKER.fullmatch(address)
+        if match is None or (match[1] is None and port) or (match[1] is not None and not 1 <= int(match[1]) <= 65535):
+            hint = (" (kafka://HOST:PORT is how a replay source names a deployment; here give HOST:PORT)"
+                    if address.lower().startswith("kafka://") else "")
+            raise ValueError(f"must be HOST:PORT[,HOST:PORT...] with ports 1 to 65535, got {value!r} "
+                             f"({address!r}){hint}")
+    return value
+
+
 def partition_for(key: str, partitions: int) -> int:
     """The partition of a record keyed ``key`` among ``partitions``: Kafka's default
     partitioner (murmur2 of the UTF-8 key, as the Java client and faust's aiokafka compute it),
@@ -132,6 +156,11 @@ class KafkaLogError(LogError):
         super().__init__(message)
         self.topic = topic
         self.error = error
+
+
+class AppendAbandoned(KafkaLogError):
+    """An append gave up waiting for the broker because the process is stopping
+    (:attr:`KafkaLog.stop_requested`): its records may or may not be in the log."""
 
 
 class DeliveryFailed(KafkaLogError):
@@ -322,6 +351,9 @@ class KafkaLog:
         self._append_lock = threading.Lock()
         self._lock = threading.Lock()
         self._closed = False
+        self.stop_requested = False
+        """Set (a plain flag: a signal handler may set it) to make an append that waits for the
+        broker give up at its next look, every 0.5 s at most, with :class:`AppendAbandoned`."""
         # Made now: an idempotent producer spends ~0.5 s acquiring its producer id, which then
         # overlaps with whatever the caller does before its first append.
         if not read_only:
@@ -634,12 +666,18 @@ class KafkaLog:
         deadline = time.monotonic() + self.timeout_s + 5
         while not all(done[: len(records)]):
             producer.flush(0.5)
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or self.stop_requested:
                 break
         offsets: list[tuple[int, int]] = []
+        answered = sum(done[: len(records)])
+        abandoned = self.stop_requested and answered < len(records)
         if enqueue_error is not None or not all(done[: len(records)]) \
                 or any(err is not None for err, _ in reports[: len(records)]):
             self._discard_producer(producer)
+        if abandoned:
+            raise AppendAbandoned(f"kafka: append to topic {records[0][0]!r} abandoned: the process is stopping "
+                                  f"({answered} of {len(records)} record(s) answered)",
+                                  topic=records[0][0])
         for i in range(len(records)):
             err, offset = reports[i]
             if not done[i] or err is not None:

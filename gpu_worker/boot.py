@@ -10,6 +10,7 @@ imported all that already: :mod:`gpu_worker.preload`.)
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from multiprocessing.connection import Connection
 
@@ -37,7 +38,11 @@ def embedded_worker_main(conn: Connection, worker_id: str, index: int, study_fil
     was awaited before the event that names it, so nothing is left to do, and tearing down an
     interpreter that has imported torch costs seconds. An error takes the normal path
     (traceback, exit code 1).
+
+    SIGINT is ignored: Ctrl-C reaches the terminal's whole process group, and the coordinator
+    stops its workers itself (a worker would die mid-stage with a KeyboardInterrupt traceback).
     """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
@@ -60,7 +65,9 @@ def prestarted_worker_main(conn: Connection) -> None:
     starts its workers first, so that their start-up, mostly importing torch, overlaps the
     coordinator's own): import the worker, then wait for the arguments of
     :func:`embedded_worker_main` after ``conn`` (one pickled tuple) and serve; the pipe closing
-    first means the coordinator is gone: leave at once. (A refused run kills these processes.)"""
+    first means the coordinator is gone: leave at once. (A refused run kills these processes.)
+    SIGINT is ignored, as in :func:`embedded_worker_main`."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import gpu_worker.process  # noqa: F401  (torch, the trainer's modules: the bulk of start-up)
 
     try:

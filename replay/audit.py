@@ -29,7 +29,6 @@ from __future__ import annotations
 import base64
 import gc
 import hashlib
-import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -339,13 +338,18 @@ def kafka_location(url: str) -> tuple[str, str]:
         AuditError: not such an address (named), or it holds ``user@`` credentials.
     """
     if not isinstance(url, str) or not url.startswith("kafka://"):
-        raise AuditError(f"source {url!r} must be kafka://HOST:PORT[/PREFIX]")
+        raise AuditError(f"source {url!r} must be kafka://HOST:PORT[,HOST:PORT...][/PREFIX]")
     servers, _, where = url[len("kafka://"):].partition("/")
     if "@" in servers:
         raise AuditError("a kafka:// source must not hold credentials (user@host): set STAGETREE_KAFKA_SASL_* "
                          "and the other STAGETREE_KAFKA_* variables instead")
-    if not servers or not all(re.fullmatch(r"[A-Za-z0-9.\-\[\]:]+:[0-9]+", s) for s in servers.split(",")):
-        raise AuditError(f"source {url!r} must be kafka://HOST:PORT[,HOST:PORT...][/PREFIX]")
+    from events.kafka_log import check_bootstrap_servers
+
+    try:
+        check_bootstrap_servers(servers, port=True)
+    except ValueError:
+        raise AuditError(f"source {url!r} must be kafka://HOST:PORT[,HOST:PORT...][/PREFIX], ports 1 to "
+                         "65535") from None
     prefix = where[: -len(topics.PLAN)] if where.endswith(topics.PLAN) else where
     if prefix and not topics.TOPIC_PART.fullmatch(prefix):
         raise AuditError(f"source {url!r}: the topic prefix {prefix!r} is not a valid Kafka topic name part")
@@ -391,7 +395,7 @@ def open_kafka(url: str, checkpoints: str | Path | None = None) -> Source:
 
 def open_source(path: str | Path, secret: bytes | None = None, checkpoints: str | Path | None = None, *,
                 as_of_projection: bool = False) -> Source:
-    """A run directory, a JSONL export or a Kafka deployment (``kafka://HOST:PORT[/TOPIC]``);
+    """A run directory, a JSONL export or a Kafka deployment (``kafka://HOST:PORT[/PREFIX]``);
     ``as_of_projection`` as for :func:`open_run`."""
     p = Path(path)
     if str(path).startswith("kafka://"):

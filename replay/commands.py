@@ -163,7 +163,7 @@ def register(sub: argparse._SubParsersAction, positive: type | object) -> None: 
     log = sub.add_parser("log", help="export or import a portable, tamper-evident log").add_subparsers(
         dest="log_command", required=True)
     exp = log.add_parser("export", help="write a run's log as JSONL with its hash chain")
-    exp.add_argument("source", help="run directory or kafka://HOST:PORT[/TOPIC]")
+    exp.add_argument("source", help="run directory or kafka://HOST:PORT[/PREFIX]")
     exp.add_argument("--out", required=True, help="the JSONL file to write")
     exp.add_argument("--log-key", help=key_help)
     exp.set_defaults(func=cmd_export)
@@ -176,7 +176,7 @@ def register(sub: argparse._SubParsersAction, positive: type | object) -> None: 
     replay = sub.add_parser("replay", help="audit a finished study").add_subparsers(dest="replay_command",
                                                                                      required=True)
     ver = replay.add_parser("verify", help="check hash chain, decisions, projections, checkpoints and tuner decisions")
-    ver.add_argument("source", help="run directory, JSONL export, or kafka://HOST:PORT[/TOPIC]")
+    ver.add_argument("source", help="run directory, JSONL export, or kafka://HOST:PORT[/PREFIX]")
     ver.add_argument("--study", help="study file whose tuners recompute the tuner decisions (default: the one each "
                                      "study's StudyStarted records; without one they are not recomputed)")
     ver.add_argument("--checkpoints", help="checkpoint directory (default: the run directory's)")
@@ -189,7 +189,7 @@ def register(sub: argparse._SubParsersAction, positive: type | object) -> None: 
     ver.add_argument("--quiet", action="store_true", help="no progress bar")
     ver.set_defaults(func=cmd_verify)
     exp_ = replay.add_parser("explain", help="a trial's whole story from the log, with every decision about it")
-    exp_.add_argument("source", help="run directory, JSONL export, or kafka://HOST:PORT[/TOPIC]")
+    exp_.add_argument("source", help="run directory, JSONL export, or kafka://HOST:PORT[/PREFIX]")
     exp_.add_argument("trial", help="trial id, or a unique prefix of one")
     exp_.add_argument("--json", action="store_true", help="print the story as JSON")
     exp_.add_argument("--log-key", help=key_help)

@@ -427,16 +427,72 @@ def _die_with_parent() -> None:
 
 
 class Stopped(Exception):
-    """``stagetree run`` was stopped by SIGTERM (exit 143, as a shell reports a process it ended)."""
+    """``stagetree run`` was stopped by a signal: exit ``code``, as a shell reports a process the
+    signal ended (143: SIGTERM, 130: SIGINT, Ctrl-C)."""
+
+    def __init__(self, message: str, code: int = 143) -> None:
+        super().__init__(message)
+        self.code = code
 
 
-def _cancel(task: Any) -> None:
-    task.cancel()
+class _StopSignals:
+    """While ``run`` on Kafka runs: SIGTERM (kill, systemd, a batch scheduler) and SIGINT (Ctrl-C)
+    cancel the study ``task``, so the processes it started are stopped and its serve app's
+    topics deleted (Python's default for SIGTERM ended the client alone, its serve and workers
+    left running), and tell the logs in :attr:`logs` to give up appends that wait for the broker
+    (``KafkaLog.stop_requested``). The handlers are Python-level ones (not the loop's): they run
+    even while the loop is held by an append that retries through an outage. A second signal
+    raises KeyboardInterrupt at once. The previous handlers are restored on exit."""
+
+    def __init__(self, task: Any) -> None:
+        self.task = task
+        self.received: signal.Signals | None = None
+        self.logs: list[Any] = []
+
+    def __enter__(self) -> _StopSignals:
+        self.previous = {sig: signal.signal(sig, self._on) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def _on(self, signum: int, frame: Any) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum)
+        for log in self.logs:
+            log.stop_requested = True
+        self.task.cancel()
+        self.task.get_loop().call_soon_threadsafe(lambda: None)  # wake the loop if it waits
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def stopped(self) -> Stopped:
+        """The error that reports the stop by :attr:`received`."""
+        how = "Ctrl-C (SIGINT)" if self.received == signal.SIGINT else "SIGTERM"
+        return Stopped(f"stopped by {how}: the serve and workers this run started were stopped; run it again to "
+                       "continue the study", 130 if self.received == signal.SIGINT else 143)
 
 
 async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     """Kafka mode: submit through the SDK; with --workers N > 0 also run `stagetree serve` and N
-    workers for the duration (a one-machine deployment on real Kafka)."""
+    workers for the duration (a one-machine deployment on real Kafka).
+
+    Raises:
+        Stopped: SIGTERM or SIGINT (:class:`_StopSignals`) stopped it.
+    """
+    import asyncio
+
+    with _StopSignals(asyncio.current_task()) as stop:
+        try:
+            return await _run_kafka_study(args, console, stop)
+        except asyncio.CancelledError:
+            if stop.received is None:
+                raise
+            raise stop.stopped() from None
+
+
+async def _run_kafka_study(args: argparse.Namespace, console: Console, stop: _StopSignals) -> dict[str, Any]:
+    """:func:`_run_kafka`'s study: the logs it makes are put in ``stop.logs``."""
     import asyncio
     import subprocess
     import uuid
@@ -446,10 +502,6 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
     from stagetree.kafka_runtime import KafkaRuntime
     from stagetree.worker_processes import Spawned, watch
 
-    # SIGTERM (kill, systemd, a batch scheduler) stops the run as Ctrl-C does: the study task is
-    # cancelled, so the processes it started are stopped and its serve app's topics deleted
-    # (Python's default for SIGTERM ended the client alone, its serve and workers left running)
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, _cancel, asyncio.current_task())
     loaded = _study_file(args.file)
     settings = _settings_of(args.file, loaded[2])
     out = _out_dir(args.out, loaded[4])
@@ -469,6 +521,7 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
     if args.workers:  # the serve it starts: refused (exit 2) while an earlier run's still holds the directory
         _check_serve_state(out)
     log = _kafka_log(args, probe=True)
+    stop.logs.append(log)
     procs: list[Spawned] = []
     # this run's own serve app (its id names topics: the study's name, made fit for one)
     app_id = f"stagetree-{re.sub(r'[^A-Za-z0-9._-]', '_', loaded[4])[:100]}-{uuid.uuid4().hex[:8]}"
@@ -604,6 +657,8 @@ async def _while_watched(work: Coroutine[Any, Any, T], watching: Coroutine[Any, 
                 pending.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await pending
+            elif not pending.cancelled():
+                pending.exception()  # seen: what a stop made moot is not logged as never retrieved
 
 
 def _forget_serve_app(log: Any, app_id: str, console: Console) -> None:
@@ -742,21 +797,24 @@ def _topic_prefix(value: str) -> str:
     return value
 
 
-_BROKER = re.compile(r"(?:[A-Za-z_]+://)?(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::(\d{1,5}))?")
-"""One address of Kafka's ``bootstrap.servers``: ``[PROTOCOL://]HOST[:PORT]`` (librdkafka's
-default port when none is given)."""
-
-
 def _bootstrap_servers(value: str) -> str:
     """An argparse type: Kafka's ``HOST:PORT[,HOST:PORT...]`` (empty: embedded mode), checked
-    here rather than after librdkafka has tried a mistyped address for a minute."""
+    here (:func:`events.kafka_log.check_bootstrap_servers`) rather than after librdkafka has
+    tried a mistyped address."""
+    from events.kafka_log import check_bootstrap_servers
+
     if not value:
         return value
-    for address in value.split(","):
-        match = _BROKER.fullmatch(address.strip())
-        if match is None or (match[1] is not None and not 1 <= int(match[1]) <= 65535):
-            raise argparse.ArgumentTypeError(f"must be HOST:PORT[,HOST:PORT...] with ports 1 to 65535, got {value!r} "
-                                             f"({address.strip()!r})")
+    try:
+        return check_bootstrap_servers(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _nonempty_path(value: str) -> str:
+    """An argparse type: a path that is not empty (an empty one meant the working directory)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(f"must be a directory path, got {value!r}")
     return value
 
 
@@ -805,7 +863,7 @@ def parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="Kafka mode: the projector and scheduler (a faust app)")
     _kafka_flags(srv, required=True)
-    srv.add_argument("--state-dir", default=os.environ.get("STAGETREE_STATE_DIR", "serve-state"),
+    srv.add_argument("--state-dir", type=_nonempty_path, default=os.environ.get("STAGETREE_STATE_DIR", "serve-state"),
                      help="RocksDB projection store (default: $STAGETREE_STATE_DIR or ./serve-state)")
     srv.add_argument("--app-id", type=_app_id, default=os.environ.get("STAGETREE_APP_ID", "stagetree"),
                      help="faust app id (default: $STAGETREE_APP_ID or stagetree)")
@@ -1066,11 +1124,15 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                              "study again without --resume to continue it (a study is its name)")
         try:
             summary = asyncio.run(_run_kafka(args, console))
-        except asyncio.CancelledError:  # (only SIGTERM cancels the study task)
-            raise Stopped("stopped by SIGTERM: the serve and workers this run started were stopped; run it again "
-                          "to continue the study") from None
+        except KeyboardInterrupt:  # a second signal while the first one's stop was under way
+            raise Stopped("stopped at once by a second signal: the serve and workers this run started get SIGTERM "
+                          "as it exits; run it again to continue the study", 130) from None
     else:
-        summary = run_embedded(args, console)
+        try:
+            summary = run_embedded(args, console)
+        except KeyboardInterrupt:  # Ctrl-C: asyncio cancelled the study (its workers are stopped), then raised it
+            raise Stopped("stopped by Ctrl-C (SIGINT): run it again with --resume to continue the study",
+                          130) from None
     _print_summary(summary, console)
     failed = [t for t in summary["trials"] if t["status"] == "failed"]
     if failed:
@@ -1096,7 +1158,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Stopped as exc:
         err.print(f"[yellow]{escape(str(exc))}[/yellow]")
-        return 143
+        return exc.code
     except (TrialFailed, TrialsFailed, RuntimeError_) as exc:  # the study ran; something failed (exit 1)
         err.print(f"[red]error:[/red] {escape(str(exc))}")
         return 1

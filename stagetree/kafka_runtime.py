@@ -22,7 +22,7 @@ from typing import Any
 
 from events import topics
 from events.codec import encode
-from events.kafka_log import DeliveryFailed, Follower, KafkaLog, KafkaLogError, partition_for
+from events.kafka_log import AppendAbandoned, DeliveryFailed, Follower, KafkaLog, KafkaLogError, partition_for
 from events.log import Record, event_key
 from events.models import Event, LogSealed
 from projections.partitions import PartitionedFold
@@ -83,8 +83,12 @@ class KafkaRuntime(RuntimeBase):
         plan partitions, and only the rest is appended again (an idempotent producer keeps a
         partition's records in order and without gaps, so that rest is a suffix per partition).
 
+        The retries give up when the log's ``stop_requested`` is set (a run being stopped: its
+        signal handler sets it), within a second.
+
         Raises:
             RuntimeError_: the runtime failed earlier.
+            AppendAbandoned: the process is stopping (``log.stop_requested``).
             DeliveryFailed: the broker did not take the records within :attr:`retry_s` seconds.
             KafkaLogError: the records were not readable back within that time, or a record
                 is too large (nothing is appended then).
@@ -98,7 +102,7 @@ class KafkaRuntime(RuntimeBase):
                 offsets = self.log.append_many(topics.PLAN, items)
                 break
             except DeliveryFailed as exc:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or self.log.stop_requested:
                     raise
                 log.warning("kafka: the SDK's append failed (retrying for up to %g s more): %s",
                             max(0.0, deadline - time.monotonic()), exc)
@@ -120,6 +124,21 @@ class KafkaRuntime(RuntimeBase):
             self._fold(self.follower.poll(0.05))
         self._notify()
 
+    def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds`` (0: none) in steps of 0.1 s.
+
+        Raises:
+            AppendAbandoned: the log's ``stop_requested`` is (or becomes) set.
+        """
+        end = time.monotonic() + seconds
+        while True:
+            if self.log.stop_requested:
+                raise AppendAbandoned("kafka: the SDK's append was abandoned: the process is stopping")
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(0.1, left))
+
     def _not_in_log(self, items: list[tuple[str, bytes]], deadline: float) -> list[tuple[str, bytes]]:
         """The ``(key, value)`` items of a failed attempt that are not in the log: fold every plan
         partition to its end now (asked of the broker once it answers, a second apart, until
@@ -127,19 +146,23 @@ class KafkaRuntime(RuntimeBase):
 
         Raises:
             KafkaLogError: the broker did not answer before ``deadline``.
+            AppendAbandoned: the log's ``stop_requested`` was set meanwhile.
         """
         self._unconfirmed = Counter(value for _, value in items)
         try:
             while True:
-                time.sleep(1.0)
+                self._pause(1.0)
                 try:
                     ends = self.follower.end_offsets(timeout_s=5)
                     while not self.follower.reached(ends):
+                        self._pause(0)
                         if time.monotonic() > deadline:
                             raise KafkaLogError("kafka: the plan partitions were not readable to their end "
                                                 f"within {self.retry_s:g} s of the SDK's append")
                         self._fold(self.follower.poll(0.1))
                     break
+                except AppendAbandoned:
+                    raise
                 except KafkaLogError:
                     if time.monotonic() > deadline:
                         raise

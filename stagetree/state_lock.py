@@ -53,6 +53,11 @@ class StateDirLock:
     def __init__(self, state_dir: str | Path) -> None:
         self.state_dir = Path(state_dir)
         path = self.state_dir / LOCK_FILE
+        if self.state_dir.exists() and not self.state_dir.is_dir():
+            raise StateDirError(f"state directory {str(self.state_dir)!r} cannot be used: it is not a directory")
+        if path.is_dir():
+            raise StateDirError(f"state directory {str(self.state_dir)!r} cannot be used: its {LOCK_FILE!r} is a "
+                                "directory")
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -773,7 +773,8 @@ def test_cli_kafka_flags_and_their_variables_are_checked(argv: list[str], env: d
     assert "Traceback" not in err and all(n in err for n in needles), err
 
 
-@pytest.mark.parametrize("servers", ["127.0.0.1:abc", "host:notaport", "127.0.0.1:99999", "a:1,,b:2"])
+@pytest.mark.parametrize("servers", ["127.0.0.1:abc", "host:notaport", "127.0.0.1:99999", "a:1,,b:2",
+                                     "kafka://127.0.0.1:9092"])
 def test_cli_a_mistyped_kafka_address_is_refused_at_once(servers: str, capsys: pytest.CaptureFixture[str],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """It went to librdkafka, which tried it for a minute before the exit."""
@@ -782,6 +783,30 @@ def test_cli_a_mistyped_kafka_address_is_refused_at_once(servers: str, capsys: p
         assert cli(argv) == 2
         err = squash(capsys.readouterr().err)
         assert "--bootstrap-servers" in err and squash(repr(servers)) in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("source", ["kafka://127.0.0.1:99999/x", "kafka://127.0.0.1/x", "kafka://:9092"])
+def test_cli_a_mistyped_kafka_source_is_refused_at_once(source: str, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A port out of range passed the source's own looser check and waited for a broker."""
+    assert cli(["replay", "verify", source]) == 2
+    assert cli(["log", "export", source, "--out", str(tmp_path / "e.jsonl")]) == 2
+    err = squash(capsys.readouterr().err)
+    assert squash("must be kafka://HOST:PORT") in err and squash("ports 1 to 65535") in err, err
+    assert "Traceback" not in err, err
+
+
+def test_cli_a_serve_state_dir_that_is_empty_or_no_directory_is_refused(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--state-dir ""`` made the working directory the state directory; a file named as one
+    was refused with the reason "File exists"."""
+    assert cli(["serve", "--bootstrap-servers", "127.0.0.1:1", "--state-dir", ""]) == 2
+    assert squash("--state-dir: must be a directory path, got ''") in squash(capsys.readouterr().err)
+    afile = write(tmp_path / "afile", "")
+    assert cli(["serve", "--bootstrap-servers", "127.0.0.1:1", "--state-dir", str(afile)]) == 2
+    err = squash(capsys.readouterr().err)
+    assert "--state-dir" in err and squash("it is not a directory") in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
 def test_cli_a_study_name_that_is_no_file_name_stays_under_runs(tmp_path: Path,

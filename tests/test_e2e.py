@@ -144,6 +144,30 @@ def test_spawned_and_forked_workers_give_identical_results(merged: dict, tmp_pat
         assert per_trial(summary) == per_trial(merged), method
 
 
+def test_ctrl_c_stops_a_run_in_one_line_and_resume_finishes_it(merged: dict, tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the terminal's process group: the run and its workers) mid-study printed
+    two chained tracebacks (CancelledError, then KeyboardInterrupt) and no word on what to do.
+    It now says, in one line, that it stopped and how to continue (exit 130, as a shell reports
+    a process SIGINT ended); ``--resume`` then finishes the study with the same results."""
+    out = tmp_path / "interrupted"
+    proc = subprocess.Popen([*STAGETREE, "run", str(STUDY), "--workers", "2", "--out", str(out), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    ckpts = out / "checkpoints"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if ckpts.exists() and sum(1 for _ in ckpts.rglob("*") if _.is_file()) >= 6:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the study finished before it could be interrupted"
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    err = " ".join(stderr.split())
+    assert proc.returncode == 130 and "stopped by Ctrl-C" in err and "--resume" in err, stdout + stderr
+    assert "Traceback" not in stderr, stderr
+    resumed = run(out, "--resume")
+    assert per_trial(resumed) == per_trial(merged)
+
+
 def test_kill_and_resume_finishes_with_the_same_results(merged: dict, tmp_path: Path) -> None:
     out = tmp_path / "killed"
     proc = subprocess.Popen([*STAGETREE, "run", str(STUDY), "--workers", "2", "--out", str(out), "--quiet"],

@@ -41,7 +41,7 @@ from private_kafka import PrivateBroker, _free_port, cluster_id
 
 from events import topics
 from events.codec import decode, encode
-from events.kafka_log import KafkaLog, KafkaLogError
+from events.kafka_log import AppendAbandoned, KafkaLog, KafkaLogError
 from events.models import CheckpointSaved, DeadLettered, StageDispatched, StageFinished, WorkerJoined, WorkerLost
 from gpu_worker.kafka_worker import SIGTERM_HOOK_ENV
 from gpu_worker.loader import load_module, trainer_of
@@ -323,6 +323,36 @@ def test_the_sdk_rides_out_a_broker_away_longer_than_one_append(private_broker: 
             other.append(topics.PLAN, "w9", encode(landed))
         missing = ("w8", encode(landed.model_copy(update={"worker_id": "w8"})))
         assert runtime._not_in_log([("w9", encode(landed)), missing], time.monotonic() + 60) == [missing]
+    finally:
+        runtime.close()
+        log.close()
+
+
+def test_an_append_retrying_through_an_outage_gives_up_when_the_process_is_stopping(
+        private_broker: PrivateBroker) -> None:
+    """The SDK's append retries for minutes while the broker is away, holding the event loop
+    (appends are synchronous): a run's signal handler sets ``stop_requested`` on the log, and the
+    append gives up within a second or so, with AppendAbandoned (not retried), rather than hold
+    a SIGTERM or Ctrl-C back until its retries are spent."""
+    log = KafkaLog(private_broker.bootstrap, timeout_s=30, topic_prefix=f"stop-{uuid.uuid4().hex[:8]}.")
+    runtime = KafkaRuntime(log, retry_s=600)
+    errors: list[BaseException] = []
+
+    def append() -> None:
+        try:
+            runtime.append([WorkerJoined(producer="test", ts=1.0, worker_id="w0", device="cpu")])
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        private_broker.stop()
+        appender = threading.Thread(target=append)
+        appender.start()
+        log.stop_requested = True  # what the handler does (the first attempt waits for the broker now)
+        appender.join(timeout=60)
+        assert not appender.is_alive(), "the append did not give up"
+        assert len(errors) == 1 and isinstance(errors[0], AppendAbandoned), errors
+        assert runtime.retries == 0
     finally:
         runtime.close()
         log.close()
@@ -614,10 +644,14 @@ def test_a_kafka_runs_checkpoint_budget_flag_reaches_the_serve_it_starts(deploym
     assert proc.returncode == 2 and "--checkpoint-budget 1000000000 is applied by the serve" in err, err
 
 
-def test_sigterm_stops_a_kafka_run_and_the_processes_it_started(deployment: dict[str, str], tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig, code, words", [(signal.SIGTERM, 143, "stopped by SIGTERM"),
+                                               (signal.SIGINT, 130, "stopped by Ctrl-C (SIGINT)")])
+def test_a_signal_stops_a_kafka_run_and_the_processes_it_started(sig: signal.Signals, code: int, words: str,
+                                                                 deployment: dict[str, str], tmp_path: Path) -> None:
     """SIGTERM (how kill, systemd and batch schedulers stop a process) ended ``run --workers N``
     on Kafka alone: its serve and worker kept running, re-parented, for ever, and a rerun's serve
-    crashed on their state's lock. It stops them now, as Ctrl-C does, and exits 143."""
+    crashed on their state's lock; Ctrl-C printed two chained tracebacks. Both stop them now and
+    say so in one line, exit 143 and 130 (as a shell reports a process the signal ended)."""
     out = tmp_path / "run"
     run = subprocess.Popen([*CLI, "run", str(STUDY), "--workers", "1", "--out", str(out), "--quiet"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=deployment)
@@ -629,14 +663,14 @@ def test_sigterm_stops_a_kafka_run_and_the_processes_it_started(deployment: dict
         wait_for(lambda: len(children()) == 2 and any(isinstance(e, WorkerJoined) for e in kafka_state(deployment)[1]),
                  "the serve and the worker to start", timeout=180)
         started = children()
-        run.send_signal(signal.SIGTERM)
+        run.send_signal(sig)
         stdout, stderr = run.communicate(timeout=120)
     finally:
         if run.poll() is None:
             run.kill()
             run.communicate()
     err = " ".join(stderr.split())
-    assert run.returncode == 143 and "stopped by SIGTERM" in err and "Traceback" not in err, stdout + stderr
+    assert run.returncode == code and words in err and "Traceback" not in err, stdout + stderr
     for pid in started:  # terminated and reaped by the run, not left behind
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower(), pid
 
