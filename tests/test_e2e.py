@@ -144,21 +144,28 @@ def test_spawned_and_forked_workers_give_identical_results(merged: dict, tmp_pat
         assert per_trial(summary) == per_trial(merged), method
 
 
-def test_ctrl_c_stops_a_run_in_one_line_and_resume_finishes_it(merged: dict, tmp_path: Path) -> None:
-    """Ctrl-C (SIGINT to the terminal's process group: the run and its workers) mid-study printed
-    two chained tracebacks (CancelledError, then KeyboardInterrupt) and no word on what to do.
-    It now says, in one line, that it stopped and how to continue (exit 130, as a shell reports
-    a process SIGINT ended); ``--resume`` then finishes the study with the same results."""
-    out = tmp_path / "interrupted"
+def _mid_study(out: Path, output: int) -> subprocess.Popen[str]:
+    """``run`` of the study into ``out`` (its own session, as a terminal's job), once 6
+    checkpoint files are written: mid-study. ``output``: where its stdout and stderr go."""
     proc = subprocess.Popen([*STAGETREE, "run", str(STUDY), "--workers", "2", "--out", str(out), "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=output, stderr=output, text=True, start_new_session=True)
     ckpts = out / "checkpoints"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         if ckpts.exists() and sum(1 for _ in ckpts.rglob("*") if _.is_file()) >= 6:
             break
         time.sleep(0.05)
-    assert proc.poll() is None, "the study finished before it could be interrupted"
+    assert proc.poll() is None, "the study finished before it could be stopped"
+    return proc
+
+
+def test_ctrl_c_stops_a_run_in_one_line_and_resume_finishes_it(merged: dict, tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the terminal's process group: the run and its workers) mid-study printed
+    two chained tracebacks (CancelledError, then KeyboardInterrupt) and no word on what to do.
+    It now says, in one line, that it stopped and how to continue (exit 130, as a shell reports
+    a process SIGINT ended); ``--resume`` then finishes the study with the same results."""
+    out = tmp_path / "interrupted"
+    proc = _mid_study(out, subprocess.PIPE)
     os.killpg(proc.pid, signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
     err = " ".join(stderr.split())
@@ -170,15 +177,7 @@ def test_ctrl_c_stops_a_run_in_one_line_and_resume_finishes_it(merged: dict, tmp
 
 def test_kill_and_resume_finishes_with_the_same_results(merged: dict, tmp_path: Path) -> None:
     out = tmp_path / "killed"
-    proc = subprocess.Popen([*STAGETREE, "run", str(STUDY), "--workers", "2", "--out", str(out), "--quiet"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    ckpts = out / "checkpoints"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if ckpts.exists() and sum(1 for _ in ckpts.rglob("*") if _.is_file()) >= 6:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the study finished before it could be killed"
+    proc = _mid_study(out, subprocess.DEVNULL)
     os.killpg(proc.pid, signal.SIGKILL)  # the coordinator and its workers, mid-study
     proc.wait(timeout=30)
     before = _events(out)

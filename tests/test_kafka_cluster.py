@@ -42,7 +42,15 @@ from private_kafka import PrivateBroker, _free_port, cluster_id
 from events import topics
 from events.codec import decode, encode
 from events.kafka_log import AppendAbandoned, KafkaLog, KafkaLogError
-from events.models import CheckpointSaved, DeadLettered, StageDispatched, StageFinished, WorkerJoined, WorkerLost
+from events.models import (
+    CheckpointSaved,
+    DeadLettered,
+    Event,
+    StageDispatched,
+    StageFinished,
+    WorkerJoined,
+    WorkerLost,
+)
 from gpu_worker.kafka_worker import SIGTERM_HOOK_ENV
 from gpu_worker.loader import load_module, trainer_of
 from gpu_worker.object_store import open_checkpoint_store
@@ -290,6 +298,22 @@ def _plan_values(log: KafkaLog) -> list[bytes]:
     return [r.value for part in range(log.partition_count(topics.PLAN)) for r in log.read(topics.PLAN, partition=part)]
 
 
+def _appending(runtime: KafkaRuntime, events: list[Event]) -> tuple[threading.Thread, list[BaseException]]:
+    """A started thread appending ``events`` through ``runtime``, and the list where it puts
+    what the append raised."""
+    errors: list[BaseException] = []
+
+    def append() -> None:
+        try:
+            runtime.append(events)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=append)
+    thread.start()
+    return thread, errors
+
+
 def test_the_sdk_rides_out_a_broker_away_longer_than_one_append(private_broker: PrivateBroker) -> None:
     """The SDK's append meets a broker that is away for longer than one attempt may take (3 s
     here): it keeps trying, and once the broker is back its records are in the log exactly once
@@ -297,18 +321,9 @@ def test_the_sdk_rides_out_a_broker_away_longer_than_one_append(private_broker: 
     log = KafkaLog(private_broker.bootstrap, timeout_s=3, topic_prefix=f"away-{uuid.uuid4().hex[:8]}.")
     runtime = KafkaRuntime(log, retry_s=600)
     joined = [WorkerJoined(producer="test", ts=1.0, worker_id=f"w{i}", device="cpu") for i in range(4)]
-    errors: list[BaseException] = []
-
-    def append() -> None:
-        try:
-            runtime.append(joined)
-        except BaseException as exc:
-            errors.append(exc)
-
     try:
         private_broker.stop()
-        appender = threading.Thread(target=append)
-        appender.start()
+        appender, errors = _appending(runtime, joined)
         wait_for(lambda: runtime.retries >= 1 or not appender.is_alive(), "an attempt of the append to fail", 120)
         private_broker.start()
         appender.join(timeout=600)
@@ -336,18 +351,9 @@ def test_an_append_retrying_through_an_outage_gives_up_when_the_process_is_stopp
     a SIGTERM or Ctrl-C back until its retries are spent."""
     log = KafkaLog(private_broker.bootstrap, timeout_s=30, topic_prefix=f"stop-{uuid.uuid4().hex[:8]}.")
     runtime = KafkaRuntime(log, retry_s=600)
-    errors: list[BaseException] = []
-
-    def append() -> None:
-        try:
-            runtime.append([WorkerJoined(producer="test", ts=1.0, worker_id="w0", device="cpu")])
-        except BaseException as exc:
-            errors.append(exc)
-
     try:
         private_broker.stop()
-        appender = threading.Thread(target=append)
-        appender.start()
+        appender, errors = _appending(runtime, [WorkerJoined(producer="test", ts=1.0, worker_id="w0", device="cpu")])
         log.stop_requested = True  # what the handler does (the first attempt waits for the broker now)
         appender.join(timeout=60)
         assert not appender.is_alive(), "the append did not give up"
