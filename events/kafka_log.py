@@ -668,19 +668,18 @@ class KafkaLog:
             producer.flush(0.5)
             if time.monotonic() > deadline or self.stop_requested:
                 break
-        offsets: list[tuple[int, int]] = []
-        answered = sum(done[: len(records)])
-        abandoned = self.stop_requested and answered < len(records)
-        if enqueue_error is not None or not all(done[: len(records)]) \
-                or any(err is not None for err, _ in reports[: len(records)]):
+        # the outcome as it stands (copies: a purge below answers what is left, "purged")
+        delivered, outcome = done[: len(records)], reports[: len(records)]
+        if enqueue_error is not None or not all(delivered) or any(err is not None for err, _ in outcome):
             self._discard_producer(producer)
-        if abandoned:
-            raise AppendAbandoned(f"kafka: append to topic {records[0][0]!r} abandoned: the process is stopping "
-                                  f"({answered} of {len(records)} record(s) answered)",
-                                  topic=records[0][0])
+            if self.stop_requested and not all(delivered):
+                raise AppendAbandoned(f"kafka: append to topic {records[0][0]!r} abandoned: the process is "
+                                      f"stopping ({sum(delivered)} of {len(records)} record(s) answered)",
+                                      topic=records[0][0])
+        offsets: list[tuple[int, int]] = []
         for i in range(len(records)):
-            err, offset = reports[i]
-            if not done[i] or err is not None:
+            err, offset = outcome[i]
+            if not delivered[i] or err is not None:
                 why = err if err is not None else f"no delivery report within {self.timeout_s:g} s"
                 raise DeliveryFailed(
                     f"kafka: append to topic {records[i][0]!r} failed at record {i} of the batch: {why} "
