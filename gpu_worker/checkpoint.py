@@ -882,6 +882,32 @@ def _copy_state(obj: Any, memo: dict[Any, Any], copy_storage: Callable[[Any], An
     return copy.deepcopy(obj, memo)
 
 
+def state_bytes(obj: Any) -> int:
+    """The bytes of the distinct tensor storages in a state (as :func:`encode_state` takes:
+    dicts, with their attributes, lists and tuples of tensors and plain values), on any device:
+    about the size of its encoding, without encoding it (an estimate, short of the format's
+    header and the plain values)."""
+    import torch
+
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            key = (str(item.device), storage.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+            stack.extend(getattr(item, "__dict__", {}).values())
+        elif type(item) in (list, tuple):
+            stack.extend(item)
+    return total
+
+
 def snapshot_state(obj: Any) -> Any:
     """A copy of a state (as :func:`encode_state` takes) that stays as it is while the original
     changes in place (training goes on): containers copied, every tensor's whole storage copied

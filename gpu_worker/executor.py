@@ -49,6 +49,7 @@ from gpu_worker.checkpoint import (
     Verification,
     encode_state,
     retry_storage,
+    state_bytes,
     write_state,
 )
 from gpu_worker.session import TrainingSession
@@ -495,7 +496,8 @@ class PathExecutor:
                         unencodable(exc.index, exc.cause)
                         continue
                 elif (put_many := getattr(self.store, "put_many", None)) is not None:
-                    for group in _groups(left, [s.nbytes for s in snapshots], self.PUT_MANY_BYTES):
+                    sizes = [s.nbytes or state_bytes(s.state) for s in snapshots]  # a live state: no copy
+                    for group in _groups(left, sizes, self.PUT_MANY_BYTES):
                         datas = {i: data for i in group if (data := encoded(i)) is not None}
                         if not datas:
                             continue

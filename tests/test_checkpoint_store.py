@@ -53,6 +53,7 @@ from gpu_worker.checkpoint import (
     encode_state,
     file_sha256,
     snapshot_state,
+    state_bytes,
     write_state,
 )
 from gpu_worker.object_store import (
@@ -1002,6 +1003,10 @@ def test_a_snapshot_encodes_as_the_state_did_when_it_was_taken() -> None:
     assert encode_state(snapshot) == data
     assert snapshot["tied"].untyped_storage().data_ptr() == snapshot["again"].untyped_storage().data_ptr() == \
         snapshot["view"].untyped_storage().data_ptr()
+    # the tensors' storages, each once: 12 + 3 floats, the model's 12, the generator's bytes
+    tensors = 4 * (12 + 3 + 12) + state["generator"].numel()
+    assert state_bytes(state) == state_bytes(snapshot) == tensors
+    assert tensors < len(data) < tensors + 4096
 
 
 def test_pooled_snapshots_encode_as_the_state_and_reuse_buffers_only_once_given_back() -> None:

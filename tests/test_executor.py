@@ -289,6 +289,12 @@ def test_checkpoints_queued_for_a_store_with_put_many_go_together_in_groups_boun
     worker.PUT_MANY_BYTES = 2 * size  # two snapshots' tensors fit, three do not
     assert saved_by(worker, bounded, dispatch_of(0, stages)) == streamed
     assert sum(map(len, bounded.calls)) == 5 and max(map(len, bounded.calls)) == 2, bounded.calls
+    # the path's last state is handed over live (no copy: a quick build), and counts all the same
+    one = PutMany(tmp_path / "one")
+    worker = PathExecutor(DigitsTrainer(), "w0", one, torch.device("cpu"))
+    worker.PUT_MANY_BYTES = size
+    assert saved_by(worker, one, dispatch_of(0, stages)) == streamed
+    assert [len(call) for call in one.calls] == [1] * 5, one.calls
 
 
 # ----------------------------------------------------------------------------- PathTrained (issue 15 goal 2)
