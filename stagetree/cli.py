@@ -371,7 +371,9 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
     try:  # the last check: a directory that cannot be made (no parent, no permission)
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UsageError(f"--out {str(out)!r} cannot be created: {exc.strerror or exc}") from None
+        from stagetree.state_lock import mkdir_failure
+
+        raise UsageError(f"--out {str(out)!r} cannot be created: {mkdir_failure(out, exc)}") from None
     dashboard = None
     try:
         async with EmbeddedCoordinator(out, args.file, args.workers, device=args.device,

@@ -20,6 +20,17 @@ LOCK_FILE = "serve.lock"
 """The lock file's name in a state directory."""
 
 
+def mkdir_failure(path: Path, exc: OSError) -> str:
+    """Why ``path.mkdir(parents=True, exist_ok=True)`` raised ``exc``, in words: a symbolic
+    link whose target does not exist, something that is not a directory, else the system's
+    reason ("Permission denied", ...)."""
+    if path.is_symlink() and not path.exists():
+        return f"it is a symbolic link to {os.readlink(path)!r}, which does not exist"
+    if path.exists() and not path.is_dir():
+        return "it is not a directory"
+    return exc.strerror or str(exc)
+
+
 class StateDirError(ValueError):
     """A state directory that cannot be used (it cannot be made, or its lock file opened)."""
 
@@ -60,6 +71,10 @@ class StateDirLock:
                                 "directory")
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StateDirError(f"state directory {str(self.state_dir)!r} cannot be used: "
+                                f"{mkdir_failure(self.state_dir, exc)}") from None
+        try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             raise StateDirError(f"state directory {str(self.state_dir)!r} cannot be used: "

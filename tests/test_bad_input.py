@@ -798,8 +798,9 @@ def test_cli_a_mistyped_kafka_source_is_refused_at_once(source: str, tmp_path: P
 
 def test_cli_a_serve_state_dir_that_is_empty_or_no_directory_is_refused(tmp_path: Path,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    """``--state-dir ""`` made the working directory the state directory; a file named as one
-    was refused with the reason "File exists"."""
+    """``--state-dir ""`` made the working directory the state directory; a file named as one,
+    and a symbolic link to nothing (as ``run --out``), were refused with the reason "File
+    exists"."""
     assert cli(["serve", "--bootstrap-servers", "127.0.0.1:1", "--state-dir", ""]) == 2
     assert squash("--state-dir: must be a directory path, got ''") in squash(capsys.readouterr().err)
     afile = write(tmp_path / "afile", "")
@@ -807,6 +808,16 @@ def test_cli_a_serve_state_dir_that_is_empty_or_no_directory_is_refused(tmp_path
     err = squash(capsys.readouterr().err)
     assert "--state-dir" in err and squash("it is not a directory") in err and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    dangling = tmp_path / "link"
+    dangling.symlink_to(tmp_path / "nowhere")  # said "File exists"
+    assert cli(["serve", "--bootstrap-servers", "127.0.0.1:1", "--state-dir", str(dangling)]) == 2
+    err = squash(capsys.readouterr().err)
+    assert squash(f"it is a symbolic link to {str(tmp_path / 'nowhere')!r}, which does not exist") in err, err
+    study = write(tmp_path / "study.py", VALID)
+    assert cli(["run", str(study), "--out", str(dangling)]) == 2
+    err = squash(capsys.readouterr().err)
+    assert squash(f"--out {str(dangling)!r} cannot be created: it is a symbolic link") in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "link", "study.py"]
 
 
 def test_cli_a_study_name_that_is_no_file_name_stays_under_runs(tmp_path: Path,
