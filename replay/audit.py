@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -56,6 +56,9 @@ from projections.partitions import merge
 from projections.state import State
 from projections.store import READ_BATCH, ProjectionStore, all_keys, fold_records, snapshot
 from replay.decisions import DecisionCheck, Mismatch, replay_partitioned
+
+if TYPE_CHECKING:
+    from events.kafka_log import KafkaLog
 
 EXPORT_FORMAT = "stagetree-log"
 EXPORT_VERSION = 2
@@ -356,6 +359,21 @@ def kafka_location(url: str) -> tuple[str, str]:
     return servers, prefix
 
 
+def probe_kafka(log: KafkaLog, url: str) -> None:
+    """The first contact with the cluster of source ``url`` (:meth:`KafkaLog.probe`).
+
+    Raises:
+        AuditError: no broker answered within :data:`~events.kafka_log.PROBE_DEADLINE_S`
+            seconds (the message names ``url`` and the client's last error).
+    """
+    from events.kafka_log import KafkaLogError
+
+    try:
+        log.probe()
+    except KafkaLogError as exc:
+        raise AuditError(f"source {url!r}: {exc}; check the address, and that Kafka is running there") from None
+
+
 def open_kafka(url: str, checkpoints: str | Path | None = None) -> Source:
     """Read ``kafka://HOST:PORT[/WHERE]`` (:func:`kafka_location`): the plan stream (every
     partition) and the dead letters of a Kafka deployment, as a plain ``read_committed``
@@ -367,15 +385,12 @@ def open_kafka(url: str, checkpoints: str | Path | None = None) -> Source:
             :data:`~events.kafka_log.PROBE_DEADLINE_S` seconds, or the cluster has no plan topic
             there (a mistyped prefix or topic: an audit of nothing never passes).
     """
-    from events.kafka_log import KafkaLog, KafkaLogError, security_from_env
+    from events.kafka_log import KafkaLog, security_from_env
 
     servers, prefix = kafka_location(url)
     security = security_from_env()
     with KafkaLog(servers, topic_prefix=prefix, security=security, read_only=True) as log:
-        try:
-            log.probe()
-        except KafkaLogError as exc:
-            raise AuditError(f"source {url!r}: {exc}; check the address, and that Kafka is running there") from None
+        probe_kafka(log, url)
         if not log.has_stream(topics.PLAN):
             raise AuditError(f"{url!r}: the cluster at {servers} has no topic {log.topic(topics.PLAN)!r} (no "
                              "deployment's plan stream there: check the address and the topic prefix)")

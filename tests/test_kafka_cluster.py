@@ -771,12 +771,13 @@ def test_a_serve_on_a_state_dir_another_serve_holds_exits_2_and_a_killed_ones_is
 
 
 @pytest.mark.timeout(300)  # it waited 60 s per command: a bound of the wait, not a timing
-@pytest.mark.parametrize("command", ["run", "serve", "worker", "worker-env", "replay"])
+@pytest.mark.parametrize("command", ["run", "serve", "worker", "worker-env", "replay", "dashboard"])
 def test_a_kafka_command_where_no_broker_answers_exits_2_naming_the_flag(command: str, tmp_path: Path) -> None:
     """``run``, ``serve`` and ``worker`` on ``--bootstrap-servers`` (or
     ``$STAGETREE_BOOTSTRAP_SERVERS``) where nothing listens, and ``replay verify`` of such a
     ``kafka://`` address, exit 2 with one error naming the flag, the variable or the source, and
-    the address. They waited a minute and named the address alone."""
+    the address. They waited a minute and named the address alone (the dashboard served a page
+    saying that reading failed, for ever)."""
     address = f"127.0.0.1:{_free_port()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("STAGETREE_")}
     flag = ["--bootstrap-servers", address]
@@ -786,10 +787,12 @@ def test_a_kafka_command_where_no_broker_answers_exits_2_naming_the_flag(command
     argv = {"run": ["run", str(STUDY), "--workers", "0", "--out", str(tmp_path / "run"), "--quiet", *flag],
             "serve": ["serve", "--state-dir", str(tmp_path / "serve"), *flag],
             "worker": ["worker", "--checkpoint-store", str(tmp_path / "store"), "--device", "cpu", *flag],
-            "replay": ["replay", "verify", f"kafka://{address}/x.", "--quiet"]}[command.removesuffix("-env")]
+            "replay": ["replay", "verify", f"kafka://{address}/x.", "--quiet"],
+            "dashboard": ["dashboard", f"kafka://{address}/x.", "--port", "0"]}[command.removesuffix("-env")]
     proc = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=240, env=env)
     named = {"run": "--bootstrap-servers", "serve": "--bootstrap-servers", "worker": "--bootstrap-servers",
-             "worker-env": "$STAGETREE_BOOTSTRAP_SERVERS", "replay": f"source 'kafka://{address}/x.'"}[command]
+             "worker-env": "$STAGETREE_BOOTSTRAP_SERVERS", "replay": f"source 'kafka://{address}/x.'",
+             "dashboard": f"source 'kafka://{address}/x.'"}[command]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stdout + proc.stderr
     said = errors[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ import pytest
 from optuna.testing.pytest_storages import StorageTestCase
 
 from events import topics
+from events.kafka_log import KafkaLogError
 from events.log import EmbeddedLog, LogLocked
 from events.shared_log import SharedEmbeddedLog
 from replay.audit import open_source, verify
@@ -288,16 +290,29 @@ def test_a_foreign_record_in_the_journal_stream_is_named(tmp_path: Path) -> None
     backend.close()
 
 
-@pytest.mark.parametrize("bad", ["", "redis://localhost:6379", "kafka://", "file://"])
+@pytest.mark.parametrize("bad", ["", "redis://localhost:6379", "kafka://", "file://", "kafka://host",
+                                 "kafka://127.0.0.1:99999", "kafka://127.0.0.1:9092/a prefix"])
 def test_bad_urls_name_the_value(bad: str) -> None:
     with pytest.raises(ValueError, match="`url` is"):
         journal_backend(bad)
 
 
-def test_urls_pick_the_backend(tmp_path: Path) -> None:
-    kafka = journal_backend("kafka://127.0.0.1:9092,127.0.0.1:9093/team-a.")
+@pytest.mark.timeout(120)  # a bound of the wait, not a timing
+def test_a_kafka_url_where_no_broker_answers_is_named_at_once() -> None:
+    """Each storage call waited a minute for the broker before its error."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(KafkaLogError, match=f"no Kafka broker at {address} answered within"):
+        journal_backend(f"kafka://{address}/team-a.")
+
+
+def test_urls_pick_the_backend(tmp_path: Path, infra_env: dict[str, str]) -> None:
+    servers = f"{infra_env['STAGETREE_BOOTSTRAP_SERVERS']},127.0.0.1:1"  # one that answers is enough
+    kafka = journal_backend(f"kafka://{servers}/team-a.")
     assert isinstance(kafka, KafkaJournalBackend)
-    assert (kafka.bootstrap_servers, kafka.topic_prefix) == ("127.0.0.1:9092,127.0.0.1:9093", "team-a.")
+    assert (kafka.bootstrap_servers, kafka.topic_prefix) == (servers, "team-a.")
+    kafka.close()
     run = journal_backend(f"file://{tmp_path}/run")
     assert isinstance(run, RunDirJournalBackend) and run.run_dir == tmp_path / "run"
 

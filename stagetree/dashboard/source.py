@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from events import topics
 from events.log import EmbeddedLog, Record
-from replay.audit import AuditError, kafka_location, open_export, open_kafka, open_source
+from replay.audit import AuditError, kafka_location, open_export, open_kafka, open_source, probe_kafka
 from replay.tuner import verify_all
 
 
@@ -161,6 +161,11 @@ class KafkaSource:
         self._secret = secret
         self._log = KafkaLog(servers, client_id="stagetree-dashboard", topic_prefix=prefix,
                              security=security_from_env(), read_only=True, timeout_s=30.0)
+        try:
+            probe_kafka(self._log, url)  # a mistyped address is named at once, as replay's sources are
+        except AuditError as exc:
+            self._log.close()
+            raise SourceError(str(exc)) from None
         self._next: dict[int, int] = {}  # partition -> offset of the next record to read
 
     def poll(self) -> list[Record]:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from events import topics
-from events.kafka_log import KafkaLog, security_from_env
+from events.kafka_log import KafkaLog, check_bootstrap_servers, security_from_env
 from events.keys import secret_from
 from events.log import EventLog, LogError
 from events.shared_log import SharedEmbeddedLog
@@ -165,11 +165,18 @@ class KafkaJournalBackend(LogJournalBackend):
     Any number of processes on any machines may share it: the broker orders their appends
     (partition 0), and an append returns once every in-sync replica has it (acks=all).
     Security settings come from ``$STAGETREE_KAFKA_*`` (:func:`events.kafka_log.security_from_env`).
+
+    Raises:
+        events.kafka_log.KafkaLogError: no broker at ``bootstrap_servers`` answered within
+            :data:`~events.kafka_log.PROBE_DEADLINE_S` seconds (the message names them).
     """
 
     def __init__(self, bootstrap_servers: str, topic_prefix: str = "") -> None:
         self.bootstrap_servers, self.topic_prefix = bootstrap_servers, topic_prefix
         super().__init__(_OpenKafka(bootstrap_servers, topic_prefix))
+        log = self.log()
+        assert isinstance(log, KafkaLog)
+        log.probe()  # an address where nothing answers is named now, not by each call after a minute
 
 
 def journal_backend(url: str | Path, *, log_key: str | None = None, timeout_s: float = 60.0) -> LogJournalBackend:
@@ -177,13 +184,22 @@ def journal_backend(url: str | Path, *, log_key: str | None = None, timeout_s: f
     ``PREFIX + "stagetree.optuna"``), else a run directory (a path, or ``file://PATH``).
 
     Raises:
-        ValueError: ``url`` is empty, has another scheme, or a Kafka URL has no servers.
+        ValueError: ``url`` is empty, has another scheme, or a Kafka URL has no servers, a bad
+            port or a topic prefix Kafka does not allow.
+        events.kafka_log.KafkaLogError: no broker answers at a Kafka URL (see
+            :class:`KafkaJournalBackend`).
     """
     text = str(url)
     if text.startswith(KAFKA_SCHEME):
         servers, _, prefix = text[len(KAFKA_SCHEME):].partition("/")
-        if not servers:
-            raise ValueError(f"`url` is {text!r}, but a Kafka URL must be kafka://HOST:PORT[/PREFIX]")
+        try:
+            check_bootstrap_servers(servers, port=True)
+        except ValueError:
+            raise ValueError(f"`url` is {text!r}, but a Kafka URL must be kafka://HOST:PORT[,HOST:PORT...][/PREFIX], "
+                             "ports 1 to 65535") from None
+        if prefix and not topics.TOPIC_PART.fullmatch(prefix):
+            raise ValueError(f"`url` is {text!r}, but its topic prefix {prefix!r} is not a valid Kafka topic name "
+                             "part") from None
         return KafkaJournalBackend(servers, prefix)
     if text.startswith("file://"):
         text = text[len("file://"):]
@@ -208,6 +224,7 @@ def journal_storage(url: str | Path, *, log_key: str | None = None, timeout_s: f
 
     Raises:
         ValueError: a bad ``url`` (see :func:`journal_backend`).
+        events.kafka_log.KafkaLogError: no broker answers at a Kafka URL.
         events.log.LogLocked: the run directory's log is held by a process that does not share it.
     """
     return JournalStorage(journal_backend(url, log_key=log_key, timeout_s=timeout_s))
