@@ -176,6 +176,9 @@ def chain_algorithm(secret: bytes | None) -> str:
 
 
 _CHAIN_META = b"m:chain"
+_KEY_META = b"m:chain-key"
+"""A keyed log's mark of its key: HMAC-SHA256 of :data:`_KEY_CHECK` under the key."""
+_KEY_CHECK = b"stagetree: the key of this log's hash chain"
 
 
 def _record_key(stream: str, offset: int) -> bytes:
@@ -327,7 +330,45 @@ class EmbeddedLog:
         elif bytes(stored) != algo:
             self._db.close()
             raise LogError(f"the log at {self.path} is chained with {bytes(stored).decode()}, "
-                           f"but was opened for {algo.decode()} (a wrong or missing secret)")
+                           f"but was opened for {algo.decode()} (a wrong or missing log key: --log-key or "
+                           f"${KEY_ENV})")
+        if self.secret is not None:
+            self._check_secret(self.secret)
+
+    def _check_secret(self, secret: bytes) -> None:
+        """Refuse to write to a keyed log with another key than its own: every record appended
+        would break its chain for ever, under either key. The log keeps a mark of its key
+        (:data:`_KEY_META`); one written before the mark existed is checked by its first
+        record (which chains from :data:`CHAIN_START` under the key), then marked.
+
+        Raises:
+            LogError: ``secret`` is not the log's key (the database is closed).
+        """
+        mark = hmac.new(secret, _KEY_CHECK, hashlib.sha256).digest()
+        stored = self._db.get(_KEY_META)
+        if stored is None:
+            first = self._first_record()
+            matches = first is None or chain_next(CHAIN_START, first.stream, first.offset, first.key, first.value,
+                                                  secret) == first.chain
+        else:
+            matches = hmac.compare_digest(bytes(stored), mark)
+        if not matches:
+            self._db.close()
+            raise LogError(f"the log at {self.path} is chained with another key than the one it was opened with (a "
+                           f"wrong log key: --log-key or ${KEY_ENV}; records appended with it would never verify)")
+        if stored is None:
+            self._db.put(_KEY_META, mark, self._wopts)
+
+    def _first_record(self) -> Record | None:
+        """The first record of the log's first stream (offset 0 of a log never cut), or None."""
+        it = self._db.iter()
+        it.seek(b"r")
+        key = bytes(it.key()) if it.valid() and bytes(it.key()).startswith(b"r") else None
+        del it
+        if key is None:
+            return None
+        stream, offset = key[1:-9].decode(), _OFFSET.unpack(key[-8:])[0]
+        return next(iter(self.read(stream, offset, offset + 1)), None)
 
     def catch_up(self) -> None:
         """See what the writer appended since the log was opened or last caught up (a log opened

@@ -14,7 +14,7 @@ import pytest
 
 from events import topics
 from events.codec import decode
-from events.log import Record, chain_next
+from events.log import LogError, Record, chain_next
 from projections.store import ProjectionStore
 from replay.audit import Stream, open_source, verify
 from stagetree.cli import main
@@ -225,6 +225,27 @@ def test_a_keyed_chain_cannot_be_resealed_without_the_key(keyed_run: Path, tmp_p
     # and without the key, the keyed log does not verify at all
     assert main(["replay", "verify", str(keyed_run), "--quiet"]) == 1
     assert "chained with hmac-sha256, but verification was given no secret" in capsys.readouterr().out
+
+
+def test_a_keyed_run_directory_takes_no_study_and_no_optuna_trial_under_another_key(keyed_run: Path,
+                                                                                     tmp_path: Path) -> None:
+    """``run --resume``-less studies added to a keyed run directory, and an Optuna journal on
+    it, took records chained with a mistyped ``--log-key``: the log never verified again, under
+    either key. Refused (exit 2, naming ``--log-key``), nothing written; verify still passes."""
+    import optuna
+
+    from stagetree.integration.optuna import journal_storage
+
+    copy = tmp_path / "run"
+    shutil.copytree(keyed_run, copy)
+    proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "run", str(STUDY.with_name("tiny_sha_b.py")),
+                           "--workers", "1", "--out", str(copy), "--quiet", "--log-key", "not-the-key"],
+                          capture_output=True, text=True, timeout=600)
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "chained with another key" in err and "--log-key" in err, proc.stdout + err
+    with pytest.raises(LogError, match="chained with another key"):
+        optuna.create_study(study_name="o", storage=journal_storage(copy, log_key="not-the-key"))
+    assert main(["replay", "verify", str(copy), "--log-key", KEY, "--quiet"]) == 0
 
 
 @pytest.mark.parametrize(("key", "needle"), [

@@ -986,3 +986,37 @@ def test_a_damaged_table_file_is_an_error_naming_the_stream_not_a_shorter_log(tm
         with pytest.raises(LogError, match=r"cannot be opened \(damaged\?\).*MANIFEST-999999") as caught:
             EmbeddedLog(tmp_path / "log", read_only=read_only)
         assert "stagetree-read-" not in str(caught.value)
+
+
+def test_a_keyed_log_is_written_to_only_with_its_own_key(tmp_path: Path) -> None:
+    """A keyed log opened for writing with another key took appends chained with it: the
+    chain broke for ever, under either key, and verify called it tampering. The log keeps a
+    mark of its key; a log written before the mark is checked by its first record."""
+    from rocksdict import Options, Rdict
+
+    path = tmp_path / "log"
+    with EmbeddedLog(path, secret=b"right") as log:
+        log.append("a", "k", b"one")
+    for key in (b"wrong", b"wrong"):  # refused, and refused again: nothing was written
+        with pytest.raises(LogError, match="chained with another key than the one it was opened with"):
+            EmbeddedLog(path, secret=key)
+    with EmbeddedLog(path, secret=b"right") as log:
+        log.append("a", "k", b"two")
+    with EmbeddedLog(path, read_only=True) as log:  # an audit reads it with any key, and says so
+        records = list(log.read("a"))
+    head = CHAIN_START
+    for r in records:
+        head = chain_next(head, r.stream, r.offset, r.key, r.value, b"right")
+        assert head == r.chain
+    assert [r.value for r in records] == [b"one", b"two"]
+    # a log written before the mark: its first record tells the key
+    db = Rdict(str(path), Options(raw_mode=True))
+    db.delete(b"m:chain-key")
+    db.close()
+    with pytest.raises(LogError, match="another key"):
+        EmbeddedLog(path, secret=b"wrong")
+    with EmbeddedLog(path, secret=b"right") as log:
+        assert log.end_offset("a") == 2
+    db = Rdict(str(path), Options(raw_mode=True))
+    assert db.get(b"m:chain-key") is not None  # marked once the key proved right
+    db.close()
