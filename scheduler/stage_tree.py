@@ -46,7 +46,7 @@ SourceKind = Literal["fresh", "ckpt", "stage", "inflight"]
 StageKey = tuple[str, int]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Stage:
     """A step range ``[from_step, to_step)`` trained under ``node_id``'s config.
 
@@ -82,10 +82,18 @@ class StageTree:
     plan_key: str
     stages: dict[StageKey, Stage] = field(default_factory=dict)
     children: dict[StageKey, list[StageKey]] = field(default_factory=dict)
+    root_keys: list[StageKey] | None = field(default=None, compare=False, repr=False)
+    """The keys of :meth:`roots`, in key order, when the tree is complete: set by
+    :func:`build_stage_tree`, whose trees are not changed afterwards (each ranking of a
+    component and each decision read its roots several times). None for a tree assembled
+    stage by stage: :meth:`roots` then reads ``stages`` at every call."""
 
     def roots(self) -> list[Stage]:
         """Stages with no parent stage, in key order."""
-        return [self.stages[k] for k in sorted(k for k, s in self.stages.items() if s.parent is None)]
+        keys = self.root_keys
+        if keys is None:
+            keys = sorted(k for k, s in self.stages.items() if s.parent is None)
+        return [self.stages[k] for k in keys]
 
 
 def covers(node: Node, step: int) -> bool:
@@ -250,8 +258,12 @@ def build_stage_tree(plan: Plan, fallback: float = COLD_SEC_PER_STEP, nodes: Ite
             previous = end
             tree.stages[(node_id, end)] = Stage(node_id, start, end, evaluate, source, parent, ckpt,
                                                 max(end - start, 1) * sps)
+    roots: list[StageKey] = []
     for key in sorted(tree.stages):
         above = tree.stages[key].parent
         if above is not None:
             tree.children.setdefault(above, []).append(key)
+        else:
+            roots.append(key)
+    tree.root_keys = roots
     return tree
