@@ -42,6 +42,10 @@ _DIVERGENCE = "search_plan.divergence"
 for every stop above it when ``diverged``, else nothing diverges before ``step``."""
 _VALUES = "search_plan.values"
 """Key of the memo of :func:`_values_at` in :attr:`Plan.cache`: ``(configuration, step) -> values``."""
+_PATHS = "search_plan.paths"
+"""Key of the path memo in :attr:`Plan.cache`: ``configuration -> id of the deepest node a
+placement of it reached``. A placement with more steps than that node's start step walks the
+same path down to it (see :func:`place`), so it starts there instead of at the root."""
 _MEMO_LIMIT = 1 << 16
 """Entries a memo keeps before it is dropped and started again (it is only a cache)."""
 
@@ -125,36 +129,54 @@ def _child_index(plan: Plan, node: Node | None) -> dict[tuple[int, Values], str]
     return entry[1]
 
 
+def _root(plan: Plan, hp: HPConfig, config: Config, steps: int) -> Node | None:
+    """The root that ``(hp, steps)`` starts under: the first root with the same values at step 0
+    (looked up in the child index), or None."""
+    roots = _child_index(plan, None) if plan.roots and steps > 0 else None
+    values = _values_memo(plan, hp, config, 0) if roots is not None else None
+    if roots is not None and values is not None:
+        # Equal values at 0 <=> first_divergence(root.hp, hp, 0, steps) > 0 (as 0 < steps).
+        root_id = roots.get((0, values))
+        return plan.nodes[root_id] if root_id is not None else None
+    for root_id in plan.roots:
+        root = plan.nodes[root_id]
+        if _divergence(plan, root, hp, config, 0, steps) > 0:
+            return root
+    return None
+
+
 def place(plan: Plan, hp: HPConfig, steps: int) -> Placement:
     """Find the node serving ``(hp, steps)`` in ``plan``, or where a new one must be appended.
 
-    Pure: the search plan is not modified (only the child index in ``plan.cache`` may grow).
+    Pure: the search plan is not modified (only the memos in ``plan.cache`` may grow).
     Cost: one divergence scan per node on the trial's path (memoised: a configuration placed
-    again with more steps scans only the new steps, :func:`_divergence`); the root, and at each
-    branch point the child that starts there, with the trial's values is looked up in an index
-    (Hippo §3.2: the child edge ``(start, hp_config)``), so roots and siblings are not scanned.
+    again with more steps scans only the new steps, :func:`_divergence`, and starts at the
+    deepest node an earlier placement of it reached, when it asks for more steps than that
+    node's start step: a trial extended by successive requests does not walk its path from the
+    root at each one); the root, and at each branch point the child that starts there, with the
+    trial's values is looked up in an index (Hippo §3.2: the child edge ``(start, hp_config)``),
+    so roots and siblings are not scanned.
 
     A configuration that names other hyper-parameters than a node shares nothing with it (it
     gets a root of its own); a study's trials all name the trainer's hyper-parameters
     (``stagetree.study.validate_config``), so within a plan they match.
     """
     config: Config = tuple(sorted((name, fn.canonical) for name, fn in hp.items()))
+    paths = _memo(plan, _PATHS)
+    reached = paths.get(config)
     current: Node | None = None
-    roots = _child_index(plan, None) if plan.roots and steps > 0 else None
-    values = _values_memo(plan, hp, config, 0) if roots is not None else None
-    if roots is not None and values is not None:
-        # Equal values at 0 <=> first_divergence(root.hp, hp, 0, steps) > 0 (as 0 < steps).
-        root_id = roots.get((0, values))
-        current = plan.nodes[root_id] if root_id is not None else None
+    if reached is not None and steps > plan.nodes[reached].start_step:
+        current = plan.nodes[reached]
     else:
-        for root_id in plan.roots:
-            root = plan.nodes[root_id]
-            if _divergence(plan, root, hp, config, 0, steps) > 0:
-                current = root
-                break
-    if current is None:
-        return Placement(None, None, 0)
+        current = _root(plan, hp, config, steps)
+        if current is None:
+            return Placement(None, None, 0)
     while True:
+        # Every node visited is on the configuration's path: each placement with more steps than
+        # its start step reaches it (the divergences above it are below its start step, and a
+        # child once followed stays the first match, as children are only appended).
+        if reached is None or current.depth > plan.nodes[reached].depth:
+            paths[config] = reached = current.node_id
         d = _divergence(plan, current, hp, config, current.start_step, steps)
         if d >= steps:
             return Placement(current.node_id)
