@@ -272,8 +272,9 @@ def fold_records(state: State, records: Iterable[Record], folded: Folded | None 
     (pass your own ``folded`` to keep it, and commit it).
     """
     folded = Folded() if folded is None else folded
+    previous = bytes.fromhex(state.chain)  # the chain after the last record, as bytes (state.chain is hex)
     for record in records:
-        head = chain_next(bytes.fromhex(state.chain), topics.PLAN, record.offset, record.key, record.value, secret)
+        head = previous = chain_next(previous, topics.PLAN, record.offset, record.key, record.value, secret)
         if on_chain is not None:
             on_chain(record, head)
         chain = head.hex()

@@ -24,6 +24,7 @@ is the study file's tuner, run again over the log (``replay verify --study``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,6 +115,10 @@ DECIDERS: tuple[Decider, ...] = (
 )
 _BY_TYPE = {t: d for d in DECIDERS for t in d.types}
 _MARKERS = tuple(f'"{t.type}"'.encode() for t in _BY_TYPE)
+_MAY_DECIDE = re.compile(b"|".join(re.escape(m) for m in _MARKERS))
+"""Finds any of :data:`_MARKERS` in a record's bytes (one scan, not one per marker): a record
+without one holds no decision of :data:`DECIDERS` and is not decoded by the first pass."""
+_MAY_DECIDE_PARTITIONED = re.compile(b"|".join(re.escape(m) for m in (*_MARKERS, b'"WorkerLost"')))
 
 
 def same_decision(a: Event, b: Event) -> bool:
@@ -157,7 +162,7 @@ class DecisionCheck:
 
     def __post_init__(self) -> None:
         for r in self.records:
-            if not any(m in r.value for m in _MARKERS):
+            if _MAY_DECIDE.search(r.value) is None:
                 continue
             try:
                 event = decode(r.value)
@@ -264,7 +269,7 @@ def replay_partitioned(parts: Mapping[int, Iterable[Record]], fold: Callable[[St
     mismatch: Mismatch | None = None
     for records in parts.values():
         for r in records:
-            if not any(m in r.value for m in (*_MARKERS, b'"WorkerLost"')):
+            if _MAY_DECIDE_PARTITIONED.search(r.value) is None:
                 continue
             try:
                 event = decode(r.value)
