@@ -527,6 +527,7 @@ async def _run_kafka_study(args: argparse.Namespace, console: Console, stop: _St
     procs: list[Spawned] = []
     # this run's own serve app (its id names topics: the study's name, made fit for one)
     app_id = f"stagetree-{re.sub(r'[^A-Za-z0-9._-]', '_', loaded[4])[:100]}-{uuid.uuid4().hex[:8]}"
+    out_lock = _out_lock(out) if args.workers else None  # two runs at once: the second is refused here
     runtime = KafkaRuntime(log)
     poller = asyncio.create_task(runtime.run())
     dashboard = None
@@ -585,7 +586,28 @@ async def _run_kafka_study(args: argparse.Namespace, console: Console, stop: _St
         if procs:
             _forget_serve_app(log, app_id, console)
         log.close()
+        if out_lock is not None:
+            out_lock.close()
     return _write_summary(out, summary)
+
+
+def _out_lock(out: Path) -> StateDirLock:
+    """The lock a ``run --workers N`` on Kafka holds in its ``--out`` while it runs
+    (:data:`stagetree.state_lock.RUN_LOCK_FILE`): two such runs started at once on one ``--out``
+    both passed :func:`_check_serve_state`, and the second one's serve was refused there.
+
+    Raises:
+        UsageError: (exit 2) naming ``--out``: another live run holds it, or it cannot be made.
+    """
+    from stagetree.state_lock import RUN_LOCK_FILE, StateDirError, StateDirInUse, StateDirLock
+
+    try:
+        return StateDirLock(out, RUN_LOCK_FILE, "run")
+    except StateDirInUse as exc:
+        raise UsageError(f"--out {str(out)!r} is in use by {exc.holder}, a run of this directory that is still "
+                         "going; wait for it to end, or choose another --out") from None
+    except StateDirError as exc:
+        raise UsageError(f"--out: {exc}") from None
 
 
 def _check_serve_state(out: Path) -> None:

@@ -35,22 +35,29 @@ class StateDirError(ValueError):
     """A state directory that cannot be used (it cannot be made, or its lock file opened)."""
 
 
+RUN_LOCK_FILE = "run.lock"
+"""The lock file a ``stagetree run`` that starts a serve holds in its ``--out``."""
+
+
 class StateDirInUse(StateDirError):
     """Another live process holds a state directory's lock: ``state_dir``, and ``pid``, the
     process id the holder wrote there (None when it has not written one yet, or that process
-    is gone)."""
+    is gone); ``command``: what the holder is ("serve", "run")."""
 
-    def __init__(self, state_dir: Path, pid: int | None) -> None:
+    def __init__(self, state_dir: Path, pid: int | None, command: str = "serve") -> None:
         self.state_dir = state_dir
         self.pid = pid
-        self.holder = "another serve process" + (f" (pid {pid})" if pid is not None else "")
+        self.holder = f"another {command} process" + (f" (pid {pid})" if pid is not None else "")
         """Who holds it, in words: "another serve process (pid N)"."""
-        super().__init__(f"state directory {str(state_dir)!r} is in use by {self.holder}")
+        super().__init__(f"{'state' if command == 'serve' else 'output'} directory {str(state_dir)!r} is in use by "
+                         f"{self.holder}")
 
 
 class StateDirLock:
     """An exclusive lock on the state directory ``state_dir`` (made if missing), held until
-    :meth:`close` or the process's exit; the lock file then holds this process's id.
+    :meth:`close` or the process's exit; the lock file (``lock_file``) then holds this
+    process's id. ``command`` names the holder in :class:`StateDirInUse` ("serve"; a ``run``
+    that starts a serve locks its ``--out``: :data:`RUN_LOCK_FILE`, "run").
 
     The descriptor is not inherited by programs this process executes (a child that is forked
     without executing anything shares the lock).
@@ -61,13 +68,13 @@ class StateDirLock:
             (the reason names the path).
     """
 
-    def __init__(self, state_dir: str | Path) -> None:
+    def __init__(self, state_dir: str | Path, lock_file: str = LOCK_FILE, command: str = "serve") -> None:
         self.state_dir = Path(state_dir)
-        path = self.state_dir / LOCK_FILE
+        path = self.state_dir / lock_file
         if self.state_dir.exists() and not self.state_dir.is_dir():
             raise StateDirError(f"state directory {str(self.state_dir)!r} cannot be used: it is not a directory")
         if path.is_dir():
-            raise StateDirError(f"state directory {str(self.state_dir)!r} cannot be used: its {LOCK_FILE!r} is a "
+            raise StateDirError(f"state directory {str(self.state_dir)!r} cannot be used: its {lock_file!r} is a "
                                 "directory")
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -84,7 +91,7 @@ class StateDirLock:
         except BlockingIOError:
             pid = _holder(fd)
             os.close(fd)
-            raise StateDirInUse(self.state_dir, pid) from None
+            raise StateDirInUse(self.state_dir, pid, command) from None
         except OSError as exc:  # a file system without flock
             os.close(fd)
             raise StateDirError(f"state directory {str(self.state_dir)!r}: {str(path)!r} cannot be locked: "

@@ -55,6 +55,7 @@ from gpu_worker.kafka_worker import SIGTERM_HOOK_ENV
 from gpu_worker.loader import load_module, trainer_of
 from gpu_worker.object_store import open_checkpoint_store
 from stagetree.kafka_runtime import KafkaRuntime
+from stagetree.state_lock import RUN_LOCK_FILE, StateDirLock
 from stagetree.study import Study
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
@@ -754,6 +755,14 @@ def test_a_serve_on_a_state_dir_another_serve_holds_exits_2_and_a_killed_ones_is
                                   "--quiet"], capture_output=True, text=True, timeout=300, env=deployment)
         err = " ".join(resumed.stderr.split())
         assert resumed.returncode == 2 and "run the study again without --resume to continue it" in err, err
+        other = tmp_path / "other"  # two runs started at once on one --out both passed the check above
+        with StateDirLock(other, RUN_LOCK_FILE, "run"):  # as a run of it going on holds it (here: this process)
+            run = subprocess.run([*CLI, "run", str(STUDY), "--workers", "1", "--out", str(other), "--quiet"],
+                                 capture_output=True, text=True, timeout=300, env=deployment)
+        err = " ".join(run.stderr.split())
+        assert run.returncode == 2 and f"--out '{other}' is in use by another run process (pid {os.getpid()})" in err, \
+            run.stdout + run.stderr
+        assert sorted(p.name for p in other.iterdir()) == [RUN_LOCK_FILE], run.stderr  # no serve was started
 
         assert first.poll() is None  # the first serve works on: a study through it
         cluster.worker("w0")
