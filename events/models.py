@@ -94,6 +94,11 @@ class StudyStarted(Event):
 class StudyFinished(Event):
     """A study run ended with its tuner's answer. ``end_to_end_seconds`` covers every incarnation.
 
+    ``best_metric`` is the tuner's metric of ``best_trial`` at ``best_step`` (steps): the step of
+    the evaluation the tuner chose, which is the trial's last step for most tuners but may be an
+    earlier one (MLtunerTuner answers with the best evaluation along its main line). None when
+    there is no answer, and in logs written before the field existed.
+
     ``plan_key`` is the study's plan key (the one its StudyStarted names), so that on a
     partitioned plan stream the event lands in the partition that holds the study; None in logs
     written before the field existed (the event is then keyed by study id)."""
@@ -104,6 +109,7 @@ class StudyFinished(Event):
     best_metric: float | None
     end_to_end_seconds: float = Field(ge=0)
     plan_key: Ident | None = None
+    best_step: Steps | None = None
 
 
 class TrialSubmitted(Event):

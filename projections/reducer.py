@@ -129,6 +129,12 @@ def _study_finished(state: State, ev: StudyFinished, touched: set[Key]) -> None:
         best_metric=ev.best_metric,
         end_to_end_seconds=ev.end_to_end_seconds,
     )
+    # "best_step" only when the event has one: the projection of a log written before the field
+    # stays byte for byte what it was (exports carry their projection's digest)
+    if ev.best_step is not None:
+        study["best_step"] = ev.best_step
+    else:
+        study.pop("best_step", None)
     touched.add(("study", ev.study_id))
 
 

@@ -221,8 +221,13 @@ def _bases(state: State, study_id: str) -> set[str]:
 
 def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_trial: str | None,
                   best_metric: float | None, end_to_end_seconds: float,
-                  events: Iterable[Event] | None = None) -> dict[str, Any]:
+                  events: Iterable[Event] | None = None, best_step: int | None = None) -> dict[str, Any]:
     """The ``summary.json`` document of a study (keys as in the README).
+
+    ``best_metric`` is the tuner's metric of ``best_trial`` at ``best_step`` (steps), the step of
+    the evaluation the tuner chose (StudyFinished): a trial's ``metrics`` are those at its final
+    step, which may be a later one (MLtunerTuner answers with the best evaluation along its main
+    line). ``best_step`` is None when there is no answer or the log predates the field.
 
     ``total_steps`` sums each trial's maximum steps asked; ``unique_steps`` counts the steps of
     the union of the trials' prefixes as if merged (so p is the same in both modes);
@@ -279,6 +284,7 @@ def build_summary(state: State, study_id: str, *, mode: str, workers: int, best_
         ],
         "best_trial": best_trial,
         "best_metric": best_metric,
+        "best_step": best_step,
         "total_steps": total,
         "unique_steps": unique,
         "executed_steps": sum(p.executed_steps for p in plans),

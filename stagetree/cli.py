@@ -168,11 +168,13 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
     best = result.best
     value = best.metrics.get(result.metric) if best else None
     best_metric = float(value) if value is not None else None
+    best_step = best.steps if best else None  # the evaluation's step: MLtunerTuner's may precede the trial's last
     runtime.append([StudyFinished(producer="cli", study_id=name, best_trial=best.trial_id if best else None,
-                                  best_metric=best_metric, end_to_end_seconds=e2e, plan_key=study.plan_key)])
+                                  best_metric=best_metric, best_step=best_step, end_to_end_seconds=e2e,
+                                  plan_key=study.plan_key)])
     return build_summary(runtime.state, name, mode=mode, workers=args.workers,
-                         best_trial=best.trial_id if best else None, best_metric=best_metric, end_to_end_seconds=e2e,
-                         events=plan_events(log))
+                         best_trial=best.trial_id if best else None, best_metric=best_metric, best_step=best_step,
+                         end_to_end_seconds=e2e, events=plan_events(log))
 
 
 def _same_tuner(file: str, name: str, where: str, recorded: dict[str, Any] | None, settings: dict[str, Any]) -> None:
@@ -726,8 +728,9 @@ def _print_summary(summary: dict[str, Any], console: Console) -> None:
     best = next((t for t in summary["trials"] if t["trial_id"] == summary["best_trial"]), None)
     console.print(f"[bold]{summary['name']}[/bold] ({summary['mode']}, {counted(summary['workers'], 'worker')}): "
                   f"{len(summary['trials'])} trials, best {summary['best_trial']} = {summary['best_metric']}")
-    if best is not None:
-        console.print(f"  best hp: {best['hp']}  at {best['steps']} steps")
+    if best is not None:  # at the step its metric was measured (a summary without `best_step`: its final step)
+        step = summary.get("best_step")
+        console.print(f"  best hp: {best['hp']}  at {best['steps'] if step is None else step} steps")
     rate = summary["merge_rate"]
     console.print(f"  steps: total {summary['total_steps']}, unique {summary['unique_steps']}, "
                   f"executed {summary['executed_steps']}; merge rate p = {rate:.3f}" if rate else "")

@@ -342,13 +342,15 @@ async def _simulate(trainer: Trainer, studies: list[SimStudy], workers: int, mer
             best_metric = float(value) if value is not None else None
             finished.append(StudyFinished(producer="simulator", study_id=s.name,
                                           best_trial=best.trial_id if best else None, best_metric=best_metric,
+                                          best_step=best.steps if best else None,
                                           end_to_end_seconds=done_at[i], plan_key=sdk[i].plan_key))
         cluster.append(finished)
         for i, s in enumerate(studies):
             ev = finished[i]
             assert isinstance(ev, StudyFinished)
             summary = build_summary(cluster.state, s.name, mode=mode, workers=workers, best_trial=ev.best_trial,
-                                    best_metric=ev.best_metric, end_to_end_seconds=done_at[i])
+                                    best_metric=ev.best_metric, best_step=ev.best_step,
+                                    end_to_end_seconds=done_at[i])
             summary["policy"] = policy
             summary["simulated"] = True
             summaries.append(summary)

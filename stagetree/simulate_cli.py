@@ -85,7 +85,7 @@ def _row(result: SimulationResult) -> dict[str, Any]:
         "executed_steps": result.executed_steps,
         "merge_rate": q,
         "studies": [{"name": s["name"], "merge_rate": s["merge_rate"], "best_metric": s["best_metric"],
-                     "best_trial": s["best_trial"], "trials": len(s["trials"]),
+                     "best_step": s["best_step"], "best_trial": s["best_trial"], "trials": len(s["trials"]),
                      "end_to_end_hours": s["end_to_end_seconds"] / 3600.0} for s in result.summaries],
     }
 

@@ -487,7 +487,7 @@ def test_views_equal_the_summary_and_verify_passes(live: dict[str, Any]) -> None
         source.close()
     figures = view["figures"]
     for key in ("merge_rate", "total_steps", "unique_steps", "executed_steps", "worker_seconds",
-                "end_to_end_seconds", "idle_worker_seconds", "best_trial", "best_metric"):
+                "end_to_end_seconds", "idle_worker_seconds", "best_trial", "best_metric", "best_step"):
         assert figures[key] == pytest.approx(summary[key]), key
     assert figures["finished_trials"] == figures["trials"] == TRIALS
     assert figures["delivered_steps"] == summary["total_steps"]

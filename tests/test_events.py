@@ -92,7 +92,7 @@ def sample_events() -> list[Event]:
     return [
         StudyStarted(**header, study_id="s", name="digits", plan_key="pk", mode="merged", workers=2, seed=7,
                      trainer="DigitsTrainer@1", metric="val_acc", metric_mode="max"),
-        StudyFinished(**header, study_id="s", best_trial="t1", best_metric=0.93, end_to_end_seconds=12.5),
+        StudyFinished(**header, study_id="s", best_trial="t1", best_metric=0.93, end_to_end_seconds=12.5, best_step=40),
         StudyFinished(study_id="s", best_trial=None, best_metric=None, end_to_end_seconds=0),
         TrialSubmitted(**header, study_id="s", trial_id="t1", plan_key="pk", seed=7, hp=HP, steps=300),
         TrialCancelled(**header, study_id="s", trial_id="t1"),

@@ -14,10 +14,14 @@ a floor of 0.3, which a smaller ``lr`` lowers, so a re-tune picks a smaller one.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 
 from events.decisions import Patience, Progress
@@ -213,6 +217,20 @@ def test_same_result_with_one_and_four_workers(merged: Any) -> None:
     assert sim1.executed_steps == sim4.executed_steps
 
 
+def test_the_summary_names_the_step_of_the_answers_metric(merged: Any) -> None:
+    """The answer is the main line's best evaluation, here before its last step: the summary's
+    ``best_metric`` is the trial's metric at ``best_step`` (the step the answer names), not at
+    the trial's final step."""
+    sim, result, state = merged
+    summary = sim.summaries[0]
+    (answer,) = of(result.decisions, "answer")
+    best = state.trials[summary["best_trial"]]
+    assert summary["best_step"] == answer.step < best.steps  # an answer before the main line's end
+    assert summary["best_metric"] == best.results[summary["best_step"]]["val_acc"]
+    assert summary["best_metric"] != best.results[best.steps]["val_acc"]
+    assert state.studies["mlt"]["best_step"] == summary["best_step"]
+
+
 def test_phase_one_doubles_until_a_branch_converges_and_drops_diverged_ones() -> None:
     # Find the study name whose round-0 order (the documented seeded permutation) proposes the
     # two rising settings first and lr 0.1 last.
@@ -318,3 +336,60 @@ def test_replaying_the_log_recomputes_mltuners_decisions(tmp_path: Path) -> None
     assert check.ok, check.failure
     assert check.checked == len(result.decisions)
     assert result.decisions[-1].kind == "answer" and result.decisions[-1].trial_id == sim.summaries[0]["best_trial"]
+
+
+# ----------------------------------------------------------------------------- stagetree run, a real trainer
+
+ANSWER_STUDY = Path(__file__).parent / "studies" / "mltuner_answer.py"
+
+
+def run_answer_study(out: Path, tuner: str) -> tuple[dict[str, Any], str]:
+    """``stagetree run`` of tests/studies/mltuner_answer.py (torch on the cpu, so its numbers, and
+    the step its MLtunerTuner answers at, are those pinned below) with ``tuner`` "mltuner" or
+    "grid"; returns its summary and what it printed."""
+    proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "run", str(ANSWER_STUDY), "--workers", "1",
+                           "--device", "cpu", "--out", str(out), "--quiet"], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "STAGETREE_TEST_TUNER": tuner})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return orjson.loads((out / "summary.json").read_bytes()), proc.stdout
+
+
+@pytest.mark.parametrize("tuner", ["mltuner", "grid"])
+def test_best_metric_is_the_best_trials_metric_at_best_step(tmp_path: Path, tuner: str) -> None:
+    """``stagetree run`` with MLtunerTuner on a real torch trainer: its answer is an evaluation
+    at step 35 of a main line trained to 40 (val_acc falls after it). The summary's
+    ``best_metric`` is the best trial's val_acc recorded (MetricsReported, folded from the log)
+    at ``best_step``; the printed summary, the StudyFinished event, the report's table and the
+    dashboard's figures name that step. A grid's answer is at its trials' final step: there
+    ``best_step`` is the trial's ``steps`` and ``best_metric`` its final ``metrics``."""
+    from events.models import StudyFinished
+    from replay.report.html import savings_html
+    from replay.report.load import computed_summary, load_run, study_trials
+    from stagetree.dashboard import LiveProjection, open_dashboard_source, study_view
+
+    out = tmp_path / "run"
+    summary, printed = run_answer_study(out, tuner)
+    data = load_run(out, summary["name"])
+    best = data.state.trials[summary["best_trial"]]
+    listed = next(t for t in summary["trials"] if t["trial_id"] == summary["best_trial"])
+    step = summary["best_step"]
+    assert summary["best_metric"] == best.results[step]["val_acc"]
+    assert listed["steps"] == best.steps
+    if tuner == "mltuner":
+        assert step == 35 and best.steps == 40  # what the study file pins: an answer before the end
+        assert listed["metrics"]["val_acc"] != summary["best_metric"]  # its final step's, not the answer's
+    else:
+        assert step == best.steps == 20 and listed["metrics"]["val_acc"] == summary["best_metric"]
+    assert f"at {step} steps" in printed
+    assert isinstance(data.study_finished, StudyFinished) and data.study_finished.best_step == step
+    again = computed_summary(data)  # the summary as the report computes it from the log
+    assert again is not None and (again["best_step"], again["best_metric"]) == (step, summary["best_metric"])
+    assert f"its metric at step {step}, where the tuner chose it" in savings_html(data, [], study_trials(data))
+    source = open_dashboard_source(str(out))
+    try:
+        projection = LiveProjection()
+        projection.fold(source.poll())
+        figures = study_view(projection, summary["name"], source.label)["figures"]
+    finally:
+        source.close()
+    assert (figures["best_step"], figures["best_metric"]) == (step, summary["best_metric"])

@@ -141,8 +141,10 @@ def savings_html(data: RunData, stages: Sequence[TreeStage], trials: Sequence[Tr
         "executed stages on the path of 2+ trials")
     if s.get("best_trial") is not None:
         row("best_trial", "Best trial", s.get("best_trial"), str(s.get("best_trial")), "the tuner's answer")
+        step = s.get("best_step")  # None in a summary written before the key
         row("best_metric", "Best metric", s.get("best_metric"), _num(s.get("best_metric"), "{:.4f}"),
-            "its metric at its final step")
+            "its metric where the tuner chose it" if step is None
+            else f"its metric at step {step}, where the tuner chose it")
     sim = (f" Simulated by <code>stagetree simulate</code> ({_e(s.get('policy') or 'critical-path')} policy): "
            "seconds are virtual seconds of simulated GPUs, timed by the trainer's cost model."
            if data.simulated else "")

@@ -257,8 +257,9 @@ def computed_summary(data: RunData, events: list[Event] | None = None) -> dict[s
     workers = st.workers if st else study.get("workers", 0)
     best_trial = fin.best_trial if fin else study.get("best_trial")
     best_metric = fin.best_metric if fin else study.get("best_metric")
+    best_step = fin.best_step if fin else study.get("best_step")
     e2e = fin.end_to_end_seconds if fin else study.get("end_to_end_seconds")
     if e2e is None:
         e2e = data.elapsed_seconds or 0.0
     return build_summary(data.state, data.study_id, mode=mode, workers=workers, best_trial=best_trial,
-                         best_metric=best_metric, end_to_end_seconds=e2e, events=events)
+                         best_metric=best_metric, best_step=best_step, end_to_end_seconds=e2e, events=events)

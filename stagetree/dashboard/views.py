@@ -157,7 +157,7 @@ def study_view(live: LiveProjection, study_id: str, source: Path | str = "", now
     Keys: ``study`` (id, name, mode, workers, metric and its mode, finished), ``figures`` (the
     summary's figures: trials finished / running / total, merge rate p, total / unique /
     executed steps, worker-seconds, the trial-based estimate and the worker-seconds saved,
-    idle worker-seconds and ratio, end-to-end seconds, best trial and metric), ``trials`` (the
+    idle worker-seconds and ratio, end-to-end seconds, best trial, metric and the step of that metric), ``trials`` (the
     table: id, status, final decision, steps asked, steps with metrics, the metric at its last
     result, the hyper-parameters as text, its path from the root), ``tree`` (executed and running
     stages in drawing order, with their parent row, shared / running flags and trials),
@@ -282,6 +282,10 @@ def _figures(data: RunData, trials: list[Trial], stages: list[Any], metric: str 
         "best_trial": best,
         "best_metric": (_number(summary.get("best_metric")) if summary.get("best_metric") is not None
                         else _final(best_trial, metric) if best_trial is not None else None),
+        # the step of that metric: the tuner's (StudyFinished), else the final step _final reads
+        "best_step": (summary.get("best_step") if summary.get("best_metric") is not None
+                      else max(best_trial.results) if best_trial is not None and best_trial.results and metric
+                      else None),
         "shared_stages": sum(s.shared for s in stages),
         "stages": len(stages),
     }

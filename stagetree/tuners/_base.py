@@ -48,7 +48,8 @@ class TrialResult:
 class TunerResult:
     """What a tuner found: the best trial, every trial's last result, and the tuner's decisions
     in the order it took them (typed, :mod:`events.decisions`; each is also a TunerDecided event
-    in the log)."""
+    in the log). ``best.steps`` is the step of the evaluation chosen (the summary's
+    ``best_step``): a trial's last for most tuners, possibly an earlier one for MLtunerTuner."""
 
     best: TrialResult | None
     metric: str

@@ -138,7 +138,7 @@
     ['idle_worker_seconds', 'Idle worker time', (f) => seconds(f.idle_worker_seconds),
      (f) => f.idle_ratio === null ? '' : (100 * f.idle_ratio).toFixed(1) + '% of capacity'],
     ['end_to_end_seconds', 'End-to-end', (f) => seconds(f.end_to_end_seconds), () => 'study wall time'],
-    ['best_metric', 'Best', (f) => fmt(f.best_metric), (f) => f.best_trial === null ? '' : 'trial ' + f.best_trial],
+    ['best_metric', 'Best', (f) => fmt(f.best_metric), (f) => f.best_trial === null ? '' : 'trial ' + f.best_trial + (f.best_step == null ? '' : ' at step ' + f.best_step)],
   ];
 
   function renderFigures(view) {
