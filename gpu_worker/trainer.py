@@ -136,6 +136,10 @@ class Trainer(abc.ABC):
         global RNG afterwards. Switching the model to eval mode and back to
         train mode is the trainer's job; evaluate must not change parameters,
         optimizer state or any generator kept in ``state_dict``.
+
+        A value that is NaN or infinite (a diverged model) is recorded as null (JSON has
+        neither): the trial stays done, not failed, and every tuner ranks it below every
+        finite value of its metric.
         """
 
     def state_dict(self) -> dict[str, Any]:

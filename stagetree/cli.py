@@ -136,7 +136,7 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
     started = time.monotonic()
     prior = runtime.state.studies.get(name)
     if prior is not None and prior["mode"] != mode:
-        raise UsageError(f"the log holds a {prior['mode']!r} run of {name!r}; it cannot continue as {mode!r}")
+        raise UsageError(_mode_mismatch(name, prior["mode"], mode))
     _same_tuner(args.file, name, "the log", prior and prior.get("tuner_settings"), settings)
     before = elapsed_before(log, name) if prior is not None else 0.0
     study = Study(runtime, name, trainer, seed, merge=mode == "merged", metric=tuner.metric)
@@ -175,6 +175,14 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
     return build_summary(runtime.state, name, mode=mode, workers=args.workers,
                          best_trial=best.trial_id if best else None, best_metric=best_metric, best_step=best_step,
                          end_to_end_seconds=e2e, events=plan_events(log))
+
+
+def _mode_mismatch(name: str, held: str, mode: str) -> str:
+    """Why study ``name``, whose log holds a run in mode ``held`` ("merged" or "trial"), cannot
+    continue in ``mode``, with the flag that resumes it: the hint names what to type, not what was
+    typed."""
+    return (f"the log holds a {held!r} run of {name!r}; it cannot continue as {mode!r}: resume it "
+            f"{'with' if held == 'trial' else 'without'} --no-merge")
 
 
 def _same_tuner(file: str, name: str, where: str, recorded: dict[str, Any] | None, settings: dict[str, Any]) -> None:
@@ -340,8 +348,7 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
                              "to start it there, or choose another --out")
     mode = "trial" if args.no_merge else "merged"
     if name in studies and studies[name].mode != mode:
-        raise UsageError(f"the log holds a {studies[name].mode!r} run of {name!r}; it cannot continue as {mode!r} "
-                         f"({'without' if args.no_merge else 'with'} --no-merge)")
+        raise UsageError(_mode_mismatch(name, studies[name].mode, mode))
     if name in studies:  # another seed or trainer is another plan: its trials would all be refused
         from stagetree.study import plan_key_of
 

@@ -612,13 +612,16 @@ def test_cli_resume_of_another_study_is_refused_and_summaries_are_per_study(tmp_
     assert orjson.loads(summary_path(out, "tiny").read_bytes())["name"] == "tiny"
 
 
-def test_cli_resume_in_the_other_mode_is_refused_before_anything_is_written(tmp_path: Path) -> None:
-    """``--resume`` with or without ``--no-merge`` against what the log holds: exit 2 naming the
-    modes, with the log as it was (no worker joined, nothing dispatched), and the directory
-    resumes in its own mode after it."""
+@pytest.mark.parametrize(("held", "flags"), [("trial", ["--no-merge"]), ("merged", [])], ids=["no-merge", "merged"])
+def test_cli_resume_in_the_other_mode_is_refused_before_anything_is_written(tmp_path: Path, held: str,
+                                                                             flags: list[str]) -> None:
+    """``--resume`` without ``--no-merge`` of a ``--no-merge`` run, and with it of a merged one:
+    exit 2 naming the modes and how to resume it (the flag to give or to drop, not the one the
+    command gave: "(with --no-merge)" once followed a command without it), with the log as it was
+    (no worker joined, nothing dispatched), and the directory resumes in its own mode after it."""
     path = write(tmp_path / "study.py", VALID)
     out = tmp_path / "out"
-    first = run_cli(path, out, "--no-merge")
+    first = run_cli(path, out, *flags)
     assert first.returncode == 0, first.stdout + first.stderr
 
     def records() -> list[bytes]:
@@ -626,12 +629,15 @@ def test_cli_resume_in_the_other_mode_is_refused_before_anything_is_written(tmp_
             return [r.value for r in log.read(topics.PLAN)]
 
     before = records()
-    refused = run_cli(path, out, "--resume")
+    other = "merged" if held == "trial" else "trial"
+    refused = run_cli(path, out, "--resume", *([] if flags else ["--no-merge"]))
     assert refused.returncode == 2, refused.stdout + refused.stderr
     err = squash(refused.stderr)
-    assert "'trial'runof'tiny'" in err and "cannotcontinueas'merged'" in err and "Traceback" not in err, err
+    hint = "resumeitwith--no-merge" if held == "trial" else "resumeitwithout--no-merge"
+    assert f"'{held}'runof'tiny'" in err and f"cannotcontinueas'{other}':{hint}" in err, err
+    assert err.count("--no-merge") == 1 and "Traceback" not in err, err
     assert records() == before
-    resumed = run_cli(path, out, "--resume", "--no-merge")
+    resumed = run_cli(path, out, "--resume", *flags)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
 
 

@@ -254,6 +254,23 @@ def test_a_failing_trainer_fails_its_trial_with_the_error(tmp_path: Path) -> Non
     assert verified.returncode == 0 and "tuner decisions of 1 study recomputed" in verified.stdout, verified.stdout
 
 
+def test_a_non_finite_metric_is_recorded_as_null_and_ranks_last(tmp_path: Path) -> None:
+    """evaluate() returning NaN or -inf (tests/studies/non_finite.py, a "min" metric, where -inf
+    would be the best loss): the value is null in the log and the summary, the trial is done (no
+    failure), and it ranks below every finite value (README "Writing a trainer")."""
+    out = tmp_path / "run"
+    study = Path(__file__).parent / "studies" / "non_finite.py"
+    proc = subprocess.run([*STAGETREE, "run", str(study), "--workers", "1", "--out", str(out), "--quiet"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    reported = {e.metrics["x"]: e.metrics["val_loss"] for e in _events(out) if isinstance(e, MetricsReported)}
+    assert reported == {0.0: None, 1.0: None, 2.0: pytest.approx(0.7), 3.0: pytest.approx(0.8)}
+    summary = orjson.loads((out / "summary.json").read_bytes())
+    trials = {t["hp"]["x"]["value"]: t for t in summary["trials"]}
+    assert all(trials[x]["status"] == "done" and trials[x]["metrics"]["val_loss"] is None for x in (0.0, 1.0))
+    assert summary["best_trial"] == trials[2.0]["trial_id"] and summary["best_metric"] == pytest.approx(0.7)
+
+
 def test_a_worker_killed_after_path_trained_loses_nothing(merged: dict, tmp_path: Path) -> None:
     """kill -9 of a worker right after its PathTrained, before the path's end batches: the
     coordinator declares it lost, which releases the trained path too (its stages were never

@@ -185,6 +185,24 @@ def test_a_failed_trial_is_a_loss_in_every_tuner(family: str, tuner: Any) -> Non
     assert len(batches) == 1, f"{family} asked the failed trial again in batches {batches}"
 
 
+def _null_at_x0(values: dict[str, float], steps: int) -> dict[str, float | None]:
+    """Configuration x == 0 reports null metrics (a trainer's NaN or inf, as MetricsReported
+    records it); the others score x, as :func:`_failing_x0`."""
+    if values["x"] == 0:
+        return {"acc": None, "loss": None}
+    return _failing_x0(values, steps)
+
+
+@pytest.mark.parametrize(("family", "tuner"), _all_tuner_families(), ids=[f for f, _ in _all_tuner_families()])
+def test_a_null_metric_ranks_last_in_every_tuner(family: str, tuner: Any) -> None:
+    """A non-finite metric (null in the log) is no failure: the trial has its results, but it
+    ranks below every finite one, so it is never the answer (README "Writing a trainer")."""
+    result, _, _ = tune(tuner, _null_at_x0)  # type: ignore[arg-type]
+    nulls = [r for r in result.trials if r.hp["x"].value(0) == 0]
+    assert nulls and all(not r.failed and r.metrics["acc"] is None for r in nulls), family
+    assert result.best is not None and result.best.hp["x"].value(0) != 0 and result.best.metrics["acc"] is not None
+
+
 # ============================================================================ successive halving
 
 
