@@ -49,6 +49,7 @@ from replay.audit import NOT_READ, AuditError, AuditResult, Failure, Source, ope
 from stagetree.runtime import RuntimeBase, settle
 from stagetree.study import Study
 from stagetree.tuners import Tuner
+from stagetree.tuners._base import StudyAnswer
 from stagetree.tuners._settings import recorded_settings
 
 NO_DECISIONS = ("not recomputed: the log holds no tuner decisions (its tuner recorded none, e.g. one that calls "
@@ -148,6 +149,7 @@ class Run:
     decisions: list[tuple[int, TunerDecided]] = field(default_factory=list)
     requests: list[tuple[int, TrialSubmitted]] = field(default_factory=list)
     finished: int | None = None  # offset of its StudyFinished
+    answer: StudyFinished | None = None  # its StudyFinished
     partition: int = 0
     """The plan stream's partition holding the study (its StudyStarted, decisions, StudyFinished,
     and its requests unless they are ``--no-merge`` trials' with plans of their own)."""
@@ -216,7 +218,7 @@ def runs_of(events: Sequence[tuple[int, int, Event]]) -> dict[str, list[Run]]:
         elif isinstance(event, TrialSubmitted) and runs.get(event.study_id):
             runs[event.study_id][-1].requests.append((offset, event))
         elif isinstance(event, StudyFinished) and runs.get(event.study_id):
-            runs[event.study_id][-1].finished = offset
+            runs[event.study_id][-1].finished, runs[event.study_id][-1].answer = offset, event
     for study_id, requests in elsewhere.items():
         runs[study_id][-1].elsewhere = requests
     return runs
@@ -298,6 +300,8 @@ def replay_run(records: Sequence[Record], run: Run, tuner: Tuner, trainer: Train
                         check.failure = Failure("tuner", offset, event.type, (
                             f"trial {event.decision.trial_id}: recorded {_said(event)}; the tuner recomputed from "
                             "the log had already finished"))
+                    elif run.answer is not None and run.finished is not None and not task.cancelled():
+                        check.failure = _wrong_answer(run.finished, run.answer, task.result().answer)
                     return
                 if check.checked == len(recorded):
                     if run.finished is not None:
@@ -329,6 +333,20 @@ def replay_run(records: Sequence[Record], run: Run, tuner: Tuner, trainer: Train
     if check.failure is None:  # every request of the run is one the tuner makes
         check.failure = _unmade(run.requests, check.made)
     return check
+
+
+def _wrong_answer(offset: int, recorded: StudyFinished, again: StudyAnswer) -> Failure | None:
+    """A failure when the StudyFinished at ``offset`` records another answer than the tuner's
+    recomputed one (its best trial, best metric, and best step where the log has one: logs
+    written before the field have none), else None."""
+    said = (recorded.best_trial, recorded.best_metric, recorded.best_step)
+    computed = (again.best_trial, again.best_metric, again.best_step if recorded.best_step is not None else None)
+    if said == computed:
+        return None
+    names = ("best_trial", "best_metric", "best_step")
+    return Failure("tuner", offset, recorded.type, (
+        f"study {recorded.study_id!r} finished recording " + ", ".join(f"{n} {v!r}" for n, v in zip(names, said))
+        + "; the tuner recomputed from the log answers " + ", ".join(f"{n} {v!r}" for n, v in zip(names, computed))))
 
 
 def _unmade(requests: Sequence[tuple[int, TrialSubmitted]], made: set[tuple[str, int]]) -> Failure | None:

@@ -165,15 +165,10 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
         study.flush()  # its last decision (the answer) before StudyFinished
         await runtime.drain()
     e2e = before + (time.monotonic() - started)
-    best = result.best
-    value = best.metrics.get(result.metric) if best else None
-    best_metric = float(value) if value is not None else None
-    best_step = best.steps if best else None  # the evaluation's step: MLtunerTuner's may precede the trial's last
-    runtime.append([StudyFinished(producer="cli", study_id=name, best_trial=best.trial_id if best else None,
-                                  best_metric=best_metric, best_step=best_step, end_to_end_seconds=e2e,
+    answer = result.answer  # best_step: the evaluation's step (MLtunerTuner's may precede the trial's last)
+    runtime.append([StudyFinished(producer="cli", study_id=name, **answer._asdict(), end_to_end_seconds=e2e,
                                   plan_key=study.plan_key)])
-    return build_summary(runtime.state, name, mode=mode, workers=args.workers,
-                         best_trial=best.trial_id if best else None, best_metric=best_metric, best_step=best_step,
+    return build_summary(runtime.state, name, mode=mode, workers=args.workers, **answer._asdict(),
                          end_to_end_seconds=e2e, events=plan_events(log))
 
 

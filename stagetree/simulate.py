@@ -337,12 +337,7 @@ async def _simulate(trainer: Trainer, studies: list[SimStudy], workers: int, mer
         finished: list[Event] = []
         summaries = []
         for i, (s, result) in enumerate(zip(studies, results)):
-            best = result.best
-            value = best.metrics.get(result.metric) if best else None
-            best_metric = float(value) if value is not None else None
-            finished.append(StudyFinished(producer="simulator", study_id=s.name,
-                                          best_trial=best.trial_id if best else None, best_metric=best_metric,
-                                          best_step=best.steps if best else None,
+            finished.append(StudyFinished(producer="simulator", study_id=s.name, **result.answer._asdict(),
                                           end_to_end_seconds=done_at[i], plan_key=sdk[i].plan_key))
         cluster.append(finished)
         for i, s in enumerate(studies):

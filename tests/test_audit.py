@@ -684,6 +684,25 @@ def test_an_anchor_kept_apart_catches_a_log_cut_or_rewritten_with_its_header(run
                in msg and "was rewritten" in msg, msg
 
 
+@pytest.mark.parametrize(("field", "value"), [("best_metric", 1.0), ("best_trial", "t-other"), ("best_step", 7)])
+def test_a_forged_answer_fails_the_tuner_check(run_dir: Path, export: Path, tmp_path: Path, field: str,
+                                               value: object, capsys) -> None:
+    """A study's StudyFinished (its best trial, metric and step) was compared with nothing: one
+    rewritten, re-chained and with the header made anew verified. The tuner recomputed from the
+    log answers, and the recorded answer must be that one."""
+    header, *rows = lines(export)
+    i, row = next((i, r) for i, r in enumerate(rows) if '"StudyFinished"' in r["value"])
+    event = orjson.loads(row["value"])
+    assert event["payload"]["best_step"] is not None and event["payload"][field] != value
+    event["payload"][field] = value
+    rows[i] = {**row, "value": orjson.dumps(event, option=orjson.OPT_SORT_KEYS).decode()}
+    forged = _reexport(rows, tmp_path / "forged.jsonl")
+    msg = " ".join(first_failure(forged, run_dir, capsys).split())
+    assert msg.startswith(f"tuner check failed at offset {row['offset']} (StudyFinished): study 'tiny' finished "
+                          f"recording") and f"{field} {value!r}" in msg, msg
+    assert "the tuner recomputed from the log answers best_trial" in msg, msg
+
+
 def test_a_malformed_anchor_is_refused_naming_the_flag(run_dir: Path, capsys) -> None:
     assert main(["replay", "verify", str(run_dir), "--anchor", "stagetree.plan@12:xyz", "--quiet"]) == 2
     err = " ".join(capsys.readouterr().err.split())

@@ -17,7 +17,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 from events.decisions import Answer, Decision, Draw, Promote, Ranking, Stop
 from events.hp import HPConfig
@@ -56,6 +56,25 @@ class TunerResult:
     mode: Mode
     trials: list[TrialResult] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
+
+    @property
+    def answer(self) -> StudyAnswer:
+        """The answer as a StudyFinished event and a summary record it: the best trial, its
+        ``metric`` there (None when it has none, or it is not finite) and that step."""
+        best = self.best
+        if best is None:
+            return StudyAnswer(None, None, None)
+        value = best.metrics.get(self.metric)
+        return StudyAnswer(best.trial_id, float(value) if value is not None else None, best.steps)
+
+
+class StudyAnswer(NamedTuple):
+    """A study's answer: ``best_trial``, ``best_metric`` and ``best_step`` (steps) of its
+    StudyFinished event and its summary; all None when the tuner has none."""
+
+    best_trial: str | None
+    best_metric: float | None
+    best_step: int | None
 
 
 class Tuner(ABC):
