@@ -32,7 +32,7 @@ import hashlib
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -463,25 +463,63 @@ def export_log(source: Source, out: Path, secret: bytes | None = None) -> int:
     return n
 
 
+class ImportRefused(Exception):
+    """``log import`` refused a source that fails a check of :func:`check_import` (exit 1, not
+    bad input): ``failure`` is the first; nothing was written."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
+
+
+def check_import(source: Source, secret: bytes | None = None) -> tuple[AuditResult, State | None]:
+    """The checks of :func:`verify` whose evidence ``log import`` would not carry into the run
+    directory it writes, made by verify's own code: ``chain`` (every stream's hash chain and,
+    for an export, its header's record count per stream) and ``projection`` (the plan stream's
+    fold against the export header's digest, or a run directory's stored projection). The
+    imported log keeps the records and their chain values but not the header, and its
+    projection is rebuilt from the records: without these checks an export cut short, or
+    whose records no longer fold to its digest, became a directory that verifies.
+
+    Not made (listed as skipped): ``decision`` (the records it reads are imported byte for byte,
+    so the imported directory fails it as the export does; it would about triple the import's
+    time), ``checkpoint`` (an export holds none) and verify's ``tuner`` check (it needs the
+    study file). ``replay verify`` makes them all.
+
+    Returns:
+        The result, and the plan stream's fold (None when the log cannot be read).
+    """
+    with rare_collections():
+        try:
+            return _verify(replace(source, checkpoints=None), secret, None, decisions=False)
+        except LogDamaged as exc:
+            return unreadable(exc), None
+
+
 def import_log(source: Source, out: Path, secret: bytes | None) -> None:
     """Create run directory ``out`` from ``source``: its log with the chain values as exported,
-    and ``state/`` rebuilt by folding the plan stream.
+    and ``state/`` rebuilt by folding the plan stream, once the source passed the checks of
+    :func:`check_import` (nothing is written before).
 
     Raises:
-        AuditError: ``out`` already holds a log.
+        AuditError: ``out`` already holds a log; the source is not chained with ``secret``'s
+            algorithm.
+        ImportRefused: the source fails a check of :func:`check_import` (``out`` untouched).
     """
     if (out / "log").exists():
         raise AuditError(f"{str(out)!r} already holds a log")
     if source.chain != chain_algorithm(secret):
         raise AuditError(f"the export is chained with {source.chain}: pass the matching --log-key "
                          f"(or none for sha256) so the imported log can be appended to")
+    result, state = check_import(source, secret)
+    if result.first_failure is not None or state is None:
+        raise ImportRefused(result.first_failure or Failure("chain", None, None, "the log cannot be read"))
     log = EmbeddedLog(out / "log", secret=secret)
     try:
         for name in sorted(source.streams):
             log.import_records(name, [(r.key, r.value, r.chain) for r in source.streams[name]])
     finally:
         log.close()
-    state = fold(source.streams.get(topics.PLAN, []), secret=secret)
     store = ProjectionStore(out / "state")
     try:
         store.commit(state, set(all_keys(state)))
@@ -780,12 +818,16 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
     check naming the damage, the other checks not made (:func:`unreadable`)."""
     with rare_collections():
         try:
-            return _verify(source, secret, progress)
+            return _verify(source, secret, progress)[0]
         except LogDamaged as exc:
             return unreadable(exc)
 
 
-def _verify(source: Source, secret: bytes | None, progress: Callable[[int], None] | None) -> AuditResult:
+def _verify(source: Source, secret: bytes | None, progress: Callable[[int], None] | None, *,
+            decisions: bool = True) -> tuple[AuditResult, State]:
+    """:func:`verify`'s checks, and the plan stream's fold. ``decisions=False``
+    (:func:`check_import`): the decision check of an unpartitioned plan stream is not made
+    (listed as skipped); a partitioned one's fold recomputes them as it goes."""
     result = AuditResult()
     plan = source.streams.get(topics.PLAN, [])
     parts = by_partition(plan)
@@ -819,17 +861,18 @@ def _verify(source: Source, secret: bytes | None, progress: Callable[[int], None
         # (``decided_at``); each decider is re-run on exactly that prefix, remembered while
         # folding, with the parameters the decision records (policy, checkpoint budget):
         # replay/decisions.py.
-        decisions = DecisionCheck(plan)
+        check = DecisionCheck(plan) if decisions else None
         copies, copied = DispatchCopies(), ""
 
         def on_event(r: Record, event: Any, state: State) -> None:
             on_saved(r, event, state)
-            decisions.on_event(r, event)
-            copies.on_plan(r, event)
+            if check is not None:
+                check.on_event(r, event)
+                copies.on_plan(r, event)
 
-        state = fold(plan, on_event, decisions.after, secret=secret, on_chain=plan_chain)
-        mismatch, checked = decisions.finish(), decisions.checked
-        if mismatch is None and topics.DISPATCH in source.streams:
+        state = fold(plan, on_event, None if check is None else check.after, secret=secret, on_chain=plan_chain)
+        mismatch, checked = (None, {}) if check is None else (check.finish(), check.checked)
+        if check is not None and mismatch is None and topics.DISPATCH in source.streams:
             mismatch = copies.check(source.streams[topics.DISPATCH])
             copied = f"; the dispatch stream's {copies.compared} records are copies of them, byte for byte"
         rebuilt = snapshot(state)
@@ -842,9 +885,12 @@ def _verify(source: Source, secret: bytes | None, progress: Callable[[int], None
         copied = ""  # a deployment's workers read topics of their own, which verify does not read
     add_chain()
     counts = ", ".join(f"{n} {name}" for name, n in sorted(checked.items())) or "no"
-    result.add("decision", None if mismatch is None else Failure("decision", mismatch.offset, mismatch.event,
-                                                                 mismatch.detail),
-               f"{counts} decisions recomputed from their log prefixes{copied}")
+    if set(parts) == {0} and not decisions:
+        result.add("decision", None, "not checked: the decisions were not recomputed", skipped=True)
+    else:
+        result.add("decision", None if mismatch is None else Failure("decision", mismatch.offset, mismatch.event,
+                                                                     mismatch.detail),
+                   f"{counts} decisions recomputed from their log prefixes{copied}")
 
     if source.stored_projection is not None and not source.stored_projection and state.offset < 0:
         # a run that ended before its first record (a worker that failed to start)
@@ -894,4 +940,4 @@ def _verify(source: Source, secret: bytes | None, progress: Callable[[int], None
                       "missing" if gone else "")
                    + (f", but {len(left)} of them are still stored (not deleted: space the budget does not "
                       f"count), e.g. {left[0]}" if left else ""))
-    return result
+    return result, state

@@ -49,8 +49,10 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
 
 
 def _check_key(source: Any, secret: bytes | None) -> None:
-    """Refuse to export a keyed log without its key, or with another one (the export's header
-    carries a projection digest computed with it: the file would never verify).
+    """Refuse a keyed log without its key, or with another one, and a log chained without a key
+    with one: ``log export`` (the export's header carries a projection digest computed with it:
+    the file would never verify) and ``log import`` (the imported log would be appended to with
+    it). Only the key's fit is checked: the whole chain is ``replay verify``'s.
 
     Raises:
         AuditError: naming ``--log-key`` (exit 2), before anything is written.
@@ -63,7 +65,7 @@ def _check_key(source: Any, secret: bytes | None) -> None:
     if source.chain != chain_algorithm(secret):
         raise AuditError(f"--log-key: the log is chained with {source.chain}, but "
                          + ("no key was given (--log-key or $STAGETREE_LOG_KEY)" if not secret else
-                            "a key was given: export it without --log-key"))
+                            "a key was given (--log-key or $STAGETREE_LOG_KEY): give none"))
     if secret:
         for stream in sorted(source.streams):
             first = next(iter(source.streams[stream]), None)
@@ -74,11 +76,18 @@ def _check_key(source: Any, secret: bytes | None) -> None:
 
 
 def cmd_import(args: argparse.Namespace, console: Console) -> int:
-    from replay.audit import import_log, open_source
+    from replay.audit import ImportRefused, import_log, open_source
 
     out = check_output_dir("--out", args.out)
+    secret = secret_from(args.log_key)
     source = open_source(args.file)
-    import_log(source, out, secret_from(args.log_key))
+    _check_key(source, secret)
+    try:
+        import_log(source, out, secret)
+    except ImportRefused as exc:  # a failed check, not bad input (exit 1), as replay verify's
+        console.print(f"[red]import refused[/red]: {escape(str(exc))}; nothing was written (`stagetree replay "
+                      f"verify {escape(str(args.file))}` tells the whole story)")
+        return 1
     console.print(f"imported {sum(len(v) for v in source.streams.values())} records into {escape(args.out)}")
     return 0
 

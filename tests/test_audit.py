@@ -833,3 +833,65 @@ def test_a_log_whose_decisions_record_no_rules_verifies_and_a_mismatch_there_may
     assert f"decision check failed at offset {rows[first]['offset']} (StageDispatched)" in msg, msg
     assert "the decision records no rules version: if the log predates 2026-11-28, it may have been decided by " \
            "older dispatch rules, not edited" in msg, msg
+
+
+def _edit_first_metric(rows: list[dict]) -> None:
+    i, row = next((i, r) for i, r in plan_rows(rows) if '"MetricsReported"' in r["value"])
+    event = orjson.loads(row["value"])
+    event["payload"]["metrics"]["val_acc"] = 0.999
+    rows[i]["value"] = orjson.dumps(event, option=orjson.OPT_SORT_KEYS).decode()
+
+
+@pytest.mark.parametrize(("tamper", "needle"), [
+    ("cut", "chain check failed at the log: stream stagetree.plan: the export's header lists {n} records, the file "
+            "holds {m} (cut off, or records added)"),
+    ("rechained", "projection check failed at the log: the fold's digest"),
+    ("edited", "chain check failed at offset"),
+])
+def test_log_import_refuses_an_export_that_fails_verify_and_writes_nothing(run_dir: Path, export: Path,
+                                                                           tmp_path: Path, tamper: str, needle: str,
+                                                                           capsys) -> None:
+    """``log import`` wrote a run directory from an export cut short, or whose records were
+    edited and re-chained (its header's projection digest no longer matching), and exit 0: the
+    imported directory, without the header, then verified. It now checks the chain, the header's
+    record counts and its projection digest first, and refuses (exit 1) writing nothing."""
+    rows = lines(export)
+    n = rows[0]["streams"]["stagetree.plan"]
+    if tamper == "cut":
+        del rows[-3:]  # the plan stream's last three records (streams are written in name order)
+    else:
+        _edit_first_metric(rows)
+        if tamper == "rechained":
+            _rechain(rows, "stagetree.plan")
+    write(export, rows)
+    assert main(["replay", "verify", str(export), "--quiet"]) == 1  # what verify says of the file
+    capsys.readouterr()
+    out = tmp_path / "imported"
+    assert main(["log", "import", str(export), "--out", str(out)]) == 1
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"import refused: {needle.format(n=n, m=n - 3)}" in text, text
+    assert f"nothing was written (`stagetree replay verify {export}` tells the whole story)" in text, text
+    assert not out.exists()
+    out.mkdir()  # an existing, empty --out stays empty
+    assert main(["log", "import", str(export), "--out", str(out)]) == 1
+    assert not list(out.iterdir())
+
+
+def test_log_import_refuses_a_keyed_export_with_another_key_and_writes_nothing(keyed_run: Path, tmp_path: Path,
+                                                                                monkeypatch, capsys) -> None:
+    """``log import --log-key WRONG`` of a keyed export said "imported" (exit 0) and wrote a
+    directory that verified with neither key. The key is checked as ``log export`` checks it."""
+    monkeypatch.delenv("STAGETREE_LOG_KEY", raising=False)
+    path = tmp_path / "keyed.jsonl"
+    assert main(["log", "export", str(keyed_run), "--out", str(path), "--log-key", KEY]) == 0
+    out = tmp_path / "imported"
+    for key, needle in [("not-the-key", "--log-key: not the key the log was chained with"),
+                        (None, "--log-key: the log is chained with hmac-sha256, but no key was given")]:
+        capsys.readouterr()
+        assert main(["log", "import", str(path), "--out", str(out), *(["--log-key", key] if key else [])]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert needle in err and "Traceback" not in err, err
+        assert not out.exists()
+    assert main(["log", "import", str(path), "--out", str(out), "--log-key", KEY]) == 0
+    assert main(["replay", "verify", str(out), "--log-key", KEY, "--quiet"]) == 0
+
