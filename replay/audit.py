@@ -408,20 +408,55 @@ def open_kafka(url: str, checkpoints: str | Path | None = None) -> Source:
     return Source(Path(url), "kafka", streams, "sealed", str(checkpoints) if checkpoints else None)
 
 
+def checkpoint_location(value: str | Path) -> str:
+    """``--checkpoints``'s value, checked before any work: a checkpoint directory, ``file://DIR``
+    or ``s3://BUCKET[/PREFIX]`` (the forms of
+    :func:`gpu_worker.object_store.open_checkpoint_store`; an S3 store is not contacted here). A
+    local one must be an existing directory: one that is not there made every checkpoint
+    "missing", a failed audit, where the flag was mistyped.
+
+    Raises:
+        AuditError: naming ``--checkpoints`` and the value: not such a form (an S3 URL holding
+            credentials is not echoed), a local path that does not exist or is not a directory,
+            an S3 store's ``STAGETREE_S3_*`` variable unset (named).
+    """
+    from gpu_worker.checkpoint import LocalCheckpointStore
+    from gpu_worker.object_store import open_checkpoint_store
+
+    text = str(value)
+    try:
+        store = open_checkpoint_store(text)
+    except ValueError as exc:
+        raise AuditError(f"--checkpoints: {exc}") from None
+    if isinstance(store, LocalCheckpointStore) and not store.root.is_dir():
+        why = "is not a directory" if store.root.exists() else "does not exist"
+        raise AuditError(f"--checkpoints {text!r} {why}: give the run's checkpoints/ directory, file://DIR or "
+                         "s3://BUCKET/PREFIX")
+    return text
+
+
 def open_source(path: str | Path, secret: bytes | None = None, checkpoints: str | Path | None = None, *,
                 as_of_projection: bool = False) -> Source:
     """A run directory, a JSONL export or a Kafka deployment (``kafka://HOST:PORT[/PREFIX]``);
-    ``as_of_projection`` as for :func:`open_run`."""
+    ``as_of_projection`` as for :func:`open_run`; ``checkpoints`` (``--checkpoints``) replaces a
+    run directory's own ``checkpoints/``.
+
+    Raises:
+        AuditError: the source does not exist or cannot be read as one (named); ``checkpoints``
+            is not a checkpoint location (:func:`checkpoint_location`), checked first.
+        LogDamaged: a run directory's log that cannot be opened.
+    """
+    ckpts = None if checkpoints is None else checkpoint_location(checkpoints)
     p = Path(path)
     if str(path).startswith("kafka://"):
-        return open_kafka(str(path), checkpoints)
+        return open_kafka(str(path), ckpts)
     if p.is_dir():
         source = open_run(p, secret, as_of_projection=as_of_projection)
-        if checkpoints is not None:
-            source.checkpoints = str(checkpoints)
+        if ckpts is not None:
+            source.checkpoints = ckpts
         return source
     if p.is_file():
-        return open_export(p, str(checkpoints) if checkpoints else None)
+        return open_export(p, ckpts)
     raise AuditError(f"source {str(path)!r} does not exist")
 
 
@@ -693,6 +728,15 @@ def unreadable(error: LogDamaged, also: Iterable[str] = ()) -> AuditResult:
 
 
 def _event_name(record: Record) -> str:
+    """What a record holds, for a failure's message: its event's type; on the Optuna journal's
+    stream (:data:`events.topics.OPTUNA`, not events) its journal operation (``optuna op_code
+    6``); ``undecodable`` for a record that is neither."""
+    if record.stream == topics.OPTUNA:
+        try:
+            op = orjson.loads(record.value).get("op_code")
+        except (orjson.JSONDecodeError, AttributeError):
+            op = None
+        return f"optuna op_code {op}" if isinstance(op, int) and not isinstance(op, bool) else "undecodable"
     try:
         return decode(record.value).type
     except InvalidEvent:

@@ -51,11 +51,12 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
 def _check_key(source: Any, secret: bytes | None) -> None:
     """Refuse a keyed log without its key, or with another one, and a log chained without a key
     with one: ``log export`` (the export's header carries a projection digest computed with it:
-    the file would never verify) and ``log import`` (the imported log would be appended to with
-    it). Only the key's fit is checked: the whole chain is ``replay verify``'s.
+    the file would never verify), ``log import`` (the imported log would be appended to with
+    it), ``replay explain`` and ``replay reexecute`` (which read the records without checking
+    their chain). Only the key's fit is checked: the whole chain is ``replay verify``'s.
 
     Raises:
-        AuditError: naming ``--log-key`` (exit 2), before anything is written.
+        AuditError: naming ``--log-key`` (exit 2), before anything is written or run.
     """
     from events.log import CHAIN_START, chain_algorithm, chain_next
     from replay.audit import AuditError
@@ -133,9 +134,13 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_explain(args: argparse.Namespace, console: Console) -> int:
+    from replay.audit import open_source
     from replay.explain import explain
 
-    story = explain(args.source, args.trial, secret=secret_from(args.log_key))
+    secret = secret_from(args.log_key)
+    source = open_source(args.source, secret)
+    _check_key(source, secret)
+    story = explain(source, args.trial, secret=secret)
     if args.json:
         console.print_json(orjson.dumps(story.as_dict()).decode())
     else:
@@ -149,7 +154,9 @@ def cmd_reexecute(args: argparse.Namespace, console: Console) -> int:
     from replay.audit import fold, open_source
     from replay.reexecute import reexecute
 
-    source = open_source(args.source, secret_from(args.log_key), args.checkpoints)
+    secret = secret_from(args.log_key)
+    source = open_source(args.source, secret, args.checkpoints)
+    _check_key(source, secret)
     state = fold(source.streams.get(topics.PLAN, []))
     with _progress(console, args.quiet) as progress:
         task = progress.add_task("re-execute", total=None)

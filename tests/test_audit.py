@@ -895,3 +895,73 @@ def test_log_import_refuses_a_keyed_export_with_another_key_and_writes_nothing(k
     assert main(["log", "import", str(path), "--out", str(out), "--log-key", KEY]) == 0
     assert main(["replay", "verify", str(out), "--log-key", KEY, "--quiet"]) == 0
 
+
+@pytest.mark.parametrize("command", ["verify", "reexecute"])
+def test_a_checkpoint_directory_that_is_not_there_is_bad_input_not_a_failed_audit(run_dir: Path, tmp_path: Path,
+                                                                                   command: str, capsys) -> None:
+    """A mistyped ``--checkpoints`` made every checkpoint "missing": a failed audit (exit 1)
+    or a divergence, where the input was wrong. A local one must be a directory (exit 2, named);
+    ``file://DIR`` is a local one too."""
+    extra = ["--sample", "1"] if command == "reexecute" else []
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"")
+    for bad, why in [(str(tmp_path / "nonexist"), "does not exist"), (str(afile), "is not a directory"),
+                     (f"file://{tmp_path / 'nonexist'}", "does not exist")]:
+        assert main(["replay", command, str(run_dir), "--checkpoints", bad, "--quiet", *extra]) == 2, bad
+        captured = capsys.readouterr()
+        err = " ".join(captured.err.split())
+        assert f"--checkpoints {bad!r} {why}" in err and "Traceback" not in err, err
+        assert "FAILED" not in captured.out and "diverged" not in captured.out, captured.out
+    assert main(["replay", "verify", str(run_dir), "--checkpoints", f"file://{run_dir / 'checkpoints'}",
+                 "--quiet"]) == 0
+
+
+@pytest.mark.parametrize(("value", "label"), [
+    (b'{"op_code":6,"worker_id":"w","trial_id":0,"state":1,"values":[0.5],"datetime_complete":null}',
+     "optuna op_code 6"),
+    (b"not a journal operation", "undecodable"),
+])
+def test_a_chain_failure_in_the_optuna_journal_names_the_journal_operation(tmp_path: Path, value: bytes, label: str,
+                                                                          capsys) -> None:
+    """A tampered record of the Optuna journal's stream was labelled "(undecodable)": it is a
+    journal operation, not an event. Only a record that is neither is undecodable."""
+    from events.log import EmbeddedLog
+
+    log = EmbeddedLog(tmp_path / "run" / "log")
+    try:
+        log.append_many(topics.OPTUNA, [
+            ("a.0", b'{"op_code":0,"worker_id":"w","study_name":"s","directions":[1]}'),
+            ("b.0", b'{"op_code":4,"worker_id":"w","study_id":0,"datetime_start":null}'),
+            ("c.0", value)])
+    finally:
+        log.close()
+    export = tmp_path / "optuna.jsonl"
+    assert main(["log", "export", str(tmp_path / "run"), "--out", str(export)]) == 0
+    rows = lines(export)
+    rows[3]["value"] = rows[3]["value"].replace("0.5", "0.9").replace("journal", "JOURNAL")  # an edit
+    write(export, rows)
+    capsys.readouterr()
+    assert main(["replay", "verify", str(export), "--quiet"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"chain check failed at offset 2 ({label}): stream stagetree.optuna: the hash chain does not match" in out, \
+        out
+
+
+@pytest.mark.parametrize("command", ["explain", "reexecute"])
+def test_explain_and_reexecute_refuse_another_log_key(keyed_run: Path, run_dir: Path, command: str, monkeypatch,
+                                                      capsys) -> None:
+    """``--log-key`` was never checked by ``replay explain`` and ``replay reexecute``:
+    ``reexecute --log-key wrong`` said "reproduced". The key is checked as ``log export``'s."""
+    monkeypatch.delenv("STAGETREE_LOG_KEY", raising=False)
+    trial = orjson.loads((keyed_run / "summary.json").read_bytes())["best_trial"]
+    args = {"explain": [trial], "reexecute": ["--sample", "1", "--quiet"]}[command]
+    for source, key, needle in [(keyed_run, "not-the-key", "--log-key: not the key the log was chained with"),
+                                (keyed_run, None, "--log-key: the log is chained with hmac-sha256, but no key"),
+                                (run_dir, KEY, "--log-key: the log is chained with sha256, but a key was given")]:
+        argv = ["replay", command, str(source), *args, *(["--log-key", key] if key else [])]
+        assert main(argv) == 2, argv
+        captured = capsys.readouterr()
+        err = " ".join(captured.err.split())
+        assert needle in err and "Traceback" not in err, (argv, err)
+        assert "reproduced" not in captured.out and trial not in captured.out, captured.out
+    assert main(["replay", command, str(keyed_run), *args, "--log-key", KEY]) == 0

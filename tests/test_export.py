@@ -247,3 +247,25 @@ def test_a_failed_trial_tells_the_tracker_why(tmp_path: Path) -> None:
     run = runs[failed[0]["trial_id"]]
     assert run.info.status == "FAILED" and run.data.tags["stagetree.error"] == failed[0]["error"]
     assert all("stagetree.error" not in r.data.tags for name, r in runs.items() if name != failed[0]["trial_id"])
+
+
+def test_every_commands_help_gives_a_kafka_source_as_the_readme_does() -> None:
+    """``export tensorboard|mlflow --help`` said ``kafka://HOST:PORT[/TOPIC]`` where the README
+    and the other commands say ``[/PREFIX]`` (the path is a topic prefix, or the plan topic)."""
+    import argparse
+
+    from stagetree.cli import parser
+
+    helps: dict[str, str] = {}
+
+    def walk(p: argparse.ArgumentParser, name: str) -> None:
+        helps[name] = p.format_help()
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    walk(child, f"{name} {sub}")
+
+    walk(parser(), "stagetree")
+    assert not [name for name, text in helps.items() if "[/TOPIC]" in text]
+    for name in ("stagetree export tensorboard", "stagetree export mlflow"):
+        assert "kafka://HOST:PORT[/PREFIX]" in " ".join(helps[name].split()), helps[name]

@@ -62,7 +62,7 @@ def register(sub: Any) -> None:
     """Add the ``export`` command group to the ``stagetree`` parser."""
     export = sub.add_parser("export", help="write a study to an experiment tracker").add_subparsers(
         dest="export_command", required=True)
-    source_help = "run directory, JSONL export or kafka://HOST:PORT[/TOPIC]"
+    source_help = "run directory, JSONL export or kafka://HOST:PORT[/PREFIX]"
     study_help = "the study to export (default: the run's summary.json, else the last one started)"
     tb = export.add_parser("tensorboard", help="TensorBoard event files: one run per trial, scalars by step, hparams")
     tb.add_argument("source", help=source_help)

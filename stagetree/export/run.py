@@ -193,7 +193,7 @@ def flat_hp(hp: dict[str, Any]) -> dict[str, str | int | float]:
 
 
 def read_run(source: str | Path, study: str | None = None) -> RunView:
-    """Read a run (a run directory, a JSONL export or ``kafka://HOST:PORT[/TOPIC]``) and return
+    """Read a run (a run directory, a JSONL export or ``kafka://HOST:PORT[/PREFIX]``) and return
     the view of ``study`` (default: the study of its ``summary.json``, else the last one started).
 
     Raises:
