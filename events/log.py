@@ -502,7 +502,8 @@ class EmbeddedLog:
 
     def import_records(self, stream: str, records: Sequence[tuple[str, bytes, bytes]]) -> list[int]:
         """Append ``(key, value, chain)`` records keeping the given chain values (log import):
-        whether they are right is for ``replay verify`` to say, not for the importer."""
+        they are not checked here (``stagetree log import`` checks the export first, with
+        ``replay verify``'s own code: :func:`replay.audit.check_import`)."""
         if self.read_only:
             raise LogError(f"the log at {self.path} was opened read-only")
         with self._lock:
