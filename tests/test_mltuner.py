@@ -346,10 +346,10 @@ ANSWER_STUDY = Path(__file__).parent / "studies" / "mltuner_answer.py"
 def run_answer_study(out: Path, tuner: str) -> tuple[dict[str, Any], str]:
     """``stagetree run`` of tests/studies/mltuner_answer.py (torch on the cpu, so its numbers, and
     the step its MLtunerTuner answers at, are those pinned below) with ``tuner`` "mltuner" or
-    "grid"; returns its summary and what it printed."""
+    "grid" (``$STAGETREE_TEST_ANSWER``); returns its summary and what it printed."""
     proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "run", str(ANSWER_STUDY), "--workers", "1",
                            "--device", "cpu", "--out", str(out), "--quiet"], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "STAGETREE_TEST_TUNER": tuner})
+                          timeout=600, env={**os.environ, "STAGETREE_TEST_ANSWER": tuner})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return orjson.loads((out / "summary.json").read_bytes()), proc.stdout
 
