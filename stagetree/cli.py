@@ -137,6 +137,8 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
     prior = runtime.state.studies.get(name)
     if prior is not None and prior["mode"] != mode:
         raise UsageError(_mode_mismatch(name, prior["mode"], mode))
+    if prior is not None:
+        _same_plan(args.file, name, "the log", prior, trainer, seed)
     _same_tuner(args.file, name, "the log", prior and prior.get("tuner_settings"), settings)
     before = elapsed_before(log, name) if prior is not None else 0.0
     study = Study(runtime, name, trainer, seed, merge=mode == "merged", metric=tuner.metric)
@@ -178,6 +180,21 @@ def _mode_mismatch(name: str, held: str, mode: str) -> str:
     typed."""
     return (f"the log holds a {held!r} run of {name!r}; it cannot continue as {mode!r}: resume it "
             f"{'with' if held == 'trial' else 'without'} --no-merge")
+
+
+def _same_plan(file: str, name: str, where: str, recorded: dict[str, Any], trainer: Any, seed: int) -> None:
+    """Refuse (exit 2) a continuation of study ``name`` whose study file now gives another plan
+    than its earlier run ``recorded`` (its StudyStarted's fields): another seed or trainer
+    (name, version, constants, batch-size settings) is another plan, where its trials would all
+    be refused (or, on a deployment, its requests made anew under the old name)."""
+    from stagetree.study import plan_key_of
+
+    if plan_key_of(trainer, seed) != recorded["plan_key"]:
+        raise UsageError(
+            f"study file {file!r}: study {name!r} in {where} ran with seed {recorded['seed']} and trainer "
+            f"{recorded['trainer']!r}, but the file now gives seed {seed} and trainer "
+            f"{trainer.name + '@' + trainer.version!r} (or other constants or batch-size settings): that is "
+            "another study; give it another `name`, or restore the file")
 
 
 def _same_tuner(file: str, name: str, where: str, recorded: dict[str, Any] | None, settings: dict[str, Any]) -> None:
@@ -344,16 +361,9 @@ async def _run_embedded(args: argparse.Namespace, console: Console, prestarted: 
     mode = "trial" if args.no_merge else "merged"
     if name in studies and studies[name].mode != mode:
         raise UsageError(_mode_mismatch(name, studies[name].mode, mode))
-    if name in studies:  # another seed or trainer is another plan: its trials would all be refused
-        from stagetree.study import plan_key_of
-
-        recorded, trainer, seed = studies[name], loaded[1], loaded[3]
-        if plan_key_of(trainer, seed) != recorded.plan_key:
-            raise UsageError(
-                f"study file {args.file!r}: study {name!r} in {str(out)!r} ran with seed {recorded.seed} and trainer "
-                f"{recorded.trainer!r}, but the file now gives seed {seed} and trainer "
-                f"{trainer.name + '@' + trainer.version!r} (or other constants or batch-size settings): that is "
-                "another study; give it another `name`, or restore the file")
+    if name in studies:
+        recorded = studies[name]
+        _same_plan(args.file, name, repr(str(out)), recorded.payload(), loaded[1], loaded[3])
         _same_tuner(args.file, name, repr(str(out)), recorded.tuner_settings, settings)
     if args.resume and name in finished:  # nothing to resume: its tuner's decisions are all in the log
         from projections.summary import summary_path

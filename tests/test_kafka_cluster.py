@@ -730,7 +730,9 @@ def test_a_serve_on_a_state_dir_another_serve_holds_exits_2_and_a_killed_ones_is
     naming ``--state-dir`` (or ``--out``), the directory and the other serve's pid, and the first
     serve runs a study on; it crashed in faust with a traceback (RocksDB's LOCK of a
     ``plan-<p>`` store) once the group gave it a partition. After kill -9 of the holder, a serve
-    starts on the directory at once (the kernel dropped the lock)."""
+    starts on the directory at once (the kernel dropped the lock). On the way: a second run
+    holding another run's ``--out`` lock, and a run of the finished study's name with another
+    seed, are refused before they append anything."""
     cluster = Deployment(deployment, tmp_path)
     earlier = tmp_path / "earlier"  # as an earlier `run --out earlier` left its serve running
     state_dir = earlier / "serve-state"
@@ -769,6 +771,20 @@ def test_a_serve_on_a_state_dir_another_serve_holds_exits_2_and_a_killed_ones_is
         cluster.joined("w0")
         cluster.finish(cluster.run())
         assert per_trial(summary_of(tmp_path / "run")) == per_trial(summary_of(embedded))
+        # the same study name with another seed is another study: refused before it appends anything
+        # (on a deployment it was taken as a continuation, its requests made anew under the old name)
+        other_seed = tmp_path / "tiny_seed8.py"
+        other_seed.write_text(STUDY.read_text().replace("seed = 7", "seed = 8").replace(
+            'Path(__file__).resolve().parents[2] / "examples"', repr(str(STUDY.parents[2] / "examples"))))
+        with kafka_log(deployment) as log:
+            ends = {p: log.end_offset(topics.PLAN, p) for p in range(log.partition_count(topics.PLAN))}
+            again = subprocess.run([*CLI, "run", str(other_seed), *cluster.kafka, "--workers", "0", "--out",
+                                    str(tmp_path / "seed8"), "--quiet"], capture_output=True, text=True, timeout=300,
+                                   env=deployment)
+            err = " ".join(again.stderr.split())
+            assert again.returncode == 2 and "study 'tiny' in the log ran with seed 7" in err and \
+                "gives seed 8" in err, again.stdout + again.stderr
+            assert {p: log.end_offset(topics.PLAN, p) for p in ends} == ends
 
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
