@@ -63,29 +63,36 @@ def summary_path(run_dir: Path, study_id: str) -> Path:
 
 def elapsed(events: Iterable[Event], study_id: str) -> float:
     """Wall seconds of the incarnations of ``study_id`` in ``events`` (log order, ``ts`` in
-    epoch seconds): each StudyStarted of the study runs to its StudyFinished; an incarnation
-    without one (a killed run) ends at the last event before the next run began (a
-    :data:`~events.models.COORDINATOR_RESTARTED` WorkerLost, a StudyStarted of any study) or at
-    the end of the log. Other studies run later on the same log, and the time between a killed
-    run and its resumption, therefore do not count."""
-    total, start, last = 0.0, None, None
+    epoch seconds): each StudyStarted of the study runs to its StudyFinished. An incarnation
+    without one (a killed run) ends at the last event before its process's successor began (a
+    :data:`~events.models.COORDINATOR_RESTARTED` WorkerLost: embedded mode, where the run's
+    workers trained up to then), else at the study's own last event (its tuner's decisions and
+    requests) before its next StudyStarted or the end of the log: on a deployment, studies run
+    side by side, and another study's start or work says nothing of this one's. Other studies
+    run later on the same log, and the time between a killed run and its resumption, therefore
+    do not count."""
+    total, start, last_any, last_own = 0.0, None, None, None
 
-    def close() -> None:
+    def close(end: float | None) -> None:
         nonlocal total, start
-        if start is not None and last is not None:
-            total += max(0.0, last - start)
+        if start is not None and end is not None:
+            total += max(0.0, end - start)
         start = None
 
     for event in events:
-        if isinstance(event, StudyStarted) or (isinstance(event, WorkerLost) and event.reason == COORDINATOR_RESTARTED):
-            close()
-            if isinstance(event, StudyStarted) and event.study_id == study_id:
-                start = event.ts
+        own = getattr(event, "study_id", None) == study_id
+        if isinstance(event, WorkerLost) and event.reason == COORDINATOR_RESTARTED:
+            close(last_any)
+        elif own and isinstance(event, StudyStarted):
+            close(last_own)
+            start = event.ts
         if event.ts:
-            last = event.ts
-        if isinstance(event, StudyFinished) and event.study_id == study_id:
-            close()
-    close()
+            last_any = event.ts
+            if own:
+                last_own = event.ts
+        if own and isinstance(event, StudyFinished):
+            close(event.ts)
+    close(last_own)
     return total
 
 

@@ -189,7 +189,7 @@ def test_steps_trained_twice_before_the_start_count_once(two_studies: Simulation
     assert (earlier, since) == (40, 20)
 
 
-def test_elapsed_of_a_study_stops_at_its_finish_or_at_the_next_study() -> None:
+def test_elapsed_of_a_study_stops_at_its_finish_or_at_its_own_last_event() -> None:
     def started(study: str, ts: float) -> StudyStarted:
         return StudyStarted(study_id=study, name=study, plan_key="plan", mode="merged", workers=1, seed=0,
                             trainer="sim@1", ts=ts)
@@ -212,6 +212,11 @@ def test_elapsed_of_a_study_stops_at_its_finish_or_at_the_next_study() -> None:
     assert elapsed(resumed, "a") == 4.0 + 2.0
     other = WorkerLost(producer="coordinator", worker_id="w0", reason="process 7 was killed", ts=306.0)
     assert elapsed([started("a", 300.0), other, finished("a", 309.0)], "a") == 9.0  # a loss within the run
+    # on a deployment, studies run side by side: "b" started 5 ms after "a" ended nothing of "a"
+    # (its killed client's incarnation counted 0.005 s); it ends at its own last decision
+    beside = [started("a", 100.0), started("b", 100.005), last.model_copy(update={"ts": 116.0}),
+              finished("b", 130.0), started("a", 200.0), finished("a", 210.0)]
+    assert elapsed(beside, "a") == 16.0 + 10.0 and elapsed(beside, "b") == pytest.approx(29.995)
 
 
 def test_the_study_started_last_is_found_by_time_not_by_reading_order() -> None:
