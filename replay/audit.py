@@ -537,12 +537,16 @@ def import_log(source: Source, out: Path, secret: bytes | None) -> None:
     :func:`check_import` (nothing is written before).
 
     Raises:
-        AuditError: ``out`` already holds a log; the source is not chained with ``secret``'s
-            algorithm.
+        AuditError: ``out`` already holds a log; the source is a Kafka deployment's (sealed);
+            the source is not chained with ``secret``'s algorithm.
         ImportRefused: the source fails a check of :func:`check_import` (``out`` untouched).
     """
     if (out / "log").exists():
         raise AuditError(f"{str(out)!r} already holds a log")
+    if source.chain == "sealed":
+        raise AuditError("the export is of a Kafka deployment (its partitioned plan stream sealed by LogSealed "
+                         "events, not chained record by record): it cannot become a run directory's log; audit it "
+                         "with `stagetree replay verify FILE`, or watch it with `stagetree dashboard FILE`")
     if source.chain != chain_algorithm(secret):
         raise AuditError(f"the export is chained with {source.chain}: pass the matching --log-key "
                          f"(or none for sha256) so the imported log can be appended to")

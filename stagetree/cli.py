@@ -482,11 +482,13 @@ class _StopSignals:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
-    def stopped(self) -> Stopped:
-        """The error that reports the stop by :attr:`received`."""
+    def stopped(self, started: bool) -> Stopped:
+        """The error that reports the stop by :attr:`received` (``started``: the run started a
+        serve and workers, stopped with it)."""
         how = "Ctrl-C (SIGINT)" if self.received == signal.SIGINT else "SIGTERM"
-        return Stopped(f"stopped by {how}: the serve and workers this run started were stopped; run it again to "
-                       "continue the study", 130 if self.received == signal.SIGINT else 143)
+        what = "; the serve and workers this run started were stopped" if started else ""
+        return Stopped(f"stopped by {how}{what}; run it again to continue the study",
+                       130 if self.received == signal.SIGINT else 143)
 
 
 async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -504,7 +506,7 @@ async def _run_kafka(args: argparse.Namespace, console: Console) -> dict[str, An
         except asyncio.CancelledError:
             if stop.received is None:
                 raise
-            raise stop.stopped() from None
+            raise stop.stopped(bool(args.workers)) from None
 
 
 async def _run_kafka_study(args: argparse.Namespace, console: Console, stop: _StopSignals) -> dict[str, Any]:

@@ -26,7 +26,8 @@ def run_study(study_file: str | os.PathLike[str], *, out: str | os.PathLike[str]
               device: str = "auto", merge: bool = True, resume: bool = False,
               checkpoint_budget: int | str | None = None, log_key: str | None = None,
               progress: bool = False) -> dict[str, Any]:
-    """Run the study in ``study_file`` to its end, as ``stagetree run`` does; returns its summary.
+    """Run the study in ``study_file`` to its end, as ``stagetree run`` does in embedded mode (on
+    this machine; ``$STAGETREE_BOOTSTRAP_SERVERS`` is not read); returns its summary.
 
     Args:
         study_file: a Python study file defining ``trainer`` and ``tuner`` (README "Running a study").

@@ -90,6 +90,12 @@ def test_kafka_study_equals_embedded_bit_for_bit(embedded: Path, deployment: dic
     # ...and an edited export of it fails at the first seal after the edit
     export = tmp_path / "kafka.jsonl"
     subprocess.run([*CLI, "log", "export", source, "--out", str(export)], check=True, timeout=300, env=deployment)
+    # (a deployment's export does not become a run directory: it said "pass the matching --log-key")
+    imported = subprocess.run([*CLI, "log", "import", str(export), "--out", str(tmp_path / "imported")],
+                              capture_output=True, text=True, timeout=300, env=deployment)
+    err = " ".join(imported.stderr.split())
+    assert imported.returncode == 2 and "the export is of a Kafka deployment" in err, imported.stdout + err
+    assert not (tmp_path / "imported").exists()
     rows = [orjson.loads(x) for x in export.read_bytes().splitlines()]
     i = next(i for i, r in enumerate(rows) if '"MetricsReported"' in r.get("value", ""))
     event = orjson.loads(rows[i]["value"])
