@@ -24,6 +24,12 @@ The worker shares the path executor with embedded mode; only the transport diffe
   training, hands the rest of its path back (WorkerLost with reason "drained", written by the
   worker itself: the scheduler dispatches the rest again from the checkpoint just saved), and
   exits. A second SIGTERM is not needed; SIGKILL loses only the stage in flight.
+* **Refusing.** A dispatch its runner cannot run as the plan was made (no trainer the worker can
+  build gives the dispatch's plan key: another version of the code is deployed here) is not
+  trained: the runner raises :class:`DispatchRefused` before anything of it is emitted, the
+  worker hands it back (WorkerLost, as a drain does; the scheduler dispatches it to another
+  worker), and :meth:`KafkaWorker.run` raises that error (``stagetree worker`` exits 2 with it).
+  Staying would only be dispatched the same path again.
 * **Liveness.** A thread sends a beat to ``stagetree.heartbeat`` every ``heartbeat_s`` seconds.
 
 This module does not import torch: what runs a dispatch is a :class:`Runner` (training:
@@ -91,6 +97,13 @@ holds a study at a known point, mid-path, while it kills or stops a serve, a bro
 worker itself, however fast the stages train."""
 
 
+class DispatchRefused(ValueError):  # noqa: N818  a refusal, as UsageError: exit 2
+    """A runner cannot run a dispatch as its plan was made (no trainer this worker can build gives
+    its plan key); raised before anything of the dispatch is emitted. The message names the
+    worker, the dispatch, the plan key and what the worker has instead (``stagetree worker``
+    prints it and exits 2)."""
+
+
 class Runner(Protocol):
     """Runs dispatched paths for one worker (a training executor, or a simulated GPU)."""
 
@@ -105,7 +118,10 @@ class Runner(Protocol):
         """Run ``dispatch``, emitting its event batches in order (``events.execution.run_path``),
         steered by ``control``; stop before a stage when ``should_stop()``, returning False (the
         rest handed back); True otherwise. ``ends``: the worker's end batches, kept between
-        paths (a path's end does not wait for its writes: PathTrained)."""
+        paths (a path's end does not wait for its writes: PathTrained).
+
+        Raises:
+            DispatchRefused: the dispatch cannot be run here; nothing of it was emitted."""
 
 
 def base_plan_key(plan_key: str) -> str:
@@ -319,7 +335,12 @@ class KafkaWorker:
 
     def run(self) -> None:
         """Join, then run dispatches until :attr:`stop` is set (a path in flight is cut after
-        its current stage and handed back)."""
+        its current stage and handed back).
+
+        Raises:
+            DispatchRefused: the runner refused a dispatch: it was handed back untrained (this
+                worker's WorkerLost says so) and the worker left.
+        """
         self.runner.prepare()  # start-up costs before joining, not in worker-seconds
         self.log.ensure_topic(self.stream)
         self.partitions = self.log.partition_count(topics.PLAN)
@@ -333,6 +354,7 @@ class KafkaWorker:
         beat = threading.Thread(target=self._beat, name=f"heartbeat-{self.worker_id}", daemon=True)
         beat.start()
         handed_back = False
+        refused: DispatchRefused | None = None
         ends = EndBatches(self.emit)  # a path's end does not wait for its writes (PathTrained)
         try:
             while not self.stop.is_set():
@@ -350,8 +372,12 @@ class KafkaWorker:
                         self._hold = self._hold_hook()
                         if os.environ.get(SIGTERM_HOOK_ENV) and len(event.stages) > 1 and not self._hooked:
                             self._hooked, self._sigterm_hook = True, event
-                        if not self.runner.run(event, self.emit, StreamControl(self), self.stop.is_set, ends):
-                            handed_back = True
+                        try:
+                            if not self.runner.run(event, self.emit, StreamControl(self), self.stop.is_set, ends):
+                                handed_back = True
+                        except DispatchRefused as exc:  # nothing of it trained: hand it back and leave
+                            refused = exc
+                            self.stop.set()
                     elif isinstance(event, (PathPreempted, CheckpointRequested)):
                         continue  # about a path that has ended (it finished first): nothing to do
                     elif isinstance(event, WorkerLost):
@@ -362,6 +388,8 @@ class KafkaWorker:
                                                                        "a dispatch stream")
             ends.release(True)  # the paths it trained end before it leaves
             reason = "drained (SIGTERM) with its path handed back" if handed_back else "drained (SIGTERM)"
+            if refused is not None:
+                reason = f"refused a dispatch, which it handed back untrained, and left: {refused}"
             self.publish([WorkerLost(producer=self.producer, ts=time.time(), worker_id=self.worker_id,
                                      reason=reason)])
         except Fenced as exc:
@@ -372,20 +400,32 @@ class KafkaWorker:
             self.follower.close()
             self.appender.close()
             self.log.close()
+        if refused is not None:
+            raise refused
 
 
 class TrainingRunner:
     """Runs dispatches by training (the :class:`~gpu_worker.executor.PathExecutor`), building a
     trainer per study file. Imports torch when made.
 
+    A dispatch is trained only with a trainer that has its plan key:
+    ``plan_key_of(trainer, dispatch.seed)`` must be the dispatch's (its study's key for a
+    ``--no-merge`` trial's ``<key>/trial/<id>``), since a plan is shared only by trainers of one
+    fingerprint (name, version, constants, data order) and seed. The trainer is that of
+    ``study_file`` when it has the key, else that of a study file the plan's StudyStarted events
+    record, when that file is on this host and its trainer has the key (a worker started with
+    another study's file runs another study's plan with that study's trainer). When none has it
+    (another version of the code is deployed on this host, or no study file is there) the
+    dispatch is refused: :class:`DispatchRefused`, nothing trained. Each verdict is kept per
+    study file and plan key.
+
     Args:
-        log: a transport (reads a plan's StudyStarted for its study file when ``study_file`` is
-            None).
+        log: a transport (reads a plan's StudyStarted for its study file).
         worker_id: the worker's id.
         store: the checkpoint store.
         device: torch device spec (``auto``, ``cpu``, ``cuda:N``).
-        study_file: the study file to build trainers from; None: the file recorded by the
-            StudyStarted event of each dispatch's plan.
+        study_file: the study file to build trainers from first (``--study``); None: only the
+            files recorded by the StudyStarted events of each dispatch's plan.
         threads: torch intra-op threads.
     """
 
@@ -403,7 +443,11 @@ class TrainingRunner:
         self.device = str(self.torch_device)
         self.study_file = study_file
         self._executors: dict[str, Any] = {}
-        self._studies: dict[str, str] = {}  # plan key -> study file, from StudyStarted
+        self._studies: dict[str, list[str]] = {}  # plan key -> study files, from StudyStarted
+        # (study file, plan key) -> None when its trainer has the key; else why not, in words
+        self._verdicts: dict[tuple[str, str], str | None] = {}
+        self._loaded: set[str] = set()  # study files whose trainer was built
+        self._chosen: dict[str, str] = {}  # plan key -> the study file whose trainer has it
 
     def prepare(self) -> None:
         if self.study_file is not None:
@@ -412,6 +456,11 @@ class TrainingRunner:
             warm_up(self._executor(self.study_file).trainer, self.torch_device)
 
     def _executor(self, path: str) -> Any:
+        """The executor of the trainer of study file ``path`` (made once).
+
+        Raises:
+            StudyFileError: the file is not there, does not import or has no trainer.
+        """
         if path not in self._executors:
             from gpu_worker.executor import PathExecutor
             from gpu_worker.loader import load_trainer
@@ -420,10 +469,9 @@ class TrainingRunner:
                                                  self.torch_device)
         return self._executors[path]
 
-    def _study_file_for(self, plan_key: str) -> str:
-        if self.study_file is not None:
-            return self.study_file
-        key = base_plan_key(plan_key)
+    def _recorded_study_files(self, key: str) -> list[str]:
+        """The study files the StudyStarted events of plan ``key`` record (the latest first), read
+        from the plan's partition when none is known yet."""
         if key not in self._studies:
             partition = partition_for(key, self.log.partition_count(topics.PLAN))
             for record in self.log.read(topics.PLAN, partition=partition):
@@ -434,12 +482,66 @@ class TrainingRunner:
                 except InvalidEvent:
                     continue
                 if isinstance(event, StudyStarted) and event.study_file:
-                    self._studies[event.plan_key] = event.study_file
-        if key not in self._studies:
-            raise LookupError(f"no StudyStarted with a study file for plan {key!r}: pass --study")
-        return self._studies[key]
+                    files = self._studies.setdefault(event.plan_key, [])
+                    if event.study_file in files:
+                        files.remove(event.study_file)
+                    files.insert(0, event.study_file)
+        return self._studies.get(key, [])
+
+    def _verdict(self, path: str, key: str, seed: int) -> str | None:
+        """None when the trainer of study file ``path`` gives plan key ``key`` with ``seed``; else
+        what it has instead, in words (kept per file and key)."""
+        if (path, key) not in self._verdicts:
+            from gpu_worker.loader import StudyFileError
+            from stagetree.study import plan_key_of
+
+            try:
+                trainer = self._executor(path).trainer
+            except StudyFileError as exc:
+                self._verdicts[path, key] = f"{exc}"
+            else:
+                self._loaded.add(path)
+                own = plan_key_of(trainer, seed)
+                self._verdicts[path, key] = None if own == key else (
+                    f"this worker's trainer {trainer.name}@{trainer.version} (study file {path!r}) gives plan key "
+                    f"{own!r} with seed {seed}, not {key!r}")
+        return self._verdicts[path, key]
+
+    def study_file_for(self, dispatch: StageDispatched) -> str:
+        """The study file whose trainer runs ``dispatch``: one whose trainer has its plan key
+        (``study_file`` first, then those its plan's StudyStarted events record).
+
+        Raises:
+            DispatchRefused: no study file this worker can load has a trainer with that key
+                (the message names the plan key and what each file gives instead).
+        """
+        key = base_plan_key(dispatch.plan_key)
+        if key in self._chosen:
+            return self._chosen[key]
+        candidates = [] if self.study_file is None else [self.study_file]
+        for path in self._recorded_study_files(key):
+            if all(os.path.realpath(path) != os.path.realpath(c) for c in candidates):
+                candidates.append(path)
+        why = []
+        for path in candidates:
+            verdict = self._verdict(path, key, dispatch.seed)
+            if verdict is None:
+                if path != self.study_file and self.study_file is not None:
+                    log.warning("worker %s: plan %s is not the plan of --study %r (%s); its stages are trained "
+                                "with the trainer of the study file its StudyStarted records, %r", self.worker_id,
+                                key, self.study_file, self._verdicts[self.study_file, key], path)
+                self._chosen[key] = path
+                return path
+            why.append(verdict)
+        if not candidates:
+            why.append("no StudyStarted of that plan records a study file")
+        hint = ("another version of the code is deployed here (bump or align the trainer's `version`)"
+                if {os.path.realpath(f) for f in self._recorded_study_files(key)}
+                & {os.path.realpath(f) for f in self._loaded} else
+                "start this worker with --study naming that study's file on this host")
+        raise DispatchRefused(f"worker {self.worker_id}: dispatch {dispatch.dispatch_id} of plan {key!r}: "
+                              f"{'; '.join(why)}: {hint}; not trained, handed back")
 
     def run(self, dispatch: StageDispatched, emit: Emit, control: Control, should_stop: Callable[[], bool],
             ends: EndBatches | None = None) -> bool:
-        return self._executor(self._study_file_for(dispatch.plan_key)).run(dispatch, emit, control, should_stop,
-                                                                            ends)
+        return self._executor(self.study_file_for(dispatch)).run(dispatch, emit, control, should_stop, ends)

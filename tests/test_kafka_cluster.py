@@ -48,6 +48,7 @@ from events.models import (
     Event,
     StageDispatched,
     StageFinished,
+    StudyStarted,
     WorkerJoined,
     WorkerLost,
 )
@@ -56,9 +57,12 @@ from gpu_worker.loader import load_module, trainer_of
 from gpu_worker.object_store import open_checkpoint_store
 from stagetree.kafka_runtime import KafkaRuntime
 from stagetree.state_lock import RUN_LOCK_FILE, StateDirLock
-from stagetree.study import Study
+from stagetree.study import Study, plan_key_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
+
+VERSIONED = STUDIES / "versioned.py"
+"""A tiny study whose trainer's `version` is $STAGETREE_TEST_TRAINER_VERSION (default "1")."""
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +77,16 @@ def embedded_others(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
         assert proc.returncode == 0, proc.stderr
         out[name] = run
     return out
+
+
+@pytest.fixture(scope="module")
+def embedded_versioned(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/studies/versioned.py run in embedded mode (the reference)."""
+    run = tmp_path_factory.mktemp("versioned") / "run"
+    proc = subprocess.run([*CLI, "run", str(VERSIONED), "--workers", "1", "--out", str(run), "--quiet"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return run
 
 
 def _dead_letters(env: dict[str, str]) -> list[DeadLettered]:
@@ -292,6 +306,75 @@ def test_a_worker_paused_until_declared_lost_drops_its_path_and_joins_again(embe
     assert per_trial(summary_of(tmp_path / "run")) == per_trial(summary_of(embedded))
     assert_no_duplicate_or_conflicting_decisions(state, events)
     verify_deployment(env)
+
+
+def test_a_worker_whose_trainer_is_another_version_hands_its_dispatch_back_untrained_and_exits_2(
+        embedded_versioned: Path, deployment: dict[str, str], tmp_path: Path) -> None:
+    """The study's trainer is at version 1; the deployment's only worker, w1, loads the same study
+    file as version 2 (another version of the code deployed there: another plan key). It gets a
+    dispatch of the study's plan and does not train it: it hands it back (its own WorkerLost; no
+    StageStarted, metrics, checkpoint or StageFinished of it) and exits 2 with one line naming
+    the plan key, its trainer, its study file and the key that trainer gives. A worker of the
+    right version started afterwards finishes the study as embedded mode does. It trained every
+    stage with its own trainer, and the study ended with results embedded mode does not give."""
+    env = deployment
+    cluster = Deployment(env, tmp_path)
+    try:
+        cluster.serve("A")
+        stale = cluster.worker_with_env("w1", {"STAGETREE_TEST_TRAINER_VERSION": "2"}, VERSIONED)
+        cluster.joined("w1")
+        run = cluster.run(VERSIONED)
+        assert stale.wait(timeout=300) == 2, cluster.output("w1")
+        cluster.worker("w2", VERSIONED)
+        cluster.finish(run)
+    finally:
+        cluster.close()
+    state, events = kafka_state(env)
+    (key,) = {e.plan_key for e in events if isinstance(e, StudyStarted)}
+    (refused,) = [d for d in decisions(events) if d.worker_id == "w1"]
+    trainer_class = trainer_of(load_module(VERSIONED), VERSIONED).__class__
+    other_key = plan_key_of(type("Versioned", (trainer_class,), {"name": "versioned", "version": "2"})(), 3)
+    assert other_key != key
+    said = f"error: worker w1: dispatch {refused.dispatch_id} of plan {key!r}: this worker's trainer versioned@2 " \
+           f"(study file {str(VERSIONED)!r}) gives plan key {other_key!r} with seed 3, not {key!r}: another version " \
+           "of the code is deployed here (bump or align the trainer's `version`); not trained, handed back"
+    assert said in cluster.output("w1").splitlines(), cluster.output("w1")
+    by_w1 = {type(e).__name__ for e in events if e.producer == "worker:w1"}
+    assert by_w1 == {"WorkerJoined", "WorkerLost"}, by_w1
+    assert [type(e).__name__ for e in events if getattr(e, "dispatch_id", None) == refused.dispatch_id] \
+        == ["StageDispatched"]
+    assert state.dispatches[refused.dispatch_id].status == "lost"
+    lost = [(e.producer, e.reason) for e in events if isinstance(e, WorkerLost) and e.worker_id == "w1"]
+    assert lost and all("handed back untrained" in reason for _, reason in lost), lost
+    assert per_trial(summary_of(tmp_path / "run")) == per_trial(summary_of(embedded_versioned))
+    assert_no_duplicate_or_conflicting_decisions(state, events)
+
+
+def test_a_worker_started_with_another_studys_file_trains_a_plan_with_its_recorded_study_file(
+        embedded_versioned: Path, deployment: dict[str, str], tmp_path: Path) -> None:
+    """A worker started with ``--study`` of another study (tiny_sha.py: the digits trainer) gets
+    the stages of tests/studies/versioned.py's plan, which its trainer does not give: it trains
+    them with the trainer of the study file the plan's StudyStarted records, says so, and stays;
+    the study equals embedded mode's. It trained them with the digits trainer: the study ended
+    with the digits model's metrics."""
+    env = deployment
+    cluster = Deployment(env, tmp_path)
+    try:
+        cluster.serve("A")
+        w1 = cluster.worker("w1", STUDY)
+        cluster.joined("w1")
+        cluster.finish(cluster.run(VERSIONED))
+        assert w1.poll() is None, cluster.output("w1")
+    finally:
+        cluster.close()
+    state, events = kafka_state(env)
+    assert per_trial(summary_of(tmp_path / "run")) == per_trial(summary_of(embedded_versioned))
+    said = " ".join(cluster.output("w1").split())
+    assert f"is not the plan of --study {str(STUDY)!r}" in said, said
+    assert f"its stages are trained with the trainer of the study file its StudyStarted records, {str(VERSIONED)!r}" \
+        in said, said
+    assert {d.worker_id for d in decisions(events)} == {"w1"}
+    assert_no_duplicate_or_conflicting_decisions(state, events)
 
 
 def _plan_values(log: KafkaLog) -> list[bytes]:
