@@ -543,7 +543,11 @@ async def _run_kafka_study(args: argparse.Namespace, console: Console, stop: _St
     procs: list[Spawned] = []
     # this run's own serve app (its id names topics: the study's name, made fit for one)
     app_id = f"stagetree-{re.sub(r'[^A-Za-z0-9._-]', '_', loaded[4])[:100]}-{uuid.uuid4().hex[:8]}"
-    out_lock = _out_lock(out) if args.workers else None  # two runs at once: the second is refused here
+    try:  # two runs at once: the second is refused here
+        out_lock = _out_lock(out) if args.workers else None
+    except UsageError:
+        log.close()
+        raise
     runtime = KafkaRuntime(log)
     poller = asyncio.create_task(runtime.run())
     dashboard = None
