@@ -446,7 +446,6 @@ class TrainingRunner:
         self._studies: dict[str, list[str]] = {}  # plan key -> study files, from StudyStarted
         # (study file, plan key) -> None when its trainer has the key; else why not, in words
         self._verdicts: dict[tuple[str, str], str | None] = {}
-        self._loaded: set[str] = set()  # study files whose trainer was built
         self._chosen: dict[str, str] = {}  # plan key -> the study file whose trainer has it
 
     def prepare(self) -> None:
@@ -500,7 +499,6 @@ class TrainingRunner:
             except StudyFileError as exc:
                 self._verdicts[path, key] = f"{exc}"
             else:
-                self._loaded.add(path)
                 own = plan_key_of(trainer, seed)
                 self._verdicts[path, key] = None if own == key else (
                     f"this worker's trainer {trainer.name}@{trainer.version} (study file {path!r}) gives plan key "
@@ -537,7 +535,7 @@ class TrainingRunner:
             why.append("no StudyStarted of that plan records a study file")
         hint = ("another version of the code is deployed here (bump or align the trainer's `version`)"
                 if {os.path.realpath(f) for f in self._recorded_study_files(key)}
-                & {os.path.realpath(f) for f in self._loaded} else
+                & {os.path.realpath(f) for f in self._executors} else
                 "start this worker with --study naming that study's file on this host")
         raise DispatchRefused(f"worker {self.worker_id}: dispatch {dispatch.dispatch_id} of plan {key!r}: "
                               f"{'; '.join(why)}: {hint}; not trained, handed back")

@@ -524,11 +524,7 @@ def check_import(source: Source, secret: bytes | None = None) -> tuple[AuditResu
     Returns:
         The result, and the plan stream's fold (None when the log cannot be read).
     """
-    with rare_collections():
-        try:
-            return _verify(replace(source, checkpoints=None), secret, None, decisions=False)
-        except LogDamaged as exc:
-            return unreadable(exc), None
+    return _checked(replace(source, checkpoints=None), secret, None, decisions=False)
 
 
 def import_log(source: Source, out: Path, secret: bytes | None) -> None:
@@ -864,11 +860,18 @@ def verify(source: Source, secret: bytes | None = None, progress: Callable[[int]
 
     A log that cannot be read to the end of a stream (:class:`LogDamaged`) is a failed chain
     check naming the damage, the other checks not made (:func:`unreadable`)."""
+    return _checked(source, secret, progress)[0]
+
+
+def _checked(source: Source, secret: bytes | None, progress: Callable[[int], None] | None, *,
+             decisions: bool = True) -> tuple[AuditResult, State | None]:
+    """:func:`_verify` with rare garbage collections, a log it cannot read reported as the
+    failed check naming the damage (no fold then: None)."""
     with rare_collections():
         try:
-            return _verify(source, secret, progress)[0]
+            return _verify(source, secret, progress, decisions=decisions)
         except LogDamaged as exc:
-            return unreadable(exc)
+            return unreadable(exc), None
 
 
 def _verify(source: Source, secret: bytes | None, progress: Callable[[int], None] | None, *,

@@ -130,8 +130,14 @@ def _number(value: Any) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
+def _final_step(trial: Trial, metric: str | None) -> int | None:
+    """The last step ``trial`` has results at (None without results or a metric)."""
+    return max(trial.results) if trial.results and metric else None
+
+
 def _final(trial: Trial, metric: str | None) -> float | None:
-    return _number(trial.results[max(trial.results)].get(metric)) if trial.results and metric else None
+    step = _final_step(trial, metric)
+    return None if step is None else _number(trial.results[step].get(metric))
 
 
 def _decision_text(decisions: list[Any]) -> str:
@@ -284,8 +290,7 @@ def _figures(data: RunData, trials: list[Trial], stages: list[Any], metric: str 
                         else _final(best_trial, metric) if best_trial is not None else None),
         # the step of that metric: the tuner's (StudyFinished), else the final step _final reads
         "best_step": (summary.get("best_step") if summary.get("best_metric") is not None
-                      else max(best_trial.results) if best_trial is not None and best_trial.results and metric
-                      else None),
+                      else _final_step(best_trial, metric) if best_trial is not None else None),
         "shared_stages": sum(s.shared for s in stages),
         "stages": len(stages),
     }
