@@ -601,11 +601,21 @@ class KafkaLog:
                     error="too large")
         return list(records)
 
+    def check_writes(self, writes: Sequence[Write]) -> list[tuple[bytes, bytes]]:
+        """The ``(key, value)`` bytes of each write, checked without asking the broker: types, and
+        sizes against ``message.max.bytes``.
+
+        Raises:
+            TypeError: a key is not a str or a value not bytes (the item is named).
+            KafkaLogError: a record is too large (the item is named).
+        """
+        where = ", ".join(sorted({self.topic(w.stream) for w in writes}))
+        return self._check_sizes(where, check_items(where, [(w.key, w.value) for w in writes]))
+
     def resolve(self, writes: Sequence[Write]) -> list[tuple[str, int, bytes, bytes]]:
         """``(topic, partition, key, value)`` of each write, checked (types, sizes, partition in
         range), topics created as needed. Raises as :meth:`append_many`, naming the item."""
-        where = ", ".join(sorted({self.topic(w.stream) for w in writes}))
-        checked = self._check_sizes(where, check_items(where, [(w.key, w.value) for w in writes]))
+        checked = self.check_writes(writes)
         resolved = []
         for i, (w, (kb, vb)) in enumerate(zip(writes, checked)):
             topic = self._ready(w.stream)
@@ -1037,17 +1047,23 @@ class TransactionalAppender:
         self.timeout_s = float(timeout_s if timeout_s is not None else log.timeout_s)
         self._producer: Producer | None = None
         self._fenced: KafkaError | None = None
+        self.retries = 0
+        """Attempts of :meth:`append_retrying` that failed and were tried again, since the start."""
 
     def __repr__(self) -> str:
         return f"TransactionalAppender({self.transactional_id!r})"
 
-    def start(self) -> None:
+    def start(self, stopping: Callable[[], bool] | None = None) -> None:
         """Register the ``transactional.id`` with the cluster: any earlier producer with the same
         id is fenced, and a transaction it left open is aborted now (its records never become
         visible). Call before the first :meth:`append`, and to take a role over.
 
+        Args:
+            stopping: asked every second while the cluster does not answer; true gives up.
+
         Raises:
             KafkaLogError: the cluster did not answer within ``timeout_s``.
+            AppendAbandoned: ``stopping()`` became true first.
         """
         self.close()
         conf = {
@@ -1062,10 +1078,18 @@ class TransactionalAppender:
             "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS,
         }
         producer = Producer(conf)
-        try:
-            producer.init_transactions(self.timeout_s)
-        except KafkaException as exc:
-            raise KafkaLogError(f"kafka: {self!r} could not start: {exc.args[0]}", error=exc.args[0]) from exc
+        deadline = time.monotonic() + self.timeout_s
+        while True:  # a second at a time (librdkafka: a call that timed out may be made again)
+            try:
+                producer.init_transactions(min(1.0, max(0.1, deadline - time.monotonic())))
+                break
+            except KafkaException as exc:
+                err = exc.args[0]
+                if stopping is not None and stopping():
+                    raise AppendAbandoned(f"kafka: {self!r} did not start: the process is stopping") from exc
+                if isinstance(err, KafkaError) and err.retriable() and time.monotonic() < deadline:
+                    continue
+                raise KafkaLogError(f"kafka: {self!r} could not start: {err}", error=err) from exc
         self._producer = producer
         self._fenced = None
 
@@ -1081,12 +1105,13 @@ class TransactionalAppender:
                                   "transaction is visible", error=err)
         return KafkaLogError(f"kafka: {self!r}: {what}: {err}", error=err)
 
-    def append(self, writes: Sequence[Write], *, before_commit: Callable[[], None] | None = None
-               ) -> list[tuple[int, int]]:
+    def append(self, writes: Sequence[Write], *, before_commit: Callable[[], None] | None = None,
+               stopping: Callable[[], bool] | None = None) -> list[tuple[int, int]]:
         """Append ``writes`` in one transaction; returns ``(partition, offset)`` of each once
         the transaction is committed. ``before_commit`` runs after the records reached the
         broker and before the commit (fault injection: a pause there leaves an open transaction
-        that a successor aborts).
+        that a successor aborts). ``stopping`` is asked every half second while the broker has not
+        acknowledged the records: true drops the producer, its transaction never committed.
 
         Raises:
             TypeError, KafkaLogError, ValueError: a bad write (named); nothing was appended.
@@ -1095,11 +1120,12 @@ class TransactionalAppender:
             ProducerFailed: a fatal producer error that is not a fence; nothing was appended,
                 and the next call starts a new producer.
             TransactionAborted: the transaction failed and was aborted; nothing was appended.
+            AppendAbandoned: ``stopping()`` became true; nothing was appended.
         """
         if self._fenced is not None:
             raise Fenced(f"kafka: {self!r} was fenced earlier ({self._fenced})", error=self._fenced)
         if self._producer is None:
-            self.start()
+            self.start(stopping)
         producer = self._producer
         assert producer is not None
         records = self.log.resolve(writes)
@@ -1119,7 +1145,13 @@ class TransactionalAppender:
         try:
             for i, record in enumerate(records):
                 _produce(producer, record, report(i))
-            left = producer.flush(self.timeout_s)
+            deadline = time.monotonic() + self.timeout_s
+            while (left := producer.flush(min(0.5, max(0.0, deadline - time.monotonic())))) \
+                    and time.monotonic() < deadline:
+                if stopping is not None and stopping():
+                    self.close()  # never committed: aborted by the broker, or by the next producer
+                    raise AppendAbandoned(f"kafka: {self!r}: an append was abandoned: the process is stopping; "
+                                          "nothing of it is visible")
             failed = [r for r in reports if r is None or r[0] is not None]
             if left or failed:
                 first = failed[0] if failed else None
@@ -1139,6 +1171,48 @@ class TransactionalAppender:
             raise TransactionAborted(f"kafka: {self!r}: the transaction was aborted ({err}); nothing of it is "
                                      "visible", error=err) from exc
         return [(r[1], r[2]) for r in reports if r is not None]
+
+    def append_retrying(self, writes: Sequence[Write], retry_s: float, *, who: str,
+                        stopping: Callable[[], bool] = lambda: False) -> list[tuple[int, int]]:
+        """:meth:`append`, tried again a second after each failure for up to ``retry_s`` seconds
+        (a broker away or restarting). A failed attempt leaves nothing visible: its transaction
+        was aborted, or is aborted when the next attempt's producer registers the same
+        ``transactional.id`` (each retry starts one afresh), so every attempt appends all of
+        ``writes`` and none is written twice.
+
+        Args:
+            retry_s: seconds from the first attempt after which a failure is raised.
+            who: names the writer in the warning logged for each failed attempt.
+            stopping: asked between attempts (every 0.1 s); true gives up.
+
+        Raises:
+            TypeError, KafkaLogError: a bad write (named), never retried; nothing was appended.
+            Fenced: another producer registered this ``transactional.id``; never retried.
+            AppendAbandoned: ``stopping()`` became true; nothing of ``writes`` is visible.
+            KafkaLogError: once ``retry_s`` seconds have passed, naming ``who`` and the last
+                attempt's error.
+        """
+        self.log.check_writes(writes)
+        deadline = time.monotonic() + retry_s
+        while True:
+            try:
+                return self.append(writes, stopping=stopping)
+            except (Fenced, AppendAbandoned):
+                raise
+            except KafkaLogError as exc:
+                if time.monotonic() > deadline:
+                    raise KafkaLogError(f"kafka: {who}: an append failed, tried for {retry_s:g} s: {exc}",
+                                        topic=exc.topic, error=exc.error) from exc
+                self.retries += 1
+                log.warning("kafka: %s: an append failed (retrying for up to %.0f s more): %s", who,
+                            max(0.0, deadline - time.monotonic()), exc)
+                self.close()  # the next attempt starts a producer afresh
+                resume = time.monotonic() + 1.0
+                while time.monotonic() < resume:
+                    if stopping():
+                        raise AppendAbandoned(f"kafka: {who}: an append was abandoned: the process is stopping; "
+                                              "nothing of it is in the log") from exc
+                    time.sleep(0.1)
 
     def _commit(self, producer: Producer) -> None:
         """Commit, retrying what librdkafka says is retriable (a broker away for a while)."""

@@ -224,18 +224,7 @@ class KafkaWorker:
             Fenced: another process took this worker id over.
             KafkaLogError: still failing after ``retry_s``.
         """
-        deadline = time.monotonic() + self.retry_s
-        while True:
-            try:
-                self.appender.append(writes)
-                return
-            except Fenced:
-                raise
-            except KafkaLogError as exc:
-                if time.monotonic() > deadline:
-                    raise
-                log.warning("worker %s: append failed, retrying: %s", self.worker_id, exc)
-                time.sleep(1.0)
+        self.appender.append_retrying(writes, self.retry_s, who=f"worker {self.worker_id}")
 
     def publish(self, events: Sequence[Event]) -> None:
         """Append ``events`` to the plan stream in one transaction (WorkerJoined/WorkerLost to

@@ -548,7 +548,7 @@ async def _run_kafka_study(args: argparse.Namespace, console: Console, stop: _St
     except UsageError:
         log.close()
         raise
-    runtime = KafkaRuntime(log)
+    runtime = KafkaRuntime(log, study=loaded[4])  # a later client of the study fences this one
     poller = asyncio.create_task(runtime.run())
     dashboard = None
     try:

@@ -28,3 +28,9 @@ class TrialsFailed(RuntimeError):
 
 class RuntimeError_(RuntimeError):
     """The runtime cannot continue; every waiting trial gets this error."""
+
+
+class StudyTakenOver(RuntimeError_):
+    """Another client started driving this client's study on the deployment (a second ``stagetree
+    run`` of it): that one continues the study from the log, as after a kill; this one appends
+    nothing more and stops (exit code 1)."""

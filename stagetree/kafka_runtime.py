@@ -6,10 +6,17 @@ partitions as records arrive; futures resolve when the merged view shows a trial
 writes nothing but its own submissions (to the partition of their plan key): the serve
 instances project and schedule, workers train.
 
+Every append is one Kafka transaction of a producer whose ``transactional.id`` names the study
+the client drives (``<prefix>stagetree.study.<name>``), as a worker's names the worker: a second
+client of the same study fences the first at its first append, and the first then appends
+nothing more. The second continues the study from the log (its tuner decides again from the
+start, as after a kill); the first stops with :class:`~stagetree.errors.StudyTakenOver` when it
+folds the second's StudyStarted, or at its next append. Two clients never both record a study's
+decisions.
+
 An append rides out a broker that is away (restarting, unreachable) for up to ``retry_s``
-seconds, as a worker does: the records a failed attempt did not get into the log (found by
-reading the plan partitions to their end, record by record) are appended again, so none is
-written twice and none is lost.
+seconds, as a worker does: a failed attempt's transaction is never committed, so every retry
+appends all of it again; none is written twice and none is lost.
 """
 
 from __future__ import annotations
@@ -17,21 +24,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+import uuid
 from typing import Any
 
 from events import topics
 from events.codec import encode
-from events.kafka_log import AppendAbandoned, DeliveryFailed, Follower, KafkaLog, KafkaLogError, partition_for
+from events.kafka_log import Fenced, Follower, KafkaLog, KafkaLogError, TransactionalAppender, Write, partition_for
 from events.log import Record, event_key
-from events.models import Event, LogSealed
+from events.models import Event, LogSealed, StudyStarted
 from projections.partitions import PartitionedFold
+from stagetree.errors import StudyTakenOver
 from stagetree.runtime import RuntimeBase, RuntimeError_
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 300.0
 """Seconds an append of the SDK keeps trying through a broker outage (a worker's ``retry_s``)."""
+
+
+def study_transactional_id(log: KafkaLog, study: str) -> str:
+    """The ``transactional.id`` of the client driving study ``study`` on the deployment of ``log``:
+    one live writer per study."""
+    return f"{log.topic('stagetree.study')}.{study}"
 
 
 class KafkaRuntime(RuntimeBase):
@@ -41,9 +55,14 @@ class KafkaRuntime(RuntimeBase):
         log: the transport (its ``timeout_s`` bounds one attempt of an append).
         poll_s: seconds between folds of new records.
         retry_s: seconds an append keeps trying while the broker is away, before it raises.
+        study: the name of the study this client drives: its appends are fenced by a later
+            client of the same study (:func:`study_transactional_id`), and a StudyStarted of it
+            that is not this client's, folded after this client appended its own, stops it. None
+            (a client of no study): a writer of its own (``<prefix>stagetree.client.<uuid>``).
     """
 
-    def __init__(self, log: KafkaLog, poll_s: float = 0.02, retry_s: float = RETRY_S) -> None:
+    def __init__(self, log: KafkaLog, poll_s: float = 0.02, retry_s: float = RETRY_S,
+                 study: str | None = None) -> None:
         log.ensure_topic(topics.PLAN)
         self.partitions = log.partition_count(topics.PLAN)
         fold = PartitionedFold(log, self.partitions)
@@ -52,9 +71,10 @@ class KafkaRuntime(RuntimeBase):
         self.log = log
         self.poll_s = poll_s
         self.retry_s = retry_s
-        self.retries = 0
-        """Appends attempted again after a failed attempt (a broker away), since the start."""
-        self._unconfirmed: Counter[bytes] | None = None  # values of a failed attempt, looked for while folding
+        self.study = study
+        self.appender = TransactionalAppender(log, study_transactional_id(log, study) if study is not None
+                                              else log.topic(f"stagetree.client.{uuid.uuid4().hex}"))
+        self._started: str | None = None  # the event id of this client's own StudyStarted
         self.follower = Follower(log, {(topics.PLAN, p): 0 for p in range(self.partitions)}, wait_ms=100)
         self.last_record: dict[int, int] = {}
         """Partition -> offset of the last record folded that is not a seal."""
@@ -64,58 +84,62 @@ class KafkaRuntime(RuntimeBase):
         while not self.follower.reached(ends):
             self._fold(self.follower.poll(0.1))
 
+    @property
+    def retries(self) -> int:
+        """Appends attempted again after a failed attempt (a broker away), since the start."""
+        return self.appender.retries
+
     def _fold(self, records: list[Record]) -> None:
-        if self._unconfirmed is not None:
-            for record in records:
-                if self._unconfirmed[record.value] > 0:
-                    self._unconfirmed[record.value] -= 1
         for partition, offset, event in self.fold_all.fold(records):
             if isinstance(event, LogSealed):
                 self.sealed_to[partition] = max(self.sealed_to.get(partition, -1), event.offset)
             else:
                 self.last_record[partition] = offset
+            if isinstance(event, StudyStarted) and self._started is not None and event.name == self.study \
+                    and event.event_id != self._started and self.failure is None:
+                self._fail(StudyTakenOver(
+                    f"another client started driving study {self.study!r} on this deployment (a second `stagetree "
+                    f"run` of it, at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(event.ts))}): it "
+                    "continues the study from the log; this one appends nothing more"))
 
     def append(self, events: list[Event]) -> None:
-        """Append events to their plans' partitions, then fold up to them.
+        """Append events to their plans' partitions in one transaction, then fold up to them.
 
         While the broker is away, a failed attempt is retried every second for up to
-        :attr:`retry_s` seconds: what it got into the log is found by folding to the end of the
-        plan partitions, and only the rest is appended again (an idempotent producer keeps a
-        partition's records in order and without gaps, so that rest is a suffix per partition).
-
-        The retries give up when the log's ``stop_requested`` is set (a run being stopped: its
-        signal handler sets it), within a second.
+        :attr:`retry_s` seconds (nothing of a failed attempt is visible, so each retry appends
+        every event). The retries give up when the log's ``stop_requested`` is set (a run being
+        stopped: its signal handler sets it), within a second.
 
         Raises:
-            RuntimeError_: the runtime failed earlier.
-            AppendAbandoned: the process is stopping (``log.stop_requested``).
-            DeliveryFailed: the broker did not take the records within :attr:`retry_s` seconds.
-            KafkaLogError: the records were not readable back within that time, or a record
-                is too large (nothing is appended then).
+            RuntimeError_: the runtime failed earlier (:class:`StudyTakenOver`: another client
+                drives the study now).
+            StudyTakenOver: another client of the study fenced this one's appends; nothing of
+                ``events`` was appended.
+            AppendAbandoned: the process is stopping (``log.stop_requested``); nothing appended.
+            KafkaLogError: the broker did not take the records within :attr:`retry_s` seconds,
+                or they were not readable back within the log's ``timeout_s`` after that, or a
+                record is too large (nothing is appended then).
         """
         if self.failure is not None:
-            raise RuntimeError_(f"the runtime failed: {self.failure}")
-        items = [(event_key(e), encode(e)) for e in self.stamp(events)]
-        deadline = time.monotonic() + self.retry_s
-        while True:
-            try:
-                offsets = self.log.append_many(topics.PLAN, items)
-                break
-            except DeliveryFailed as exc:
-                if time.monotonic() > deadline or self.log.stop_requested:
-                    raise
-                log.warning("kafka: the SDK's append failed (retrying for up to %g s more): %s",
-                            max(0.0, deadline - time.monotonic()), exc)
-                self.retries += 1
-                items = self._not_in_log(items, deadline)
-                if not items:
-                    offsets = []
-                    break
+            raise (self.failure if isinstance(self.failure, StudyTakenOver)
+                   else RuntimeError_(f"the runtime failed: {self.failure}"))
+        events = self.stamp(events)
+        writes = [Write(topics.PLAN, event_key(e), encode(e)) for e in events]
+        started = [e.event_id for e in events if isinstance(e, StudyStarted) and e.name == self.study]
+        try:
+            positions = self.appender.append_retrying(writes, self.retry_s, who="the SDK",
+                                                      stopping=lambda: self.log.stop_requested)
+        except Fenced as exc:
+            self._fail(StudyTakenOver(f"another client started driving study {self.study!r} on this deployment "
+                                      f"(a second `stagetree run` of it): it continues the study from the log; this "
+                                      f"one appends nothing more ({exc})"))
+            raise self.failure from None  # type: ignore[misc]
+        if started:
+            self._started = started[-1]
         mine: dict[int, int] = {}
-        for (key, _), offset in zip(items, offsets):
-            p = partition_for(key, self.partitions)
-            mine[p] = max(mine.get(p, -1), offset)
-        deadline = max(deadline, time.monotonic() + self.log.timeout_s)
+        for partition, offset in positions:
+            mine[partition] = max(mine.get(partition, -1), offset)
+        deadline = time.monotonic() + self.log.timeout_s
         projectors = self.fold_all.projectors
         while any(projectors[p].state.offset < o for p, o in mine.items()):
             if time.monotonic() > deadline:
@@ -123,58 +147,6 @@ class KafkaRuntime(RuntimeBase):
                                     f"{self.log.timeout_s:g} s")
             self._fold(self.follower.poll(0.05))
         self._notify()
-
-    def _pause(self, seconds: float) -> None:
-        """Sleep ``seconds`` (0: none) in steps of 0.1 s.
-
-        Raises:
-            AppendAbandoned: the log's ``stop_requested`` is (or becomes) set.
-        """
-        end = time.monotonic() + seconds
-        while True:
-            if self.log.stop_requested:
-                raise AppendAbandoned("kafka: the SDK's append was abandoned: the process is stopping")
-            left = end - time.monotonic()
-            if left <= 0:
-                return
-            time.sleep(min(0.1, left))
-
-    def _not_in_log(self, items: list[tuple[str, bytes]], deadline: float) -> list[tuple[str, bytes]]:
-        """The ``(key, value)`` items of a failed attempt that are not in the log: fold every plan
-        partition to its end now (asked of the broker once it answers, a second apart, until
-        ``deadline``) and strike each record met whose value is one of the items'.
-
-        Raises:
-            KafkaLogError: the broker did not answer before ``deadline``.
-            AppendAbandoned: the log's ``stop_requested`` was set meanwhile.
-        """
-        self._unconfirmed = Counter(value for _, value in items)
-        try:
-            while True:
-                self._pause(1.0)
-                try:
-                    ends = self.follower.end_offsets(timeout_s=5)
-                    while not self.follower.reached(ends):
-                        self._pause(0)
-                        if time.monotonic() > deadline:
-                            raise KafkaLogError("kafka: the plan partitions were not readable to their end "
-                                                f"within {self.retry_s:g} s of the SDK's append")
-                        self._fold(self.follower.poll(0.1))
-                    break
-                except AppendAbandoned:
-                    raise
-                except KafkaLogError:
-                    if time.monotonic() > deadline:
-                        raise
-            left = self._unconfirmed
-            out = []
-            for key, value in items:
-                if left[value] > 0:
-                    left[value] -= 1
-                    out.append((key, value))
-            return out
-        finally:
-            self._unconfirmed = None
 
     def fold(self) -> None:
         self._fold(self.follower.poll(0))
@@ -202,8 +174,9 @@ class KafkaRuntime(RuntimeBase):
             await asyncio.sleep(self.poll_s)
 
     def close(self) -> None:
-        """Close the follower (the log is the caller's)."""
+        """Close the follower and the producer (the log is the caller's)."""
         self.follower.close()
+        self.appender.close()
 
     async def ready(self, workers: list[str], timeout: float = 300.0) -> None:
         """Wait until each named worker has joined (start-up is not study time).

@@ -145,6 +145,32 @@ def test_worker_kill_and_app_restart_finish_with_the_same_results(
     assert_no_duplicate_or_conflicting_decisions(state, events)
 
 
+def test_a_second_run_of_a_study_takes_it_over_and_the_first_stops(
+        embedded: Path, deployment: dict[str, str], tmp_path: Path) -> None:
+    """A second `stagetree run` of a study that a first one is driving (the same file, another
+    terminal) continues it from the log, as after a kill; the first stops at once (exit 1),
+    saying so, and appends nothing more. The study's results equal embedded mode's bit for bit,
+    and `replay verify` passes: one tuner's decisions are recorded, not two clients'."""
+    cluster = Deployment(deployment, tmp_path)
+    try:
+        cluster.serve("A")
+        cluster.worker("w0", hold_in_path=2)
+        cluster.joined("w0")
+        first = cluster.run(out="first")
+        cluster.held("w0")  # the first client's trials are submitted; a path is being trained
+        second = cluster.run(out="second")
+        _, err = first.communicate(timeout=300)
+        assert first.returncode == 1, err.decode()
+        assert "another client started driving study" in " ".join(err.decode().split())
+        cluster.release("w0")
+        cluster.finish(second)
+    finally:
+        cluster.close()
+    assert not (tmp_path / "first" / "summary.json").exists()
+    assert_what_must_hold_after_faults(deployment, tmp_path / "second", embedded, [cluster.state_dir("A")])
+    verify_deployment(deployment)
+
+
 def _taken_over(cluster: Deployment, instance: str, after: float = 0.0) -> float | None:
     """When ``instance`` last took the scheduler role over (epoch seconds, from its output)."""
     times = [float(t) for t in re.findall(r"scheduler role taken over at ([0-9.]+)", cluster.output(instance))]
