@@ -776,7 +776,7 @@ class KafkaLog:
             while position < stop:
                 self._check_open()
                 try:
-                    msgs = consumer.consume(num_messages=min(stop - position, 1000), timeout=0.2)
+                    msgs = _take(consumer, min(stop - position, 1000), 0.2)
                 except KafkaException as exc:
                     raise KafkaLogError(f"kafka: read of topic {topic!r} at offset {position}: {exc.args[0]}",
                                         topic=topic, error=exc.args[0]) from exc
@@ -839,6 +839,23 @@ class KafkaLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _take(consumer: Consumer, max_records: int, timeout: float) -> list[Message]:
+    """Up to ``max_records`` messages of ``consumer`` (records, or events such as a partition's
+    end), waiting up to ``timeout`` seconds for the first and not at all for the rest.
+    ``Consumer.consume`` with a timeout waits until it has all ``max_records`` or the timeout
+    has passed, so a record readable at once came back only after the whole timeout (50 ms on
+    every append the SDK folded back; 200 ms before a worker saw a dispatch; the whole timeout at
+    the end of every read, where transaction markers take offsets that are never delivered).
+
+    Raises:
+        KafkaException: as ``Consumer.poll`` and ``Consumer.consume``.
+    """
+    first = consumer.poll(timeout)
+    if first is None:
+        return []
+    return [first, *(consumer.consume(num_messages=max_records - 1, timeout=0) if max_records > 1 else ())]
 
 
 def _record(stream: str, msg: Message) -> Record:
@@ -908,10 +925,10 @@ class Follower:
         self._assign({(stream, partition): start})
 
     def poll(self, timeout: float, max_records: int = 1000) -> list[Record]:
-        """The records readable now (waiting up to ``timeout`` seconds for the first), in offset
-        order per partition."""
+        """The records readable now (waiting up to ``timeout`` seconds for the first, no longer:
+        :func:`_take`), in offset order per partition."""
         try:
-            msgs = self._consumer.consume(num_messages=max_records, timeout=timeout)
+            msgs = _take(self._consumer, max_records, timeout)
         except KafkaException as exc:
             raise KafkaLogError(f"kafka: follow: {exc.args[0]}", error=exc.args[0]) from exc
         out = []
