@@ -919,26 +919,50 @@ def test_a_serve_on_a_state_dir_another_serve_holds_exits_2_and_a_killed_ones_is
         cluster.close()
 
 
+NO_BROKER_COMMANDS = ("run", "serve", "worker", "worker-env", "replay", "dashboard")
+
+
+@pytest.fixture(scope="module")
+def no_broker_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[str, subprocess.Popen[str]]]]:
+    """Each of :data:`NO_BROKER_COMMANDS` started, all at once, against an address where nothing
+    listens: command -> (the address, its process). Each waits out the probe's deadline (15 s),
+    so they wait side by side rather than one after another."""
+    tmp = tmp_path_factory.mktemp("no-broker")
+    started = {}
+    for command in NO_BROKER_COMMANDS:
+        address = f"127.0.0.1:{_free_port()}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("STAGETREE_")}
+        flag = ["--bootstrap-servers", address]
+        if command == "worker-env":
+            env["STAGETREE_BOOTSTRAP_SERVERS"] = address
+            flag = []
+        out = tmp / command
+        argv = {"run": ["run", str(STUDY), "--workers", "0", "--out", str(out / "run"), "--quiet", *flag],
+                "serve": ["serve", "--state-dir", str(out / "serve"), *flag],
+                "worker": ["worker", "--checkpoint-store", str(out / "store"), "--device", "cpu", *flag],
+                "replay": ["replay", "verify", f"kafka://{address}/x.", "--quiet"],
+                "dashboard": ["dashboard", f"kafka://{address}/x.", "--port", "0"]}[command.removesuffix("-env")]
+        started[command] = (address, subprocess.Popen([*CLI, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                      text=True, env=env))
+    yield started
+    for _, proc in started.values():  # those whose test failed before it ended
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 @pytest.mark.timeout(300)  # it waited 60 s per command: a bound of the wait, not a timing
-@pytest.mark.parametrize("command", ["run", "serve", "worker", "worker-env", "replay", "dashboard"])
-def test_a_kafka_command_where_no_broker_answers_exits_2_naming_the_flag(command: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", NO_BROKER_COMMANDS)
+def test_a_kafka_command_where_no_broker_answers_exits_2_naming_the_flag(
+        command: str, no_broker_runs: dict[str, tuple[str, subprocess.Popen[str]]]) -> None:
     """``run``, ``serve`` and ``worker`` on ``--bootstrap-servers`` (or
     ``$STAGETREE_BOOTSTRAP_SERVERS``) where nothing listens, and ``replay verify`` of such a
     ``kafka://`` address, exit 2 with one error naming the flag, the variable or the source, and
     the address. They waited a minute and named the address alone (the dashboard served a page
     saying that reading failed, for ever)."""
-    address = f"127.0.0.1:{_free_port()}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STAGETREE_")}
-    flag = ["--bootstrap-servers", address]
-    if command == "worker-env":
-        env["STAGETREE_BOOTSTRAP_SERVERS"] = address
-        flag = []
-    argv = {"run": ["run", str(STUDY), "--workers", "0", "--out", str(tmp_path / "run"), "--quiet", *flag],
-            "serve": ["serve", "--state-dir", str(tmp_path / "serve"), *flag],
-            "worker": ["worker", "--checkpoint-store", str(tmp_path / "store"), "--device", "cpu", *flag],
-            "replay": ["replay", "verify", f"kafka://{address}/x.", "--quiet"],
-            "dashboard": ["dashboard", f"kafka://{address}/x.", "--port", "0"]}[command.removesuffix("-env")]
-    proc = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=240, env=env)
+    address, running = no_broker_runs[command]
+    stdout, stderr = running.communicate(timeout=240)
+    proc = subprocess.CompletedProcess(running.args, running.returncode, stdout, stderr)
     named = {"run": "--bootstrap-servers", "serve": "--bootstrap-servers", "worker": "--bootstrap-servers",
              "worker-env": "$STAGETREE_BOOTSTRAP_SERVERS", "replay": f"source 'kafka://{address}/x.'",
              "dashboard": f"source 'kafka://{address}/x.'"}[command]
