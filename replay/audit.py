@@ -460,6 +460,36 @@ def open_source(path: str | Path, secret: bytes | None = None, checkpoints: str 
     raise AuditError(f"source {str(path)!r} does not exist")
 
 
+def check_key(source: Source, secret: bytes | None) -> None:
+    """Refuse a keyed log without its key, or with another one, and a log chained without a key
+    with one (``secret``: ``--log-key`` or ``$STAGETREE_LOG_KEY``): ``log export`` (the export's
+    header carries a projection digest computed with it: the file would never verify), ``log
+    import`` (the imported log would be appended to with it), ``replay explain`` and ``replay
+    reexecute`` (which read the records without checking their chain), ``report --verify`` and
+    ``stagetree dashboard`` (whose audit would show a wrong key as a broken chain: a tampering
+    that is not there). Only the key's fit is checked, by the first record of each stream (it
+    chains from :data:`~events.log.CHAIN_START` under the key): the whole chain is ``replay
+    verify``'s. A deployment's sealed topics are not checked.
+
+    Raises:
+        AuditError: naming ``--log-key`` and ``$STAGETREE_LOG_KEY`` (exit 2), before anything is
+            written or run.
+    """
+    if source.chain not in ("sha256", "hmac-sha256"):  # a deployment's sealed topics
+        return
+    if source.chain != chain_algorithm(secret):
+        raise AuditError(f"--log-key: the log is chained with {source.chain}, but "
+                         + (f"no key was given (--log-key or ${KEY_ENV})" if not secret else
+                            f"a key was given (--log-key or ${KEY_ENV}): give none"))
+    if secret:
+        for stream in sorted(source.streams):
+            first = next(iter(source.streams[stream]), None)
+            if first is not None and first.offset == 0 and \
+                    chain_next(CHAIN_START, stream, 0, first.key, first.value, secret) != first.chain:
+                raise AuditError(f"--log-key: not the key the log was chained with (the key of --log-key or "
+                                 f"${KEY_ENV}: stream {stream} offset 0 does not chain with it)")
+
+
 # ----------------------------------------------------------------------------- export / import
 
 

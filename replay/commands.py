@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import orjson
 from rich.markup import escape
@@ -37,52 +37,24 @@ def _progress(console: Console, quiet: bool) -> Progress:
 
 
 def cmd_export(args: argparse.Namespace, console: Console) -> int:
-    from replay.audit import export_log, open_source
+    from replay.audit import check_key, export_log, open_source
 
     out = check_output_file("--out", args.out)  # before a Kafka source's whole read
     secret = secret_from(args.log_key)
     source = open_source(args.source, secret)
-    _check_key(source, secret)
+    check_key(source, secret)
     n = export_log(source, out, secret)
     console.print(f"exported {n} records ({source.chain} chain) to {escape(args.out)}")
     return 0
 
 
-def _check_key(source: Any, secret: bytes | None) -> None:
-    """Refuse a keyed log without its key, or with another one, and a log chained without a key
-    with one: ``log export`` (the export's header carries a projection digest computed with it:
-    the file would never verify), ``log import`` (the imported log would be appended to with
-    it), ``replay explain`` and ``replay reexecute`` (which read the records without checking
-    their chain). Only the key's fit is checked: the whole chain is ``replay verify``'s.
-
-    Raises:
-        AuditError: naming ``--log-key`` (exit 2), before anything is written or run.
-    """
-    from events.log import CHAIN_START, chain_algorithm, chain_next
-    from replay.audit import AuditError
-
-    if source.chain not in ("sha256", "hmac-sha256"):  # a deployment's sealed topics
-        return
-    if source.chain != chain_algorithm(secret):
-        raise AuditError(f"--log-key: the log is chained with {source.chain}, but "
-                         + ("no key was given (--log-key or $STAGETREE_LOG_KEY)" if not secret else
-                            "a key was given (--log-key or $STAGETREE_LOG_KEY): give none"))
-    if secret:
-        for stream in sorted(source.streams):
-            first = next(iter(source.streams[stream]), None)
-            if first is not None and first.offset == 0 and \
-                    chain_next(CHAIN_START, stream, 0, first.key, first.value, secret) != first.chain:
-                raise AuditError(f"--log-key: not the key the log was chained with (stream {stream} offset 0 "
-                                 "does not chain with it)")
-
-
 def cmd_import(args: argparse.Namespace, console: Console) -> int:
-    from replay.audit import ImportRefused, import_log, open_source
+    from replay.audit import ImportRefused, check_key, import_log, open_source
 
     out = check_output_dir("--out", args.out)
     secret = secret_from(args.log_key)
     source = open_source(args.file)
-    _check_key(source, secret)
+    check_key(source, secret)
     try:
         import_log(source, out, secret)
     except ImportRefused as exc:  # a failed check, not bad input (exit 1), as replay verify's
@@ -134,12 +106,12 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_explain(args: argparse.Namespace, console: Console) -> int:
-    from replay.audit import open_source
+    from replay.audit import check_key, open_source
     from replay.explain import explain
 
     secret = secret_from(args.log_key)
     source = open_source(args.source, secret)
-    _check_key(source, secret)
+    check_key(source, secret)
     story = explain(source, args.trial, secret=secret)
     if args.json:
         console.print_json(orjson.dumps(story.as_dict()).decode())
@@ -151,12 +123,12 @@ def cmd_explain(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_reexecute(args: argparse.Namespace, console: Console) -> int:
     from projections.queries import trials_through
-    from replay.audit import fold, open_source
+    from replay.audit import check_key, fold, open_source
     from replay.reexecute import reexecute
 
     secret = secret_from(args.log_key)
     source = open_source(args.source, secret, args.checkpoints)
-    _check_key(source, secret)
+    check_key(source, secret)
     state = fold(source.streams.get(topics.PLAN, []))
     with _progress(console, args.quiet) as progress:
         task = progress.add_task("re-execute", total=None)

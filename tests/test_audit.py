@@ -965,3 +965,54 @@ def test_explain_and_reexecute_refuse_another_log_key(keyed_run: Path, run_dir: 
         assert needle in err and "Traceback" not in err, (argv, err)
         assert "reproduced" not in captured.out and trial not in captured.out, captured.out
     assert main(["replay", command, str(keyed_run), *args, "--log-key", KEY]) == 0
+
+
+def test_report_verify_refuses_another_log_key_and_writes_nothing(keyed_run: Path, run_dir: Path, tmp_path: Path,
+                                                                  monkeypatch, capsys) -> None:
+    """``report --verify --log-key WRONG`` wrote a report (exit 0) whose audit showed the chain
+    broken at offset 0: a tampering that is not there. The key is checked as ``replay explain``
+    checks it (exit 2 naming ``--log-key``), before anything is written."""
+    monkeypatch.delenv("STAGETREE_LOG_KEY", raising=False)
+    out = tmp_path / "report"
+    for source, key, needle in [(keyed_run, "not-the-key", "--log-key: not the key the log was chained with"),
+                                (keyed_run, None, "--log-key: the log is chained with hmac-sha256, but no key"),
+                                (run_dir, KEY, "--log-key: the log is chained with sha256, but a key was given")]:
+        argv = ["report", str(source), "--verify", "--out", str(out), *(["--log-key", key] if key else [])]
+        assert main(argv) == 2, argv
+        err = " ".join(capsys.readouterr().err.split())
+        assert needle in err and "$STAGETREE_LOG_KEY" in err and "Traceback" not in err, (argv, err)
+        assert not out.exists()
+    monkeypatch.setenv("STAGETREE_LOG_KEY", "not-the-key")  # the variable is checked as the flag is
+    assert main(["report", str(keyed_run), "--verify", "--out", str(out)]) == 2
+    assert "--log-key: not the key the log was chained with" in " ".join(capsys.readouterr().err.split())
+    assert not out.exists()
+    assert main(["report", str(keyed_run), "--verify", "--out", str(out), "--log-key", KEY]) == 0
+    assert 'class="audit ok"' in (out / "index.html").read_text()
+
+
+def test_the_dashboard_refuses_another_log_key_before_it_serves(keyed_run: Path, tmp_path: Path) -> None:
+    """``stagetree dashboard KEYED_RUN --log-key WRONG`` served the run, and its *replay verify*
+    showed the chain broken at offset 0: a tampering that is not there. A key that is not a
+    keyed run directory's or export's own is refused (exit 2 naming ``--log-key``, from the
+    flag or ``$STAGETREE_LOG_KEY``) before anything is served; the right key, or none, is served."""
+    import os
+
+    from stagetree.dashboard import open_dashboard_source
+    from stagetree.dashboard.source import SourceError
+
+    env = {k: v for k, v in os.environ.items() if k != "STAGETREE_LOG_KEY"}
+    for flags, extra in [(["--log-key", "not-the-key"], {}), ([], {"STAGETREE_LOG_KEY": "not-the-key"})]:
+        proc = subprocess.run([sys.executable, "-m", "stagetree.dashboard", str(keyed_run), "--port", "0", *flags],
+                              capture_output=True, text=True, timeout=120, env={**env, **extra})
+        err = " ".join(proc.stderr.split())
+        assert proc.returncode == 2, (flags, extra, proc.stdout + err)
+        assert "--log-key: not the key the log was chained with" in err and "$STAGETREE_LOG_KEY" in err, err
+        assert "not-the-key" not in err and "Traceback" not in err, err
+        assert proc.stdout == ""  # it never listened
+    export = tmp_path / "keyed.jsonl"
+    assert main(["log", "export", str(keyed_run), "--out", str(export), "--log-key", KEY]) == 0
+    with pytest.raises(SourceError, match="^--log-key: not the key the log was chained with"):
+        open_dashboard_source(str(export), b"not-the-key")
+    for where in (keyed_run, export):
+        for key in (KEY.encode(), None):  # its key, or none: the views need none (verify says so)
+            open_dashboard_source(str(where), key).close()

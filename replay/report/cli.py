@@ -138,19 +138,28 @@ def _load_audit(path: str) -> dict[str, Any]:
 
 
 def _verify(source: str, secret: bytes | None) -> dict[str, Any]:
-    from replay.audit import AuditError, open_source
+    """``replay verify`` of ``source``, after the key's fit (:func:`replay.audit.check_key`): a
+    wrong key, or a missing or needless one, is bad input, not an audit the report shows FAILED.
+
+    Raises:
+        ReportError: the source cannot be read, or the key does not fit (naming ``--log-key``).
+    """
+    from replay.audit import AuditError, check_key, open_source
     from replay.report.load import ReportError
     from replay.tuner import verify_all
 
     try:
-        return verify_all(open_source(source, secret), secret).as_dict()
+        opened = open_source(source, secret)
+        check_key(opened, secret)
+        return verify_all(opened, secret).as_dict()
     except AuditError as exc:
         raise ReportError(str(exc)) from None
 
 
 def cmd_report(args: argparse.Namespace, console: Any = None) -> int:
     """Handle parsed ``stagetree report`` arguments. Exit code: 0 written (whatever the audit
-    says), 2 bad input (source, --audit file)."""
+    says), 2 bad input (source, --audit file, a --log-key that does not fit the log for --verify),
+    before anything is written."""
     from replay.report.load import ReportError
     from stagetree.outputs import check_output_dir
 

@@ -78,7 +78,8 @@ async def serve(where: str, sock: socket.socket, *, secret: bytes | None = None,
     """Serve the dashboard of ``where`` on the listening ``sock`` until SIGINT or SIGTERM.
 
     Raises:
-        SourceError: ``where`` cannot be read (see :func:`open_dashboard_source`).
+        SourceError: ``where`` cannot be read, or ``secret`` is not its keyed log's key (see
+            :func:`open_dashboard_source`), before anything is served.
     """
     import asyncio
 
@@ -110,7 +111,8 @@ async def serve(where: str, sock: socket.socket, *, secret: bytes | None = None,
 
 
 def cmd_dashboard(args: argparse.Namespace, console: Any = None) -> int:
-    """Handle ``stagetree dashboard``. Exit code 0 when stopped, 2 bad input (source, port)."""
+    """Handle ``stagetree dashboard``. Exit code 0 when stopped, 2 bad input (source, port, a
+    ``--log-key`` that is not the keyed log's own), before anything is served."""
     import asyncio
 
     from stagetree.dashboard.source import SourceError

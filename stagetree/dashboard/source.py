@@ -27,13 +27,39 @@ from typing import Any, Protocol
 
 from events import topics
 from events.log import EmbeddedLog, Record
-from replay.audit import AuditError, kafka_location, open_export, open_kafka, open_source, probe_kafka
+from replay.audit import (
+    AuditError,
+    LogDamaged,
+    Source,
+    check_key,
+    kafka_location,
+    open_export,
+    open_kafka,
+    open_source,
+    probe_kafka,
+)
 from replay.tuner import verify_all
 
 
 class SourceError(ValueError):
     """The dashboard's source cannot be read: it does not exist or is not a run directory,
     export or ``kafka://`` address (the message names it)."""
+
+
+def _check_given_key(source: Source, secret: bytes | None) -> None:
+    """Refuse a key given for a keyed log (a run directory's or an export's) that is not its
+    key (:func:`replay.audit.check_key`): verify would show the chain broken at offset 0, a
+    tampering that is not there. A keyed log without a key, or an unkeyed one with a key, is
+    served: its views need no key, and verify names the mismatch as such.
+
+    Raises:
+        SourceError: naming ``--log-key`` and ``$STAGETREE_LOG_KEY``.
+    """
+    if secret and source.chain == "hmac-sha256":
+        try:
+            check_key(source, secret)
+        except AuditError as exc:
+            raise SourceError(str(exc)) from None
 
 
 class DashboardSource(Protocol):
@@ -123,9 +149,11 @@ class ExportSource:
         self.label = str(self.path)
         self._secret = secret
         try:
-            self._records: list[Record] | None = list(open_export(self.path).streams.get(topics.PLAN, []))
+            export = open_export(self.path)
+            self._records: list[Record] | None = list(export.streams.get(topics.PLAN, []))
         except AuditError as exc:
             raise SourceError(str(exc)) from None
+        _check_given_key(export, secret)
 
     def poll(self) -> list[Record]:
         records, self._records = self._records or [], None
@@ -191,7 +219,8 @@ def open_dashboard_source(where: str, secret: bytes | None = None) -> DashboardS
 
     Raises:
         SourceError: a malformed ``kafka://`` address, an unreadable export, or a path that is
-            neither a directory nor an export (the message names it).
+            neither a directory nor an export (the message names it); a key given for a keyed
+            run directory or export that is not its key (naming ``--log-key``).
     """
     if where.startswith("kafka://"):
         return KafkaSource(where, secret)
@@ -203,4 +232,11 @@ def open_dashboard_source(where: str, secret: bytes | None = None) -> DashboardS
     if path.is_dir() and not (path / "log").exists() and any(path.iterdir()):
         raise SourceError(f"source {where!r} is a directory without a log/: not a run directory (a study run on "
                           "Kafka is read from its deployment: kafka://BOOTSTRAP/PREFIX)")
+    if secret and (path / "log" / "CURRENT").is_file():  # a log written later is not checked
+        try:
+            run = open_source(path, secret)
+        except LogDamaged:  # verify reports it
+            pass
+        else:
+            _check_given_key(run, secret)
     return RunDirSource(path, secret)
