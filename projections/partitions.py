@@ -95,13 +95,15 @@ class PartitionedFold:
         log: the transport (read by :meth:`catch_up`).
         partitions: partition count of the plan stream.
         secret: HMAC key of the partitions' hash chains (None: sha256).
+        traced: each apply a span in its event's trace (as :class:`~projections.store.Projector`'s;
+            False: a replay of a finished log).
     """
 
-    def __init__(self, log: EventLog, partitions: int, *, secret: bytes | None = None) -> None:
+    def __init__(self, log: EventLog, partitions: int, *, secret: bytes | None = None, traced: bool = True) -> None:
         if partitions < 1:
             raise ValueError(f"`partitions` is {partitions!r}, but must be >= 1")
         self.log = log
-        self.projectors = {p: Projector(log, dead_letters=False, secret=secret, partition=p)
+        self.projectors = {p: Projector(log, dead_letters=False, secret=secret, partition=p, traced=traced)
                            for p in range(partitions)}
         self._view: State | None = None
 

@@ -317,12 +317,16 @@ class Projector:
     publishes the dead letters to ``stagetree.deadletter``. Publishing after the commit is an
     outbox: a crash in between loses no letter, because a projector that starts publishes the
     rejections its state holds that the dead-letter stream lacks (same event ids, so never twice
-    in effect).
+    in effect). With ``traced`` (default) each apply is a ``projection.apply`` span in its event's
+    trace (:func:`fold_records`); a replay of a finished log (``replay verify``) folds untraced:
+    its events were consumed when they were written, in the run's own traces.
     """
 
     def __init__(self, log: EventLog, state: State | None = None, store: ProjectionStore | None = None,
-                 *, dead_letters: bool = True, secret: bytes | None = None, partition: int = 0) -> None:
+                 *, dead_letters: bool = True, secret: bytes | None = None, partition: int = 0,
+                 traced: bool = True) -> None:
         self.log = log
+        self.traced = traced
         self.store = store
         self.state = state if state is not None else (store.load() if store is not None else State())
         self.dead_letters = dead_letters
@@ -368,7 +372,7 @@ class Projector:
         folded = Folded()
         try:
             fold_records(self.state, (r for r in records if r.offset > self.state.offset), folded,
-                         secret=self.secret, traced=True)
+                         secret=self.secret, traced=self.traced)
         finally:
             if self.store is not None and folded.touched:
                 self.store.commit(self.state, folded.touched)

@@ -93,7 +93,9 @@ class _Records:
 
 class _ReplayRuntime(RuntimeBase):
     """The Runtime protocol over a prefix of a finished log: :meth:`advance` folds further;
-    what the tuner appends (its decisions and requests) is kept, never written.
+    what the tuner appends (its decisions and requests) is kept, never written. It emits no
+    span: its fold is untraced and its study's requests open no ``trial.submit`` span (they are
+    never published; the log's events were consumed in the run's own traces).
 
     A partitioned plan stream (Kafka) is folded partition by partition, and the study sees the
     merged view (:class:`~projections.partitions.PartitionedFold`), as the live SDK did; offsets
@@ -104,10 +106,11 @@ class _ReplayRuntime(RuntimeBase):
         self.partition = partition
         self.parts: PartitionedFold | None = None
         if log.partition_count(topics.PLAN) > 1:
-            self.parts = PartitionedFold(log, log.partition_count(topics.PLAN), secret=secret)  # type: ignore[arg-type]
+            self.parts = PartitionedFold(log, log.partition_count(topics.PLAN), secret=secret,  # type: ignore[arg-type]
+                                         traced=False)
             super().__init__(self.parts)  # type: ignore[arg-type]
         else:
-            super().__init__(Projector(log, dead_letters=False, secret=secret))  # type: ignore[arg-type]
+            super().__init__(Projector(log, dead_letters=False, secret=secret, traced=False))  # type: ignore[arg-type]
         self.appended: list[Event] = []
         self._taken = 0
 

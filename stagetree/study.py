@@ -119,7 +119,8 @@ class Study:
         self._released: list[ReleasedResult] = []
         self.replaying = False
         """True in a replay of the log (``replay verify``): the tuner writes nothing outside it
-        (an Optuna searcher keeps its Optuna study in memory)."""
+        (an Optuna searcher keeps its Optuna study in memory), and its requests, which are never
+        published, open no ``trial.submit`` span."""
         self.writes_tuner_state = True
         """Whether the tuner may keep state of its own outside the log (an Optuna searcher's
         study in the user's Optuna ``storage``). False in a replay of the log, in the simulator
@@ -184,10 +185,13 @@ class Study:
         future = self.runtime.watch(trial_id, steps)  # after the checks: a refused submit leaves no waiter
         if event is not None:
             previous = self._trial_traces.get(trial_id)
-            with tracing.span("trial.submit", parent=previous, new_trace=previous is None, kind=SpanKind.PRODUCER,
-                              attributes=tracing.messaging("publish", topics.PLAN, event.event_id,
-                                                           trial_id=trial_id, study_id=self.name, steps=steps)):
-                header = tracing.carrier()
+            header = None
+            if not self.replaying:  # a replay (replay verify) publishes nothing: no span may say it did
+                with tracing.span("trial.submit", parent=previous, new_trace=previous is None,
+                                  kind=SpanKind.PRODUCER, attributes=tracing.messaging(
+                                      "publish", topics.PLAN, event.event_id, trial_id=trial_id, study_id=self.name,
+                                      steps=steps)):
+                    header = tracing.carrier()
             if header is not None:
                 self._trial_traces.setdefault(trial_id, header)
                 event = event.model_copy(update={"trace": header})

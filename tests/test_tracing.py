@@ -17,14 +17,19 @@ STUDY = Path(__file__).parent / "studies" / "tiny_sha.py"
 
 
 @pytest.fixture(scope="module")
-def spans(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def traced_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run directory of the study run traced; its spans are in ``spans.jsonl`` beside it."""
     tmp = tmp_path_factory.mktemp("traced")
-    path = tmp / "spans.jsonl"
     proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "run", str(STUDY), "--workers", "2",
-                           "--out", str(tmp / "run"), "--quiet", "--otel-exporter", f"jsonl:{path}"],
+                           "--out", str(tmp / "run"), "--quiet", "--otel-exporter", f"jsonl:{tmp / 'spans.jsonl'}"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    return tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def spans(traced_run: Path) -> list[dict]:
+    return [orjson.loads(line) for line in (traced_run.parent / "spans.jsonl").read_bytes().splitlines()]
 
 
 def test_each_trial_is_one_trace_across_processes_with_parent_links(spans: list[dict]) -> None:
@@ -70,6 +75,23 @@ def test_each_trial_is_one_trace_across_processes_with_parent_links(spans: list[
     assert full >= 4
     # a dispatch serving several trials links to the other trials' traces
     assert any(s["links"] for s in spans if s["name"] == "schedule")
+
+
+def test_replay_verify_emits_no_span_of_the_runs_messages(traced_run: Path, spans: list[dict],
+                                                         tmp_path: Path) -> None:
+    """``replay verify`` recomputes the tuner's decisions over the log: it emitted a
+    ``trial.submit`` PRODUCER span for every request it recomputed (31 here), none of them
+    published, and a ``projection.apply`` CONSUMER span for every event its replay folded, in the
+    run's own traces, as if the run's trials were submitted and consumed again. It emits none."""
+    path = tmp_path / "verify-spans.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "stagetree.cli", "replay", "verify", str(traced_run), "--quiet",
+                           "--otel-exporter", f"jsonl:{path}"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "tuner decisions of 1 study recomputed" in " ".join(proc.stdout.split()), proc.stdout
+    emitted = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    assert not [s for s in emitted if s["name"] == "trial.submit"], emitted
+    run_traces = {s["trace_id"] for s in spans}
+    assert not [s for s in emitted if s["trace_id"] in run_traces or s["kind"] in ("PRODUCER", "CONSUMER")], emitted
 
 
 def test_tracing_off_installs_nothing_and_events_carry_no_context() -> None:
