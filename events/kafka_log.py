@@ -101,6 +101,50 @@ def check_bootstrap_servers(value: str, *, port: bool = False) -> str:
     return value
 
 
+KAFKA_URL = "kafka://HOST:PORT[,HOST:PORT...][/PREFIX]"
+"""How a ``kafka://`` URL is written (:func:`parse_kafka_url`)."""
+
+
+class KafkaUrlError(ValueError):
+    """A malformed ``kafka://`` URL. ``shown`` is the URL with any ``user@`` credentials masked
+    (``***@``), ``reason`` what is wrong, worded to follow it (``"must be ..."``); the message is
+    both: it never holds the credentials."""
+
+    def __init__(self, shown: str, reason: str) -> None:
+        super().__init__(f"{shown!r} {reason}")
+        self.shown, self.reason = shown, reason
+
+
+def parse_kafka_url(url: str, *, topic: str | None = None) -> tuple[str, str]:
+    """``(bootstrap servers, topic prefix)`` of ``kafka://HOST:PORT[,HOST:PORT...][/PREFIX]``:
+    every address with its port, PREFIX empty (no prefix) or a valid part of a Kafka topic name
+    (:data:`events.topics.TOPIC_PART`). ``topic``: a stream name the URL may also end with, after
+    the prefix (``kafka://HOST:PORT/<prefix><topic>``: replay names a deployment by its plan
+    topic too); the prefix is what precedes it. Credentials never go in the URL: they come from
+    the ``STAGETREE_KAFKA_*`` variables.
+
+    Raises:
+        KafkaUrlError: (a ValueError) not such a URL, naming it and what is wrong: another
+            scheme, an address without a port or with one outside 1 to 65535, ``user@``
+            credentials (masked in the message), a topic prefix Kafka does not allow.
+    """
+    if not isinstance(url, str) or not url.startswith("kafka://"):
+        raise KafkaUrlError(str(url), f"must be {KAFKA_URL}")
+    servers, slash, where = url[len("kafka://"):].partition("/")
+    if "@" in servers:
+        raise KafkaUrlError(f"kafka://***@{servers.rpartition('@')[2]}{slash}{where}",
+                            "must not hold credentials (user@host): set STAGETREE_KAFKA_SASL_* and the other "
+                            "STAGETREE_KAFKA_* variables instead")
+    try:
+        check_bootstrap_servers(servers, port=True)
+    except ValueError:
+        raise KafkaUrlError(url, f"must be {KAFKA_URL}, ports 1 to 65535") from None
+    prefix = where[: -len(topic)] if topic and where.endswith(topic) else where
+    if prefix and not topics.TOPIC_PART.fullmatch(prefix):
+        raise KafkaUrlError(url, f"has a topic prefix {prefix!r} that is not a valid Kafka topic name part")
+    return servers, prefix
+
+
 def partition_for(key: str, partitions: int) -> int:
     """The partition of a record keyed ``key`` among ``partitions``: Kafka's default
     partitioner (murmur2 of the UTF-8 key, as the Java client and faust's aiokafka compute it),

@@ -335,28 +335,18 @@ def export_complete(source: Source) -> Failure | None:
 def kafka_location(url: str) -> tuple[str, str]:
     """``(bootstrap servers, topic prefix)`` of ``kafka://HOST:PORT[,HOST:PORT...][/WHERE]``, where
     WHERE is the deployment's topic prefix or its plan topic ``<prefix>stagetree.plan`` (empty:
-    no prefix). Credentials never go in the address: they come from ``STAGETREE_KAFKA_*``.
+    no prefix), as :func:`events.kafka_log.parse_kafka_url` reads it. Credentials never go in the
+    address: they come from ``STAGETREE_KAFKA_*``.
 
     Raises:
-        AuditError: not such an address (named), or it holds ``user@`` credentials.
+        AuditError: not such an address (named), or it holds ``user@`` credentials (masked).
     """
-    if not isinstance(url, str) or not url.startswith("kafka://"):
-        raise AuditError(f"source {url!r} must be kafka://HOST:PORT[,HOST:PORT...][/PREFIX]")
-    servers, _, where = url[len("kafka://"):].partition("/")
-    if "@" in servers:
-        raise AuditError("a kafka:// source must not hold credentials (user@host): set STAGETREE_KAFKA_SASL_* "
-                         "and the other STAGETREE_KAFKA_* variables instead")
-    from events.kafka_log import check_bootstrap_servers
+    from events.kafka_log import KafkaUrlError, parse_kafka_url
 
     try:
-        check_bootstrap_servers(servers, port=True)
-    except ValueError:
-        raise AuditError(f"source {url!r} must be kafka://HOST:PORT[,HOST:PORT...][/PREFIX], ports 1 to "
-                         "65535") from None
-    prefix = where[: -len(topics.PLAN)] if where.endswith(topics.PLAN) else where
-    if prefix and not topics.TOPIC_PART.fullmatch(prefix):
-        raise AuditError(f"source {url!r}: the topic prefix {prefix!r} is not a valid Kafka topic name part")
-    return servers, prefix
+        return parse_kafka_url(url, topic=topics.PLAN)
+    except KafkaUrlError as exc:
+        raise AuditError(f"source {exc}") from None
 
 
 def probe_kafka(log: KafkaLog, url: str) -> None:

@@ -297,6 +297,15 @@ def test_bad_urls_name_the_value(bad: str) -> None:
         journal_backend(bad)
 
 
+def test_a_kafka_url_with_credentials_is_refused_without_showing_them() -> None:
+    """The URL is read by the parser replay's sources use (events.kafka_log.parse_kafka_url):
+    credentials in it were refused as a bad address, quoting the password."""
+    with pytest.raises(ValueError, match="`url` is 'kafka://\\*\\*\\*@127.0.0.1:9092/team-a.', but it must not hold "
+                                         "credentials") as info:
+        journal_backend("kafka://user:hunter2@127.0.0.1:9092/team-a.")
+    assert "hunter2" not in str(info.value)
+
+
 @pytest.mark.timeout(120)  # a bound of the wait, not a timing
 def test_a_kafka_url_where_no_broker_answers_is_named_at_once() -> None:
     """Each storage call waited a minute for the broker before its error."""

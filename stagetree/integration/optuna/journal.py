@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from events import topics
-from events.kafka_log import KafkaLog, check_bootstrap_servers, security_from_env
+from events.kafka_log import KafkaLog, KafkaUrlError, parse_kafka_url, security_from_env
 from events.keys import secret_from
 from events.log import EventLog, LogError
 from events.shared_log import SharedEmbeddedLog
@@ -185,21 +185,17 @@ def journal_backend(url: str | Path, *, log_key: str | None = None, timeout_s: f
 
     Raises:
         ValueError: ``url`` is empty, has another scheme, or a Kafka URL has no servers, a bad
-            port or a topic prefix Kafka does not allow.
+            port, ``user@`` credentials (masked in the message) or a topic prefix Kafka does not
+            allow (:func:`events.kafka_log.parse_kafka_url`).
         events.kafka_log.KafkaLogError: no broker answers at a Kafka URL (see
             :class:`KafkaJournalBackend`).
     """
     text = str(url)
     if text.startswith(KAFKA_SCHEME):
-        servers, _, prefix = text[len(KAFKA_SCHEME):].partition("/")
         try:
-            check_bootstrap_servers(servers, port=True)
-        except ValueError:
-            raise ValueError(f"`url` is {text!r}, but a Kafka URL must be kafka://HOST:PORT[,HOST:PORT...][/PREFIX], "
-                             "ports 1 to 65535") from None
-        if prefix and not topics.TOPIC_PART.fullmatch(prefix):
-            raise ValueError(f"`url` is {text!r}, but its topic prefix {prefix!r} is not a valid Kafka topic name "
-                             "part") from None
+            servers, prefix = parse_kafka_url(text)
+        except KafkaUrlError as exc:
+            raise ValueError(f"`url` is {exc.shown!r}, but it {exc.reason}") from None
         return KafkaJournalBackend(servers, prefix)
     if text.startswith("file://"):
         text = text[len("file://"):]
