@@ -30,6 +30,17 @@ Ident = Annotated[str, Field(min_length=1, pattern=r"^[^\x00-\x1f\x7f]+$")]
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
+TRIAL_PLAN_SEPARATOR = "/trial/"
+"""A ``--no-merge`` run (mode ``trial``) gives every trial a search plan of its own, keyed
+``<plan key>/trial/<trial id>`` (:func:`base_plan_key` gives ``<plan key>`` back)."""
+
+
+def base_plan_key(plan_key: str) -> str:
+    """The shared part of a plan key: ``<key>`` of a trial-mode key ``<key>/trial/<trial id>``
+    (the study's plan key, which its StudyStarted names), else the key itself."""
+    return plan_key.split(TRIAL_PLAN_SEPARATOR, 1)[0]
+
+
 def new_event_id() -> str:
     """A random 128-bit event id as 32 hex characters."""
     return uuid.uuid4().hex
@@ -119,7 +130,8 @@ class TrialSubmitted(Event):
     int within 64 bits; :func:`events.hp.check_computable`), else the event is invalid.
 
     Submitting the same ``trial_id`` again with more steps extends the trial (a promotion);
-    with the same steps it is a no-op. ``plan_key`` names the search plan the trial joins.
+    with the same steps it is a no-op. ``plan_key`` names the search plan the trial joins: the
+    study's plan key, or in a ``--no-merge`` run the trial's own (:data:`TRIAL_PLAN_SEPARATOR`).
     """
 
     type: ClassVar[str] = "TrialSubmitted"

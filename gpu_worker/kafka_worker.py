@@ -75,6 +75,7 @@ from events.models import (
     StudyStarted,
     WorkerJoined,
     WorkerLost,
+    base_plan_key,
 )
 
 log = logging.getLogger(__name__)
@@ -122,11 +123,6 @@ class Runner(Protocol):
 
         Raises:
             DispatchRefused: the dispatch cannot be run here; nothing of it was emitted."""
-
-
-def base_plan_key(plan_key: str) -> str:
-    """The study's plan key of a trial-mode plan (``<key>/trial/<id>``), else the key itself."""
-    return plan_key.split("/trial/", 1)[0]
 
 
 def worker_transactional_id(log: KafkaLog, worker_id: str) -> str:

@@ -22,7 +22,7 @@ from itertools import islice
 from typing import NamedTuple
 
 from events.hp import first_divergence
-from events.models import TrialSubmitted
+from events.models import TrialSubmitted, base_plan_key
 from projections.state import Checkpoint, Decided, Dispatch, Node, Plan, State, Trial
 
 
@@ -210,21 +210,15 @@ def find_trial(state: State, prefix: str) -> Trial:
     raise KeyError(f"trial id prefix {prefix!r} is not unique: {shown}")
 
 
-def plan_family(plan_key: str) -> str:
-    """The plan key a trial's plan belongs to: ``<key>`` for ``<key>/trial/<id>`` (the plans of
-    a ``--no-merge`` run, one per trial) and for ``<key>`` itself."""
-    return plan_key.split("/trial/", 1)[0]
-
-
 def divergences(state: State, trial: Trial) -> dict[str, int]:
     """For each other trial of the same plan key whose hyper-parameters agree with the trial's
     at step 0, the first step at which they differ (:func:`events.hp.first_divergence`), capped
     at the smaller of the two trials' steps (a cap means: no difference within them). These are
     the trials it shares a prefix with (in a ``--no-merge`` run too, where nothing is shared)."""
     out = {}
-    family = plan_family(trial.plan_key)
+    family = base_plan_key(trial.plan_key)
     for other in state.trials.values():
-        if other.trial_id == trial.trial_id or plan_family(other.plan_key) != family \
+        if other.trial_id == trial.trial_id or base_plan_key(other.plan_key) != family \
                 or other.hp.keys() != trial.hp.keys():
             continue
         step = first_divergence(trial.hp, other.hp, 0, min(trial.steps, other.steps))

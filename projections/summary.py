@@ -30,12 +30,11 @@ from events.models import (
     StudyFinished,
     StudyStarted,
     WorkerLost,
+    base_plan_key,
 )
 from projections.queries import study_needs
 from projections.search_plan import merged_unique_steps
 from projections.state import State, Trial
-
-TRIAL_PLAN_SEPARATOR = "/trial/"  # mode "trial": every trial's plan key is <key>/trial/<trial id>
 
 _FILE_SAFE = re.compile(r"[A-Za-z0-9._-]+")
 
@@ -123,11 +122,6 @@ def plan_events(log: EventLog) -> Iterator[Event]:
 def elapsed_before(log: EventLog, study_id: str) -> float:
     """:func:`elapsed` over the plan stream of ``log`` (seconds)."""
     return elapsed(plan_events(log), study_id)
-
-
-def base_plan_key(plan_key: str) -> str:
-    """The shared part of a plan key: ``<key>`` of a trial-mode key ``<key>/trial/<trial id>``."""
-    return plan_key.split(TRIAL_PLAN_SEPARATOR, 1)[0]
 
 
 def studies_sharing_plan(state: State, study_id: str) -> list[str]:

@@ -33,10 +33,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from events.models import CheckpointEvicted
+from events.models import CheckpointEvicted, base_plan_key
 from projections.queries import ancestors, node_number, running_dispatches
 from projections.state import Node, Plan, State
-from projections.summary import base_plan_key
 from scheduler.critical_path import Path
 from scheduler.decide import best_path, check_policy, fallback_sec_per_step
 from scheduler.stage_tree import mean_sec_per_step, sec_per_step

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from events import topics, tracing
 from events.decisions import Decision, ReleasedResult
 from events.hp import HPConfig, as_hp, canonical_json
-from events.models import Event, TrialCancelled, TrialSubmitted, TunerDecided
+from events.models import TRIAL_PLAN_SEPARATOR, Event, TrialCancelled, TrialSubmitted, TunerDecided
 from gpu_worker.trainer import Trainer
 from projections import search_plan
 from projections.state import State
@@ -150,7 +150,7 @@ class Study:
         return hashlib.sha256(self.name.encode() + b"\0" + canonical_json(config)).hexdigest()[:16]
 
     def _plan_for(self, trial_id: str) -> str:
-        return self.plan_key if self.merge else f"{self.plan_key}/trial/{trial_id}"
+        return self.plan_key if self.merge else f"{self.plan_key}{TRIAL_PLAN_SEPARATOR}{trial_id}"
 
     @staticmethod
     def _check_steps(steps: Any) -> int:
