@@ -1056,6 +1056,22 @@ class ProducerFailed(KafkaLogError):
     ``transactional.id`` (which fences any other holder of it)."""
 
 
+class CommitUnknown(KafkaLogError):
+    """The producer failed fatally while the outcome of its commit was not known: the
+    transaction's records may be in the log or not (readers skip an event id seen before)."""
+
+
+def _kafka_exception(raised: BaseException) -> KafkaException:
+    """The KafkaException behind ``raised``: itself, or the cause of a SystemError that
+    confluent-kafka raises when an error was set while a delivery callback ran."""
+    if isinstance(raised, KafkaException):
+        return raised
+    cause = raised.__cause__ or raised.__context__
+    if isinstance(cause, KafkaException):
+        return cause
+    raise raised
+
+
 class TransactionAborted(KafkaLogError):
     """The transaction could not be committed and was aborted: nothing of it is visible to
     ``read_committed`` readers; the caller may decide again and retry."""
@@ -1108,6 +1124,9 @@ class TransactionalAppender:
         self.timeout_s = float(timeout_s if timeout_s is not None else log.timeout_s)
         self._producer: Producer | None = None
         self._fenced: KafkaError | None = None
+        self._unresolved: tuple[str, list[tuple[int, int]]] | None = None
+        """("commit", positions) or ("abort", []): an end of a transaction asked of the broker
+        whose outcome is not known yet (it timed out); the same producer resumes it first."""
         self.retries = 0
         """Attempts of :meth:`append_retrying` that failed and were tried again, since the start."""
 
@@ -1137,6 +1156,9 @@ class TransactionalAppender:
             # (aborted; the caller decides again), e.g. while the broker restarts.
             "message.timeout.ms": TRANSACTION_TIMEOUT_MS,
             "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS,
+            # Errors reach this callback rather than being raised inside flush() while delivery
+            # callbacks run (a fence then surfaced as a SystemError from the callback).
+            "error_cb": self._on_error,
         }
         producer = Producer(conf)
         deadline = time.monotonic() + self.timeout_s
@@ -1153,6 +1175,12 @@ class TransactionalAppender:
                 raise KafkaLogError(f"kafka: {self!r} could not start: {err}", error=err) from exc
         self._producer = producer
         self._fenced = None
+        self._unresolved = None
+
+    def _on_error(self, err: KafkaError) -> None:
+        """The producer's error callback: a fence or a fatal error is also raised by the call it
+        fails (begin, produce, commit); others (a broker away) are retried by librdkafka."""
+        log.debug("kafka: %r: %s", self, err)
 
     def _error(self, exc: KafkaException, what: str) -> KafkaLogError:
         err = exc.args[0]
@@ -1182,6 +1210,8 @@ class TransactionalAppender:
                 and the next call starts a new producer.
             TransactionAborted: the transaction failed and was aborted; nothing was appended.
             AppendAbandoned: ``stopping()`` became true; nothing was appended.
+            KafkaLogError: the end of an earlier transaction (:meth:`resume`) is not known yet,
+                or this one's commit timed out: the next call (or :meth:`resume`) resumes it.
         """
         if self._fenced is not None:
             raise Fenced(f"kafka: {self!r} was fenced earlier ({self._fenced})", error=self._fenced)
@@ -1199,10 +1229,13 @@ class TransactionalAppender:
                 reports[i] = (err, msg.partition(), msg.offset() if err is None else -1)
             return on_delivery
 
+        if self._unresolved is not None:  # an earlier transaction's end first (KafkaLogError: not yet)
+            self.resume()
         try:
             producer.begin_transaction()
         except KafkaException as exc:
             raise self._error(exc, "begin") from exc
+        committing = False
         try:
             for i, record in enumerate(records):
                 _produce(producer, record, report(i))
@@ -1220,60 +1253,137 @@ class TransactionalAppender:
                     KafkaError._TIMED_OUT, f"no delivery report within {self.timeout_s:g} s"))
             if before_commit is not None:
                 before_commit()
+            committing = True
             self._commit(producer)
-        except KafkaException as exc:
+        except (KafkaException, SystemError) as raised:
+            exc = _kafka_exception(raised)
             err = exc.args[0]
             if isinstance(err, KafkaError) and (err.code() in _FENCED_CODES or err.fatal()):
                 raise self._error(exc, "append") from exc
-            try:
-                producer.abort_transaction(self.timeout_s)
-            except KafkaException as abort_exc:
-                raise self._error(abort_exc, f"abort after {err}") from abort_exc
+            if committing and not (isinstance(err, KafkaError) and err.txn_requires_abort()):
+                # the commit may have reached the coordinator: never abort it nor start a new
+                # producer (whose registration would complete it), resume it (append_retrying)
+                self._unresolved = ("commit", [(r[1], r[2]) for r in reports if r is not None])
+                raise KafkaLogError(f"kafka: {self!r}: the commit's outcome is not known yet ({err})",
+                                    error=err) from exc
+            self._abort(producer, err)
             raise TransactionAborted(f"kafka: {self!r}: the transaction was aborted ({err}); nothing of it is "
                                      "visible", error=err) from exc
         return [(r[1], r[2]) for r in reports if r is not None]
 
+    def _abort(self, producer: Producer, after: object) -> None:
+        """Abort the open transaction; one whose abort timed out is resumed by the next
+        :meth:`resume` (nothing of it is ever visible).
+
+        Raises:
+            Fenced, ProducerFailed: as :meth:`_error`.
+            KafkaLogError: the abort is not done yet.
+        """
+        try:
+            producer.abort_transaction(self.timeout_s)
+            self._unresolved = None
+        except (KafkaException, SystemError) as raised:
+            exc = _kafka_exception(raised)
+            err = exc.args[0]
+            if isinstance(err, KafkaError) and (err.code() in _FENCED_CODES or err.fatal()):
+                raise self._error(exc, f"abort after {after}") from exc
+            self._unresolved = ("abort", [])
+            raise KafkaLogError(f"kafka: {self!r}: abort after {after}: {err}", error=err) from exc
+
+    def resume(self) -> list[tuple[int, int]] | None:
+        """Finish the end of a transaction that timed out, on the same producer: a commit asked
+        for (its records' ``(partition, offset)`` once it is done, None when the broker aborted it)
+        or an abort (None once done). None when nothing is pending.
+
+        Raises:
+            Fenced, ProducerFailed: as :meth:`append` (a commit's outcome is then unknown).
+            KafkaLogError: still not done (the broker away); call again.
+        """
+        if self._unresolved is None or self._producer is None:
+            return None
+        what, positions = self._unresolved
+        producer = self._producer
+        if what == "abort":
+            self._abort(producer, "an earlier failure")
+            return None
+        try:
+            self._commit(producer)
+        except (KafkaException, SystemError) as raised:
+            exc = _kafka_exception(raised)
+            err = exc.args[0]
+            if isinstance(err, KafkaError) and (err.code() in _FENCED_CODES or err.fatal()):
+                raise self._error(exc, "commit") from exc
+            if isinstance(err, KafkaError) and err.txn_requires_abort():
+                self._abort(producer, err)
+                return None
+            raise KafkaLogError(f"kafka: {self!r}: the commit's outcome is not known yet ({err})", error=err) from exc
+        self._unresolved = None
+        return positions
+
     def append_retrying(self, writes: Sequence[Write], retry_s: float, *, who: str,
-                        stopping: Callable[[], bool] = lambda: False) -> list[tuple[int, int]]:
+                        stopping: Callable[[], bool] = lambda: False,
+                        before_restart: Callable[[], None] | None = None) -> list[tuple[int, int]]:
         """:meth:`append`, tried again a second after each failure for up to ``retry_s`` seconds
-        (a broker away or restarting). A failed attempt leaves nothing visible: its transaction
-        was aborted, or is aborted when the next attempt's producer registers the same
-        ``transactional.id`` (each retry starts one afresh), so every attempt appends all of
-        ``writes`` and none is written twice.
+        (a broker away or restarting), on the same producer: a failed attempt was aborted (nothing
+        of it visible), or its commit's outcome is not known yet and the retry resumes that commit
+        (librdkafka: "retry call to resume") rather than append again, so none is written twice.
+        A producer is started afresh only after a fatal error (which is not a fence): a new
+        registration of the ``transactional.id`` fences whoever holds it, so a writer whose id
+        another process took over meanwhile learns it from the broker, not by taking it back.
 
         Args:
             retry_s: seconds from the first attempt after which a failure is raised.
             who: names the writer in the warning logged for each failed attempt.
             stopping: asked between attempts (every 0.1 s); true gives up.
+            before_restart: called before a producer is started afresh after a fatal error
+                (a writer checks there that nobody took its id over; it raises to give up).
 
         Raises:
             TypeError, KafkaLogError: a bad write (named), never retried; nothing was appended.
             Fenced: another producer registered this ``transactional.id``; never retried.
-            AppendAbandoned: ``stopping()`` became true; nothing of ``writes`` is visible.
+            CommitUnknown: the producer failed fatally while a commit's outcome was unknown.
+            AppendAbandoned: ``stopping()`` became true (a commit in doubt may still complete).
             KafkaLogError: once ``retry_s`` seconds have passed, naming ``who`` and the last
                 attempt's error.
         """
         self.log.check_writes(writes)
         deadline = time.monotonic() + retry_s
+        restarting = False
         while True:
             try:
+                if self._unresolved is not None:  # an earlier attempt's end, on the same producer
+                    if self._producer is None:
+                        raise CommitUnknown(f"kafka: {who}: the producer failed while a commit's outcome was not "
+                                            "known: its records may be in the log or not")
+                    positions = self.resume()
+                    if positions is not None:
+                        return positions  # that attempt was committed
+                if restarting and before_restart is not None:
+                    before_restart()
+                restarting = False
                 return self.append(writes, stopping=stopping)
-            except (Fenced, AppendAbandoned):
+            except (Fenced, AppendAbandoned, CommitUnknown):
                 raise
+            except ProducerFailed as exc:
+                if self._unresolved is not None and self._unresolved[0] == "commit":
+                    raise CommitUnknown(f"kafka: {who}: the producer failed while a commit's outcome was not "
+                                        f"known ({exc}): its records may be in the log or not") from exc
+                failed: KafkaLogError = exc
+                restarting = True
             except KafkaLogError as exc:
-                if time.monotonic() > deadline:
-                    raise KafkaLogError(f"kafka: {who}: an append failed, tried for {retry_s:g} s: {exc}",
-                                        topic=exc.topic, error=exc.error) from exc
-                self.retries += 1
-                log.warning("kafka: %s: an append failed (retrying for up to %.0f s more): %s", who,
-                            max(0.0, deadline - time.monotonic()), exc)
-                self.close()  # the next attempt starts a producer afresh
-                resume = time.monotonic() + 1.0
-                while time.monotonic() < resume:
-                    if stopping():
-                        raise AppendAbandoned(f"kafka: {who}: an append was abandoned: the process is stopping; "
-                                              "nothing of it is in the log") from exc
-                    time.sleep(0.1)
+                failed = exc
+            if time.monotonic() > deadline:
+                raise KafkaLogError(f"kafka: {who}: an append failed, tried for {retry_s:g} s: {failed}",
+                                    topic=failed.topic, error=failed.error) from failed
+            self.retries += 1
+            log.warning("kafka: %s: an append failed (retrying for up to %.0f s more): %s", who,
+                        max(0.0, deadline - time.monotonic()), failed)
+            resume = time.monotonic() + 1.0
+            while time.monotonic() < resume:
+                if stopping():
+                    raise AppendAbandoned(f"kafka: {who}: an append was abandoned: the process is stopping"
+                                          ) from failed
+                time.sleep(0.1)
 
     def _commit(self, producer: Producer) -> None:
         """Commit, retrying what librdkafka says is retriable (a broker away for a while)."""

@@ -134,12 +134,20 @@ async def _conduct(runtime: Any, log: Any, args: argparse.Namespace, loaded: tup
 
     _, trainer, tuner, seed, name = loaded
     started = time.monotonic()
+
+    def check(prior: dict[str, Any] | None) -> None:
+        if prior is not None and prior["mode"] != mode:
+            raise UsageError(_mode_mismatch(name, prior["mode"], mode))
+        if prior is not None:
+            _same_plan(args.file, name, "the log", prior, trainer, seed)
+        _same_tuner(args.file, name, "the log", prior and prior.get("tuner_settings"), settings)
+
+    check(runtime.state.studies.get(name))  # before a claim: a refused file stops no other client
+    claim = getattr(runtime, "claim", None)
+    if claim is not None:  # on Kafka: fence an earlier client of the study, then read all it wrote
+        claim()
     prior = runtime.state.studies.get(name)
-    if prior is not None and prior["mode"] != mode:
-        raise UsageError(_mode_mismatch(name, prior["mode"], mode))
-    if prior is not None:
-        _same_plan(args.file, name, "the log", prior, trainer, seed)
-    _same_tuner(args.file, name, "the log", prior and prior.get("tuner_settings"), settings)
+    check(prior)
     before = elapsed_before(log, name) if prior is not None else 0.0
     study = Study(runtime, name, trainer, seed, merge=mode == "merged", metric=tuner.metric)
     if prior is not None:  # its tuner decides again from the start, as replay verify does: in memory

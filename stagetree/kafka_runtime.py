@@ -8,15 +8,16 @@ instances project and schedule, workers train.
 
 Every append is one Kafka transaction of a producer whose ``transactional.id`` names the study
 the client drives (``<prefix>stagetree.study.<name>``), as a worker's names the worker: a second
-client of the same study fences the first at its first append, and the first then appends
-nothing more. The second continues the study from the log (its tuner decides again from the
-start, as after a kill); the first stops with :class:`~stagetree.errors.StudyTakenOver` when it
-folds the second's StudyStarted, or at its next append. Two clients never both record a study's
-decisions.
+client of the same study registers that id (:meth:`KafkaRuntime.claim`), which fences the first,
+then reads the plan to its end; the first then appends nothing more. The second continues the
+study from the log (its tuner decides again from the start, as after a kill); the first stops
+with :class:`~stagetree.errors.StudyTakenOver` when it folds the second's StudyStarted, or at
+its next append. Two clients never both record a study's decisions.
 
 An append rides out a broker that is away (restarting, unreachable) for up to ``retry_s``
-seconds, as a worker does: a failed attempt's transaction is never committed, so every retry
-appends all of it again; none is written twice and none is lost.
+seconds, as a worker does (:meth:`~events.kafka_log.TransactionalAppender.append_retrying`, on
+the same producer: an aborted attempt is appended again, a commit in doubt is resumed); none is
+written twice and none is lost.
 """
 
 from __future__ import annotations
@@ -74,15 +75,51 @@ class KafkaRuntime(RuntimeBase):
         self.study = study
         self.appender = TransactionalAppender(log, study_transactional_id(log, study) if study is not None
                                               else log.topic(f"stagetree.client.{uuid.uuid4().hex}"))
-        self._started: str | None = None  # the event id of this client's own StudyStarted
+        self._claimed = False  # the study's transactional.id registered, and the plan read to its end after
+        self._own: set[str] = set()  # the event ids of this client's own StudyStarted
         self.follower = Follower(log, {(topics.PLAN, p): 0 for p in range(self.partitions)}, wait_ms=100)
         self.last_record: dict[int, int] = {}
         """Partition -> offset of the last record folded that is not a seal."""
         self.sealed_to: dict[int, int] = {}
         """Partition -> the last offset a seal folded so far covers."""
+        self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Fold every plan partition up to its end as the broker has it now."""
         ends = self.follower.end_offsets()
         while not self.follower.reached(ends):
             self._fold(self.follower.poll(0.1))
+
+    def claim(self) -> None:
+        """Take the study over: register its ``transactional.id`` (every earlier client of it is
+        fenced: what it committed stays, it commits nothing more), then fold the plan to its end,
+        so the state shows everything the earlier client recorded. From then on a StudyStarted of
+        the study that is not this client's is a later client's: this one stops
+        (:class:`StudyTakenOver`). Done by the first :meth:`append` when not called before; a
+        client without a study claims nothing.
+
+        Raises:
+            KafkaLogError: the cluster did not answer within the log's ``timeout_s``.
+            AppendAbandoned: the process is stopping (``log.stop_requested``).
+        """
+        if self.study is None or self._claimed:
+            return
+        self.appender.start(lambda: self.log.stop_requested)
+        self._catch_up()
+        self._claimed = True
+
+    def _still_mine(self) -> None:
+        """Before the study's producer is started afresh after a fatal error (its registration
+        would fence a client that took the study over meanwhile): fold to the end, and stop if
+        another client's StudyStarted is there.
+
+        Raises:
+            StudyTakenOver: another client drives the study now.
+            KafkaLogError: the plan is not readable (the caller retries).
+        """
+        self._catch_up()
+        if isinstance(self.failure, StudyTakenOver):
+            raise self.failure
 
     @property
     def retries(self) -> int:
@@ -95,8 +132,8 @@ class KafkaRuntime(RuntimeBase):
                 self.sealed_to[partition] = max(self.sealed_to.get(partition, -1), event.offset)
             else:
                 self.last_record[partition] = offset
-            if isinstance(event, StudyStarted) and self._started is not None and event.name == self.study \
-                    and event.event_id != self._started and self.failure is None:
+            if isinstance(event, StudyStarted) and self._claimed and event.name == self.study \
+                    and event.event_id not in self._own and self.failure is None:
                 self._fail(StudyTakenOver(
                     f"another client started driving study {self.study!r} on this deployment (a second `stagetree "
                     f"run` of it, at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(event.ts))}): it "
@@ -123,19 +160,19 @@ class KafkaRuntime(RuntimeBase):
         if self.failure is not None:
             raise (self.failure if isinstance(self.failure, StudyTakenOver)
                    else RuntimeError_(f"the runtime failed: {self.failure}"))
-        events = self.stamp(events)
+        self.claim()
+        events = self.stamp(events)  # after the claim: a later start is stamped later
         writes = [Write(topics.PLAN, event_key(e), encode(e)) for e in events]
-        started = [e.event_id for e in events if isinstance(e, StudyStarted) and e.name == self.study]
+        self._own.update(e.event_id for e in events if isinstance(e, StudyStarted) and e.name == self.study)
         try:
             positions = self.appender.append_retrying(writes, self.retry_s, who="the SDK",
-                                                      stopping=lambda: self.log.stop_requested)
+                                                      stopping=lambda: self.log.stop_requested,
+                                                      before_restart=self._still_mine)
         except Fenced as exc:
             self._fail(StudyTakenOver(f"another client started driving study {self.study!r} on this deployment "
                                       f"(a second `stagetree run` of it): it continues the study from the log; this "
                                       f"one appends nothing more ({exc})"))
             raise self.failure from None  # type: ignore[misc]
-        if started:
-            self._started = started[-1]
         mine: dict[int, int] = {}
         for partition, offset in positions:
             mine[partition] = max(mine.get(partition, -1), offset)

@@ -16,7 +16,7 @@ from events.models import Event, MetricsReported, StageFailed, TrialCancelled, T
 from projections.queries import running_dispatches
 from projections.state import State
 from projections.store import Projector
-from stagetree.errors import RuntimeError_, TrialFailed
+from stagetree.errors import RuntimeError_, StudyTakenOver, TrialFailed
 
 _ANSWERING = (TrialSubmitted, StageFailed, TrialCancelled)
 """The events besides MetricsReported whose fold can answer a trial, fail it or cancel it."""
@@ -79,7 +79,8 @@ class RuntimeBase:
         """A future resolved with the trial's metrics at ``steps`` (at once if already known)."""
         future: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
         if self.failure is not None:
-            future.set_exception(self.failure_type(f"the runtime failed: {self.failure}"))
+            future.set_exception(self.failure if isinstance(self.failure, StudyTakenOver)
+                                 else self.failure_type(f"the runtime failed: {self.failure}"))
             return future
         self._waiters.setdefault((trial_id, steps), []).append(future)
         self._resolve([(trial_id, steps)])

@@ -41,7 +41,7 @@ from private_kafka import PrivateBroker, _free_port, cluster_id
 
 from events import topics
 from events.codec import decode, encode
-from events.kafka_log import AppendAbandoned, KafkaLog, KafkaLogError
+from events.kafka_log import AppendAbandoned, KafkaLog, KafkaLogError, TransactionalAppender, Write
 from events.models import (
     CheckpointSaved,
     DeadLettered,
@@ -438,9 +438,12 @@ def test_a_second_client_of_a_study_takes_it_over_and_the_first_appends_nothing_
         KafkaRuntime(logs[0], study="s"), KafkaRuntime(logs[1], study="s"), KafkaRuntime(logs[2], study="t"),
         KafkaRuntime(logs[3]), KafkaRuntime(logs[4], study="s"))
     try:
+        # the second was caught up before the first started: its claim reads the first's start,
+        # which is an earlier client's, not a takeover of its own
         first.append([_started("s")])
         other.append([_started("t")])
         second.append([_started("s")])  # continues the study: the first is fenced
+        assert second.failure is None
         late = WorkerJoined(producer="test", ts=1.0, worker_id="w-late", device="cpu")
         assert first.failure is None  # it has not read the second's StudyStarted yet
         with pytest.raises(StudyTakenOver, match="another client started driving study 's'"):
@@ -448,6 +451,8 @@ def test_a_second_client_of_a_study_takes_it_over_and_the_first_appends_nothing_
         assert isinstance(first.failure, StudyTakenOver)
         with pytest.raises(StudyTakenOver):
             first.append([late])
+        second.fold()
+        assert second.failure is None
         other.append([WorkerJoined(producer="test", ts=2.0, worker_id="w-other", device="cpu")])
         anonymous.append([WorkerJoined(producer="test", ts=3.0, worker_id="w-none", device="cpu")])
         _, events = kafka_state(deployment)
@@ -466,6 +471,31 @@ def test_a_second_client_of_a_study_takes_it_over_and_the_first_appends_nothing_
             runtime.close()
         for log in logs:
             log.close()
+
+
+def test_a_commit_whose_outcome_is_not_known_is_resumed_and_its_records_are_written_once(
+        private_broker: PrivateBroker) -> None:
+    """A transaction's commit times out (the broker stalls after the records reached it): its
+    outcome is not known, and the broker may still complete it. The retry resumes that commit on
+    the same producer rather than aborting it and appending again (a new producer's registration
+    completed the stalled commit, and the retry wrote every record a second time)."""
+    log = KafkaLog(private_broker.bootstrap, timeout_s=3, topic_prefix=f"doubt-{uuid.uuid4().hex[:8]}.")
+    appender = TransactionalAppender(log, log.topic("doubt"), timeout_s=3)
+    assert private_broker.proc is not None
+    broker = private_broker.proc.pid
+    try:
+        appender.append([Write("s", "k", b"warm")])
+        writes = [Write("s", "k", b"x1"), Write("s", "k", b"x2")]
+        with pytest.raises(KafkaLogError, match="the commit's outcome is not known yet"):
+            appender.append(writes, before_commit=lambda: os.killpg(broker, signal.SIGSTOP))
+        os.killpg(broker, signal.SIGCONT)
+        positions = appender.append_retrying(writes, 120, who="test")
+        assert [r.value for r in log.read("s")] == [b"warm", b"x1", b"x2"]
+        assert positions == [(0, 2), (0, 3)]  # the stalled transaction's own records
+    finally:
+        os.killpg(broker, signal.SIGCONT)
+        appender.close()
+        log.close()
 
 
 def test_an_append_retrying_through_an_outage_gives_up_when_the_process_is_stopping(
