@@ -1056,6 +1056,11 @@ class ProducerFailed(KafkaLogError):
     ``transactional.id`` (which fences any other holder of it)."""
 
 
+class CommittedLate(KafkaLogError):
+    """An append found that an earlier transaction whose commit had timed out was committed after
+    all: nothing of the new one was appended."""
+
+
 class CommitUnknown(KafkaLogError):
     """The producer failed fatally while the outcome of its commit was not known: the
     transaction's records may be in the log or not (readers skip an event id seen before)."""
@@ -1212,6 +1217,9 @@ class TransactionalAppender:
             AppendAbandoned: ``stopping()`` became true; nothing was appended.
             KafkaLogError: the end of an earlier transaction (:meth:`resume`) is not known yet,
                 or this one's commit timed out: the next call (or :meth:`resume`) resumes it.
+            CommittedLate: the earlier transaction whose commit was in doubt is committed now;
+                nothing of this one was appended (a caller that decided from a view without the
+                earlier one's records reads them and decides again).
         """
         if self._fenced is not None:
             raise Fenced(f"kafka: {self!r} was fenced earlier ({self._fenced})", error=self._fenced)
@@ -1229,8 +1237,9 @@ class TransactionalAppender:
                 reports[i] = (err, msg.partition(), msg.offset() if err is None else -1)
             return on_delivery
 
-        if self._unresolved is not None:  # an earlier transaction's end first (KafkaLogError: not yet)
-            self.resume()
+        if self._unresolved is not None and self.resume() is not None:  # KafkaLogError: not known yet
+            raise CommittedLate(f"kafka: {self!r}: the transaction whose commit was in doubt was committed now; "
+                                "nothing of this one was appended (decide again from what is in the log)")
         try:
             producer.begin_transaction()
         except KafkaException as exc:

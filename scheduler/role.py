@@ -51,6 +51,7 @@ from typing import Any
 from events import topics
 from events.codec import encode
 from events.kafka_log import (
+    CommittedLate,
     Fenced,
     Follower,
     KafkaLog,
@@ -148,10 +149,17 @@ class DecisionAppender:
         the seconds it took. Raises KafkaLogError when the cluster does not answer."""
         started = time.monotonic()
         self.transactions.start()
+        self.catch_up()
+        return time.monotonic() - started
+
+    def catch_up(self) -> None:
+        """Fold every partition up to its end as the broker has it now.
+
+        Raises:
+            KafkaLogError: the cluster did not answer."""
         ends = self.follower.end_offsets()
         while not self.follower.reached(ends):
             self.fold.fold(self.follower.poll(0.05))
-        return time.monotonic() - started
 
     def prefix(self) -> dict[str, object]:
         """The fields a decision taken now from the fold records as its prefix."""
@@ -168,10 +176,16 @@ class DecisionAppender:
 
         Raises:
             Fenced: a successor holds the role now; nothing was appended.
-            TransactionAborted, KafkaLogError: nothing was appended; decide again and retry.
+            TransactionAborted, KafkaLogError: nothing was appended; decide again and retry
+                (CommittedLate: an earlier decision whose commit had timed out is in the log
+                after all, and folded now; a KafkaLogError whose commit timed out may be too).
         """
         writes = event_writes(topics.PLAN, decisions, self.partitions)
-        positions = self.transactions.append([*writes, *copies], before_commit=_stall_hook(decisions))
+        try:
+            positions = self.transactions.append([*writes, *copies], before_commit=_stall_hook(decisions))
+        except CommittedLate:  # an earlier decision whose commit timed out is in the log after all:
+            self.catch_up()  # fold it before anything is decided again
+            raise
         plan = positions[: len(writes)]
         self.wait_folded(plan)
         return plan
