@@ -1358,15 +1358,16 @@ class TransactionalAppender:
         self.log.check_writes(writes)
         deadline = time.monotonic() + retry_s
         restarting = False
+        inherited = self._unresolved is not None  # an earlier call's end in doubt: not these writes'
         while True:
             try:
-                if self._unresolved is not None:  # an earlier attempt's end, on the same producer
-                    if self._producer is None:
-                        raise CommitUnknown(f"kafka: {who}: the producer failed while a commit's outcome was not "
-                                            "known: its records may be in the log or not")
+                if self._unresolved is not None and self._producer is None:  # the producer was lost meanwhile
+                    self._lost_end(who, None)
+                if self._unresolved is not None:  # an attempt's end, on the same producer
                     positions = self.resume()
-                    if positions is not None:
-                        return positions  # that attempt was committed
+                    if positions is not None and not inherited:
+                        return positions  # this call's attempt was committed
+                inherited = False
                 if restarting and before_restart is not None:
                     before_restart()
                 restarting = False
@@ -1374,9 +1375,7 @@ class TransactionalAppender:
             except (Fenced, AppendAbandoned, CommitUnknown):
                 raise
             except ProducerFailed as exc:
-                if self._unresolved is not None and self._unresolved[0] == "commit":
-                    raise CommitUnknown(f"kafka: {who}: the producer failed while a commit's outcome was not "
-                                        f"known ({exc}): its records may be in the log or not") from exc
+                self._lost_end(who, exc)
                 failed: KafkaLogError = exc
                 restarting = True
             except KafkaLogError as exc:
@@ -1393,6 +1392,20 @@ class TransactionalAppender:
                     raise AppendAbandoned(f"kafka: {who}: an append was abandoned: the process is stopping"
                                           ) from failed
                 time.sleep(0.1)
+
+    def _lost_end(self, who: str, exc: BaseException | None) -> None:
+        """The producer failed (fatally) while an end of a transaction was pending: an abort needs
+        nothing more (the next producer's registration aborts that transaction); a commit's
+        outcome is unknown for good.
+
+        Raises:
+            CommitUnknown: a commit was pending (cleared: the appender goes on with the next call).
+        """
+        pending, self._unresolved = self._unresolved, None
+        if pending is not None and pending[0] == "commit":
+            raise CommitUnknown(f"kafka: {who}: the producer failed while a commit's outcome was not known"
+                                f"{f' ({exc})' if exc is not None else ''}: its records may be in the log or not"
+                                ) from exc
 
     def _commit(self, producer: Producer) -> None:
         """Commit, retrying what librdkafka says is retriable (a broker away for a while)."""
@@ -1414,5 +1427,5 @@ class TransactionalAppender:
         if producer is not None:
             try:
                 producer.flush(0)
-            except (KafkaException, RuntimeError):
+            except (KafkaException, RuntimeError, SystemError):
                 pass

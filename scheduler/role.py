@@ -348,6 +348,13 @@ class SchedulerRole:
                     log.warning("serve %s: the role's producer failed; it is treated as fenced: %s",
                                 self.instance, exc)
                     self._drop_role(fenced=True)
+                except CommittedLate as exc:  # a seal or dead letter met it: fold the late decision first
+                    log.warning("serve %s: %s", self.instance, exc)
+                    self._fresh = True
+                    try:
+                        self.decisions.catch_up()
+                    except KafkaLogError:  # the broker away again: the loop's next fold reads it
+                        self.stop.wait(0.5)
                 except KafkaLogError as exc:
                     log.warning("serve %s: a decision was not appended (decided again next): %s", self.instance, exc)
                     self._fresh = True
