@@ -1331,7 +1331,8 @@ class TransactionalAppender:
 
     def append_retrying(self, writes: Sequence[Write], retry_s: float, *, who: str,
                         stopping: Callable[[], bool] = lambda: False,
-                        before_restart: Callable[[], None] | None = None) -> list[tuple[int, int]]:
+                        before_restart: Callable[[], None] | None = None,
+                        before_commit: Callable[[], None] | None = None) -> list[tuple[int, int]]:
         """:meth:`append`, tried again a second after each failure for up to ``retry_s`` seconds
         (a broker away or restarting), on the same producer: a failed attempt was aborted (nothing
         of it visible), or its commit's outcome is not known yet and the retry resumes that commit
@@ -1346,6 +1347,7 @@ class TransactionalAppender:
             stopping: asked between attempts (every 0.1 s); true gives up.
             before_restart: called before a producer is started afresh after a fatal error
                 (a writer checks there that nobody took its id over; it raises to give up).
+            before_commit: fault injection, as :meth:`append`'s, for the first attempt only.
 
         Raises:
             TypeError, KafkaLogError: a bad write (named), never retried; nothing was appended.
@@ -1371,7 +1373,8 @@ class TransactionalAppender:
                 if restarting and before_restart is not None:
                     before_restart()
                 restarting = False
-                return self.append(writes, stopping=stopping)
+                hook, before_commit = before_commit, None
+                return self.append(writes, stopping=stopping, before_commit=hook)
             except (Fenced, AppendAbandoned, CommitUnknown):
                 raise
             except ProducerFailed as exc:

@@ -478,7 +478,9 @@ def test_a_commit_whose_outcome_is_not_known_is_resumed_and_its_records_are_writ
     """A transaction's commit times out (the broker stalls after the records reached it): its
     outcome is not known, and the broker may still complete it. The retry resumes that commit on
     the same producer rather than aborting it and appending again (a new producer's registration
-    completed the stalled commit, and the retry wrote every record a second time)."""
+    completed the stalled commit, and the retry wrote every record a second time). A commit in
+    doubt that a call gave up on is resumed by the next call, which then appends its own writes
+    (it returned the earlier call's positions for writes it never appended)."""
     log = KafkaLog(private_broker.bootstrap, timeout_s=3, topic_prefix=f"doubt-{uuid.uuid4().hex[:8]}.")
     appender = TransactionalAppender(log, log.topic("doubt"), timeout_s=3)
     assert private_broker.proc is not None
@@ -486,12 +488,29 @@ def test_a_commit_whose_outcome_is_not_known_is_resumed_and_its_records_are_writ
     try:
         appender.append([Write("s", "k", b"warm")])
         writes = [Write("s", "k", b"x1"), Write("s", "k", b"x2")]
-        with pytest.raises(KafkaLogError, match="the commit's outcome is not known yet"):
-            appender.append(writes, before_commit=lambda: os.killpg(broker, signal.SIGSTOP))
-        os.killpg(broker, signal.SIGCONT)
-        positions = appender.append_retrying(writes, 120, who="test")
+
+        def stall() -> None:  # the broker stops once the records reached it; it goes on once the
+            os.killpg(broker, signal.SIGSTOP)  # commit timed out and was tried again (a warning)
+
+            def go_on_after_a_retry() -> None:
+                while appender.retries == 0:
+                    time.sleep(0.05)
+                os.killpg(broker, signal.SIGCONT)
+            threading.Thread(target=go_on_after_a_retry, daemon=True).start()
+
+        positions = appender.append_retrying(writes, 120, who="test", before_commit=stall)
+        assert appender.retries >= 1
         assert [r.value for r in log.read("s")] == [b"warm", b"x1", b"x2"]
         assert positions == [(0, 2), (0, 3)]  # the stalled transaction's own records
+        # a commit in doubt left by a call that gave up is resumed by the next call, whose own
+        # writes are then appended (it returned the earlier call's positions for them)
+        with pytest.raises(KafkaLogError, match="the commit's outcome is not known yet"):
+            appender.append([Write("s", "k", b"y1")], before_commit=lambda: os.killpg(broker, signal.SIGSTOP))
+        os.killpg(broker, signal.SIGCONT)
+        positions = appender.append_retrying([Write("s", "k", b"z1")], 120, who="test")
+        values = [r.value for r in log.read("s")]
+        assert values == [b"warm", b"x1", b"x2", b"y1", b"z1"]
+        assert positions == [(0, [r.offset for r in log.read("s")][-1])]
     finally:
         os.killpg(broker, signal.SIGCONT)
         appender.close()
