@@ -58,7 +58,7 @@ class KafkaRuntime(RuntimeBase):
         retry_s: seconds an append keeps trying while the broker is away, before it raises.
         study: the name of the study this client drives: its appends are fenced by a later
             client of the same study (:func:`study_transactional_id`), and a StudyStarted of it
-            that is not this client's, folded after this client appended its own, stops it. None
+            that is not this client's, folded after this client's :meth:`claim`, stops it. None
             (a client of no study): a writer of its own (``<prefix>stagetree.client.<uuid>``).
     """
 
@@ -143,9 +143,9 @@ class KafkaRuntime(RuntimeBase):
         """Append events to their plans' partitions in one transaction, then fold up to them.
 
         While the broker is away, a failed attempt is retried every second for up to
-        :attr:`retry_s` seconds (nothing of a failed attempt is visible, so each retry appends
-        every event). The retries give up when the log's ``stop_requested`` is set (a run being
-        stopped: its signal handler sets it), within a second.
+        :attr:`retry_s` seconds (an aborted attempt is appended again, a commit in doubt is
+        resumed: none is written twice). The retries give up when the log's ``stop_requested``
+        is set (a run being stopped: its signal handler sets it), within a second.
 
         Raises:
             RuntimeError_: the runtime failed earlier (:class:`StudyTakenOver`: another client
@@ -155,7 +155,8 @@ class KafkaRuntime(RuntimeBase):
             AppendAbandoned: the process is stopping (``log.stop_requested``); nothing appended.
             KafkaLogError: the broker did not take the records within :attr:`retry_s` seconds,
                 or they were not readable back within the log's ``timeout_s`` after that, or a
-                record is too large (nothing is appended then).
+                record is too large (nothing is appended then); CommitUnknown: the producer
+                failed while a commit was in doubt (the records are in the log once, or not).
         """
         if self.failure is not None:
             raise (self.failure if isinstance(self.failure, StudyTakenOver)
