@@ -498,9 +498,14 @@ def test_a_commit_whose_outcome_is_not_known_is_resumed_and_its_records_are_writ
                 os.killpg(broker, signal.SIGCONT)
             threading.Thread(target=go_on_after_a_retry, daemon=True).start()
 
+        def readable(values: list[bytes]) -> Callable[[], bool]:
+            # a commit's markers reach the partition after commit_transaction returns, and a
+            # read_committed reader stops at the last stable offset: wait until it passed them
+            return lambda: [r.value for r in log.read("s")] == values
+
         positions = appender.append_retrying(writes, 120, who="test", before_commit=stall)
         assert appender.retries >= 1
-        assert [r.value for r in log.read("s")] == [b"warm", b"x1", b"x2"]
+        wait_for(readable([b"warm", b"x1", b"x2"]), "x1 and x2 to be readable, once each", 60)
         assert positions == [(0, 2), (0, 3)]  # the stalled transaction's own records
         # a commit in doubt left by a call that gave up is resumed by the next call, whose own
         # writes are then appended (it returned the earlier call's positions for them)
@@ -508,8 +513,7 @@ def test_a_commit_whose_outcome_is_not_known_is_resumed_and_its_records_are_writ
             appender.append([Write("s", "k", b"y1")], before_commit=lambda: os.killpg(broker, signal.SIGSTOP))
         os.killpg(broker, signal.SIGCONT)
         positions = appender.append_retrying([Write("s", "k", b"z1")], 120, who="test")
-        values = [r.value for r in log.read("s")]
-        assert values == [b"warm", b"x1", b"x2", b"y1", b"z1"]
+        wait_for(readable([b"warm", b"x1", b"x2", b"y1", b"z1"]), "y1 and z1 to be readable, once each", 60)
         assert positions == [(0, [r.offset for r in log.read("s")][-1])]
     finally:
         os.killpg(broker, signal.SIGCONT)
