@@ -1187,6 +1187,19 @@ class TransactionalAppender:
         fails (begin, produce, commit); others (a broker away) are retried by librdkafka."""
         log.debug("kafka: %r: %s", self, err)
 
+    def _failure(self, raised: BaseException, what: str) -> tuple[KafkaException, object]:
+        """The KafkaException behind a failed producer call (:func:`_kafka_exception`) and its
+        error, when it is neither a fence nor fatal.
+
+        Raises:
+            Fenced, ProducerFailed: a fence, or a fatal error (:meth:`_error`).
+        """
+        exc = _kafka_exception(raised)
+        err = exc.args[0]
+        if isinstance(err, KafkaError) and (err.code() in _FENCED_CODES or err.fatal()):
+            raise self._error(exc, what) from exc
+        return exc, err
+
     def _error(self, exc: KafkaException, what: str) -> KafkaLogError:
         err = exc.args[0]
         if isinstance(err, KafkaError) and err.code() in _FENCED_CODES:
@@ -1265,10 +1278,7 @@ class TransactionalAppender:
             committing = True
             self._commit(producer)
         except (KafkaException, SystemError) as raised:
-            exc = _kafka_exception(raised)
-            err = exc.args[0]
-            if isinstance(err, KafkaError) and (err.code() in _FENCED_CODES or err.fatal()):
-                raise self._error(exc, "append") from exc
+            exc, err = self._failure(raised, "append")
             if committing and not (isinstance(err, KafkaError) and err.txn_requires_abort()):
                 # the commit may have reached the coordinator: never abort it nor start a new
                 # producer (whose registration would complete it), resume it (append_retrying)
@@ -1292,10 +1302,7 @@ class TransactionalAppender:
             producer.abort_transaction(self.timeout_s)
             self._unresolved = None
         except (KafkaException, SystemError) as raised:
-            exc = _kafka_exception(raised)
-            err = exc.args[0]
-            if isinstance(err, KafkaError) and (err.code() in _FENCED_CODES or err.fatal()):
-                raise self._error(exc, f"abort after {after}") from exc
+            exc, err = self._failure(raised, f"abort after {after}")
             self._unresolved = ("abort", [])
             raise KafkaLogError(f"kafka: {self!r}: abort after {after}: {err}", error=err) from exc
 
@@ -1318,10 +1325,7 @@ class TransactionalAppender:
         try:
             self._commit(producer)
         except (KafkaException, SystemError) as raised:
-            exc = _kafka_exception(raised)
-            err = exc.args[0]
-            if isinstance(err, KafkaError) and (err.code() in _FENCED_CODES or err.fatal()):
-                raise self._error(exc, "commit") from exc
+            exc, err = self._failure(raised, "commit")
             if isinstance(err, KafkaError) and err.txn_requires_abort():
                 self._abort(producer, err)
                 return None

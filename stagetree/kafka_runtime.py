@@ -134,10 +134,14 @@ class KafkaRuntime(RuntimeBase):
                 self.last_record[partition] = offset
             if isinstance(event, StudyStarted) and self._claimed and event.name == self.study \
                     and event.event_id not in self._own and self.failure is None:
-                self._fail(StudyTakenOver(
-                    f"another client started driving study {self.study!r} on this deployment (a second `stagetree "
-                    f"run` of it, at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(event.ts))}): it "
-                    "continues the study from the log; this one appends nothing more"))
+                self._taken_over(f", at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(event.ts))}")
+
+    def _taken_over(self, detail: str = "", why: str = "") -> None:
+        """Fail the runtime with :class:`StudyTakenOver`: ``detail`` follows "a second `stagetree
+        run` of it", ``why`` (the broker's refusal) ends the message."""
+        self._fail(StudyTakenOver(
+            f"another client started driving study {self.study!r} on this deployment (a second `stagetree run` of "
+            f"it{detail}): it continues the study from the log; this one appends nothing more{why}"))
 
     def append(self, events: list[Event]) -> None:
         """Append events to their plans' partitions in one transaction, then fold up to them.
@@ -159,8 +163,7 @@ class KafkaRuntime(RuntimeBase):
                 failed while a commit was in doubt (the records are in the log once, or not).
         """
         if self.failure is not None:
-            raise (self.failure if isinstance(self.failure, StudyTakenOver)
-                   else RuntimeError_(f"the runtime failed: {self.failure}"))
+            raise self.failed()
         self.claim()
         events = self.stamp(events)  # after the claim: a later start is stamped later
         writes = [Write(topics.PLAN, event_key(e), encode(e)) for e in events]
@@ -170,10 +173,8 @@ class KafkaRuntime(RuntimeBase):
                                                       stopping=lambda: self.log.stop_requested,
                                                       before_restart=self._still_mine)
         except Fenced as exc:
-            self._fail(StudyTakenOver(f"another client started driving study {self.study!r} on this deployment "
-                                      f"(a second `stagetree run` of it): it continues the study from the log; this "
-                                      f"one appends nothing more ({exc})"))
-            raise self.failure from None  # type: ignore[misc]
+            self._taken_over(why=f" ({exc})")
+            raise self.failed() from None
         mine: dict[int, int] = {}
         for partition, offset in positions:
             mine[partition] = max(mine.get(partition, -1), offset)

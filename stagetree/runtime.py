@@ -79,12 +79,19 @@ class RuntimeBase:
         """A future resolved with the trial's metrics at ``steps`` (at once if already known)."""
         future: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
         if self.failure is not None:
-            future.set_exception(self.failure if isinstance(self.failure, StudyTakenOver)
-                                 else self.failure_type(f"the runtime failed: {self.failure}"))
+            future.set_exception(self.failed())
             return future
         self._waiters.setdefault((trial_id, steps), []).append(future)
         self._resolve([(trial_id, steps)])
         return future
+
+    def failed(self) -> BaseException:
+        """The error a call meets after the runtime failed (:attr:`failure` is set): a
+        :class:`StudyTakenOver` itself (its message says all), else :attr:`failure_type` naming
+        the failure."""
+        if isinstance(self.failure, StudyTakenOver):
+            return self.failure
+        return self.failure_type(f"the runtime failed: {self.failure}")
 
     def _index(self, key: tuple[str, int]) -> None:
         """Note where the waiting ``(trial, steps)`` is answered (its request's node), once the
