@@ -27,10 +27,14 @@ demo: $(STAMP)
 	rm -rf runs/demo
 	$(VENV)/bin/stagetree run examples/digits.py --workers 2 --out runs/demo
 
+# Two test files at a time (pytest-xdist; each file's tests in one process, in their order): most
+# of the suite's time is spent waiting on brokers, servers and subprocesses, not on the 2 cores.
+PARALLEL := -n 2 --dist loadfile
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(PARALLEL) tests
 
 # Debian's Chromium and chromedriver for the dashboard's browser tests (apt-get as root; the
 # tests run this themselves when the browser is missing, and skip, saying why, where it cannot).
@@ -62,7 +66,7 @@ test-floors:
 	$(PYTHON) tests/floors.py torch=$(OLDEST_TORCH) > .venv-floors/constraints.txt
 	.venv-floors/bin/python -m pip install --quiet -e '.[test]' -c .venv-floors/constraints.txt
 	STAGETREE_INFRA_PYTHON=$(CURDIR)/.venv-floors/bin/python .venv-floors/bin/python -m pytest -q \
-		-p no:cacheprovider tests
+		-p no:cacheprovider $(PARALLEL) tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/merge_savings.py

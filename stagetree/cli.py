@@ -521,7 +521,6 @@ async def _run_kafka_study(args: argparse.Namespace, console: Console, stop: _St
     """:func:`_run_kafka`'s study: the logs it makes are put in ``stop.logs``."""
     import asyncio
     import subprocess
-    import uuid
 
     from events import tracing
     from events.keys import secret_from
@@ -549,8 +548,7 @@ async def _run_kafka_study(args: argparse.Namespace, console: Console, stop: _St
     log = _kafka_log(args, probe=True)
     stop.logs.append(log)
     procs: list[Spawned] = []
-    # this run's own serve app (its id names topics: the study's name, made fit for one)
-    app_id = f"stagetree-{re.sub(r'[^A-Za-z0-9._-]', '_', loaded[4])[:100]}-{uuid.uuid4().hex[:8]}"
+    app_id = _run_app_id(args.topic_prefix, loaded[4])
     try:  # two runs at once: the second is refused here
         out_lock = _out_lock(out) if args.workers else None
     except UsageError:
@@ -711,6 +709,21 @@ async def _while_watched(work: Coroutine[Any, Any, T], watching: Coroutine[Any, 
                     await pending
             elif not pending.cancelled():
                 pending.exception()  # seen: what a stop made moot is not logged as never retrieved
+
+
+def _run_app_id(prefix: str, study: str) -> str:
+    """The id of the serve app a run starts (its consumer group, and its faust topics
+    ``<id>-*``): ``<prefix>stagetree-<study>-<8 hex digits>``, the study's name made fit for a
+    topic name and cut so that the id keeps to the 200 characters of ``--app-id``. Under the
+    deployment's topic prefix, as every other topic of the run (a broker whose ACLs grant a
+    prefix), unless the prefix leaves no room for it (over 180 characters): then without it."""
+    import uuid
+
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", study)
+    room = 200 - len("stagetree--") - 8 - len(prefix)
+    if room < 1:
+        prefix, room = "", 200 - len("stagetree--") - 8
+    return f"{prefix}stagetree-{name[:min(100, room)]}-{uuid.uuid4().hex[:8]}"
 
 
 def _forget_serve_app(log: Any, app_id: str, console: Console) -> None:

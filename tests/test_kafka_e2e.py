@@ -13,6 +13,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -48,12 +49,14 @@ from stagetree.study import Study
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 
 
-def _faust_topics(env: dict[str, str]) -> set[str]:
-    """The faust apps' internal topics on the deployment's broker (``<app id>-__assignor-__leader``)."""
+def _faust_topics(env: dict[str, str], admin: Any = None) -> set[str]:
+    """The faust apps' internal topics under the deployment's topic prefix (``<app id>-__assignor-__leader``;
+    other tests' deployments on the same broker have other prefixes)."""
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": env["STAGETREE_BOOTSTRAP_SERVERS"]})
-    return {t for t in admin.list_topics(timeout=30).topics if t.endswith("-__assignor-__leader")}
+    admin = admin or AdminClient({"bootstrap.servers": env["STAGETREE_BOOTSTRAP_SERVERS"]})
+    return {t for t in admin.list_topics(timeout=30).topics
+            if t.startswith(env["STAGETREE_TOPIC_PREFIX"]) and t.endswith("-__assignor-__leader")}
 
 
 def test_kafka_study_equals_embedded_bit_for_bit(embedded: Path, deployment: dict[str, str], tmp_path: Path) -> None:
@@ -61,13 +64,22 @@ def test_kafka_study_equals_embedded_bit_for_bit(embedded: Path, deployment: dic
     save and download), gives the embedded run's results and plan; the deployment's log verifies
     (chain, decisions, every checkpoint in MinIO), and an edited export of it does not."""
     out, cache = tmp_path / "kafka", tmp_path / "cache"
-    before = _faust_topics(deployment)
-    proc = subprocess.run([*CLI, "run", str(STUDY), "--workers", "2", "--out", str(out), "--quiet"],
-                          capture_output=True, text=True, timeout=900,
-                          env={**deployment, "STAGETREE_CHECKPOINT_CACHE": str(cache)})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": deployment["STAGETREE_BOOTSTRAP_SERVERS"]})
+    run = subprocess.Popen([*CLI, "run", str(STUDY), "--workers", "2", "--out", str(out), "--quiet"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**deployment, "STAGETREE_CHECKPOINT_CACHE": str(cache)})
+    seen: set[str] = set()  # the run's serve app's topics, under the deployment's prefix as all its topics
+    deadline = time.monotonic() + 900
+    while run.poll() is None and time.monotonic() < deadline:
+        seen |= _faust_topics(deployment, admin)
+        time.sleep(0.5)
+    stdout, stderr = run.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    assert run.returncode == 0, stdout + stderr
+    assert len(seen) == 1 and next(iter(seen)).startswith(f"{deployment['STAGETREE_TOPIC_PREFIX']}stagetree-"), seen
     # the run's serve app is its own: its faust topics go with it (one a run was left before)
-    assert _faust_topics(deployment) <= before, proc.stdout + proc.stderr
+    assert not _faust_topics(deployment, admin), stdout + stderr
     kafka = orjson.loads((out / "summary.json").read_bytes())
     local = orjson.loads((embedded / "summary.json").read_bytes())
     assert per_trial(kafka) == per_trial(local)
