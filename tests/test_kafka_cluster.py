@@ -1024,3 +1024,18 @@ def test_a_kafka_command_where_no_broker_answers_exits_2_naming_the_flag(
     said = errors[0]
     assert said.startswith(f"error: {named}") and address in said and "no Kafka broker" in said, said
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_runs_serve_app_is_named_under_the_topic_prefix_within_the_app_id_limit() -> None:
+    """The serve app a run starts names its consumer group and faust topics: under the deployment's
+    topic prefix, the study's name made fit for a topic name and cut to keep to ``--app-id``'s
+    200 characters; without the prefix only when it leaves no room."""
+    from stagetree.cli import _app_id, _run_app_id
+
+    named = _run_app_id("team-a.", "digits: cnn/v2")
+    assert re.fullmatch(r"team-a\.stagetree-digits__cnn_v2-[0-9a-f]{8}", named), named
+    assert _app_id(named) == named
+    cut = _run_app_id("p" * 150, "s" * 300)
+    assert cut.startswith("p" * 150 + "stagetree-" + "s" * 31 + "-") and len(cut) == 200 and _app_id(cut) == cut
+    assert re.fullmatch(r"stagetree-s-[0-9a-f]{8}", _run_app_id("p" * 190, "s"))
+    assert _run_app_id("", "s") != _run_app_id("", "s")  # each run an app of its own
