@@ -1020,3 +1020,20 @@ def test_a_keyed_log_is_written_to_only_with_its_own_key(tmp_path: Path) -> None
     db = Rdict(str(path), Options(raw_mode=True))
     assert db.get(b"m:chain-key") is not None  # marked once the key proved right
     db.close()
+
+
+def test_a_record_acknowledged_without_an_offset_counts_as_not_delivered() -> None:
+    """librdkafka reports a record delivered without an offset when it counted it written only
+    implicitly (a later batch of its partition succeeded; the broker called its batch a duplicate).
+    Such a record was once missing from the log with its append reported done (a first batch
+    refused "not leader", the next accepted): the transport takes it as not delivered, so the
+    append fails (a transaction is aborted and appended again) instead of returning no offset."""
+    from confluent_kafka import KafkaError, Message
+
+    from events.kafka_log import _delivery
+
+    assert _delivery(None, Message(topic="t", partition=0, offset=7)) == (None, 7)
+    err, offset = _delivery(None, Message(topic="t", partition=0, offset=-1001))  # librdkafka's "invalid"
+    assert offset == -1 and err is not None and "not known to be in the log" in err.str()
+    refused = KafkaError(KafkaError._MSG_TIMED_OUT)
+    assert _delivery(refused, Message(topic="t", partition=0, offset=3)) == (refused, -1)
