@@ -37,7 +37,7 @@ from kafka_cluster import (
     verify_deployment,
     wait_for,
 )
-from private_kafka import PrivateBroker, _free_port, cluster_id
+from private_kafka import PrivateBroker, _free_port, cluster_id, freeze
 
 from events import topics
 from events.codec import decode, encode
@@ -490,7 +490,7 @@ def test_a_commit_whose_outcome_is_not_known_is_resumed_and_its_records_are_writ
         writes = [Write("s", "k", b"x1"), Write("s", "k", b"x2")]
 
         def stall() -> None:  # the broker stops once the records reached it; it goes on once the
-            os.killpg(broker, signal.SIGSTOP)  # commit timed out and was tried again (a warning)
+            freeze(broker)  # commit timed out and was tried again (a warning)
 
             def go_on_after_a_retry() -> None:
                 while appender.retries == 0:
@@ -510,7 +510,7 @@ def test_a_commit_whose_outcome_is_not_known_is_resumed_and_its_records_are_writ
         # a commit in doubt left by a call that gave up is resumed by the next call, whose own
         # writes are then appended (it returned the earlier call's positions for them)
         with pytest.raises(KafkaLogError, match="the commit's outcome is not known yet"):
-            appender.append([Write("s", "k", b"y1")], before_commit=lambda: os.killpg(broker, signal.SIGSTOP))
+            appender.append([Write("s", "k", b"y1")], before_commit=lambda: freeze(broker))
         os.killpg(broker, signal.SIGCONT)
         positions = appender.append_retrying([Write("s", "k", b"z1")], 120, who="test")
         wait_for(readable([b"warm", b"x1", b"x2", b"y1", b"z1"]), "y1 and z1 to be readable, once each", 60)
