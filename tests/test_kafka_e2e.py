@@ -72,10 +72,15 @@ def test_kafka_study_equals_embedded_bit_for_bit(embedded: Path, deployment: dic
                            env={**deployment, "STAGETREE_CHECKPOINT_CACHE": str(cache)})
     seen: set[str] = set()  # the run's serve app's topics, under the deployment's prefix as all its topics
     deadline = time.monotonic() + 900
-    while run.poll() is None and time.monotonic() < deadline:
-        seen |= _faust_topics(deployment, admin)
-        time.sleep(0.5)
-    stdout, stderr = run.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    try:
+        while run.poll() is None and time.monotonic() < deadline:
+            seen |= _faust_topics(deployment, admin)
+            time.sleep(0.5)
+        stdout, stderr = run.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if run.poll() is None:  # past its 900 s (as subprocess.run's timeout): not left running
+            run.kill()
+            run.wait()
     assert run.returncode == 0, stdout + stderr
     assert len(seen) == 1 and next(iter(seen)).startswith(f"{deployment['STAGETREE_TOPIC_PREFIX']}stagetree-"), seen
     # the run's serve app is its own: its faust topics go with it (one a run was left before)
